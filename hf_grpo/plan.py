@@ -1,0 +1,198 @@
+"""BatchPlan: the arithmetic of the per-device batch-size contract, with no torch import.
+
+Symbols follow ``DESIGN.md``: P per-device micro-batch, A accumulation steps, S micro-batches
+per rollout, G generations per prompt, mu passes per rollout, g per-device generation chunk,
+t log-softmax row chunk, W data-parallel processes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from fractions import Fraction
+
+
+def _plural(count: int | Fraction, word: str, plural: str | None = None) -> str:
+    return f"{count} {word if count == 1 else (plural or word + 's')}"
+
+
+def _nearest(value: int, ok, *, limit: int = 1 << 20) -> list[int]:
+    """The closest integers >= 1 to ``value`` for which ``ok`` holds (one below, one above)."""
+    found = []
+    for lower in range(value - 1, 0, -1):
+        if ok(lower):
+            found.append(lower)
+            break
+    for upper in range(value + 1, value + limit):
+        if ok(upper):
+            found.append(upper)
+            break
+    return sorted(found, key=lambda v: (abs(v - value), v))
+
+
+def _either(values: list[int]) -> str:
+    return " or ".join(str(v) for v in values)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Per-device batch sizes plus the world size, and everything derived from them."""
+
+    per_device_train_batch_size: int
+    gradient_accumulation_steps: int
+    steps_per_generation: int
+    num_generations: int
+    num_iterations: int
+    per_device_generation_batch_size: int
+    tensor_batch_size: int | None
+    world_size: int = 1
+
+    # ---- derived figures -------------------------------------------------------------
+    @property
+    def rollout_per_device(self) -> int:
+        """R = P x S completions generated on each device per rollout."""
+        return self.per_device_train_batch_size * self.steps_per_generation
+
+    @property
+    def global_rollout(self) -> int:
+        return self.rollout_per_device * self.world_size
+
+    @property
+    def prompts_per_rollout(self) -> int:
+        """Unique prompts per rollout, over all devices (R x W / G)."""
+        return self.global_rollout // self.num_generations
+
+    @property
+    def global_batch_size(self) -> int:
+        """Completions per optimizer step, over all devices (P x A x W)."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    @property
+    def optimizer_steps_per_rollout(self) -> Fraction:
+        """S x mu / A; below 1 when one optimizer step spans several rollouts."""
+        return Fraction(self.steps_per_generation * self.num_iterations, self.gradient_accumulation_steps)
+
+    @property
+    def generation_chunks(self) -> int:
+        return math.ceil(self.rollout_per_device / self.per_device_generation_batch_size)
+
+    @property
+    def last_generation_chunk(self) -> int:
+        """Size of the last generation chunk (smaller than g when g does not divide R)."""
+        return self.rollout_per_device - (self.generation_chunks - 1) * self.per_device_generation_batch_size
+
+    def logprob_chunks(self, tokens: int) -> int:
+        """Log-softmax chunks for a micro-batch of ``tokens`` token rows."""
+        return 1 if self.tensor_batch_size is None else math.ceil(tokens / self.tensor_batch_size)
+
+    # ---- validation --------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        """Every broken rule of the contract, each as a message naming fields, values and a fix."""
+        sizes = {
+            "per_device_train_batch_size": (self.per_device_train_batch_size, 1),
+            "gradient_accumulation_steps": (self.gradient_accumulation_steps, 1),
+            "steps_per_generation": (self.steps_per_generation, 1),
+            "num_generations": (self.num_generations, 2),
+            "num_iterations": (self.num_iterations, 1),
+            "per_device_generation_batch_size": (self.per_device_generation_batch_size, 1),
+            "world size": (self.world_size, 1),
+        }
+        if self.tensor_batch_size is not None:
+            sizes["tensor_batch_size"] = (self.tensor_batch_size, 1)
+        found = []
+        for name, (value, minimum) in sizes.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                why = " (GRPO compares completions within a group)" if name == "num_generations" else ""
+                unset = " or None for no chunking" if name == "tensor_batch_size" else ""
+                found.append(f"{name} must be an integer >= {minimum}{unset}, got {value!r}{why}")
+        if found:  # the rules below divide by these sizes
+            return found
+
+        P, S, A, G, W = (
+            self.per_device_train_batch_size,
+            self.steps_per_generation,
+            self.gradient_accumulation_steps,
+            self.num_generations,
+            self.world_size,
+        )
+        if (P * S * W) % G:
+            nearest_p = _nearest(P, lambda p: (p * S * W) % G == 0)
+            nearest_s = _nearest(S, lambda s: (s * P * W) % G == 0 and (s % A == 0 or A % s == 0))
+            found.append(
+                f"per_device_train_batch_size ({P}) x steps_per_generation ({S}) x world size ({W}) = "
+                f"{P * S * W} completions per rollout is not a multiple of num_generations ({G}), so a "
+                f"prompt group would be split; nearest valid per_device_train_batch_size: {_either(nearest_p)}"
+                + (f" (or steps_per_generation: {_either(nearest_s)})" if nearest_s else "")
+            )
+        if S % A and A % S:
+            nearest_s = _nearest(S, lambda s: s % A == 0 or A % s == 0)
+            found.append(
+                f"steps_per_generation ({S}) and gradient_accumulation_steps ({A}) must divide one another, "
+                f"so that a rollout of {P} x {S} x {W} = {P * S * W} completions covers whole optimizer steps "
+                f"of {P} x {A} x {W} = {P * A * W} completions; nearest valid steps_per_generation: "
+                f"{_either(nearest_s)}"
+            )
+        R = P * S
+        if self.per_device_generation_batch_size > R:
+            found.append(
+                f"per_device_generation_batch_size ({self.per_device_generation_batch_size}) is larger than the "
+                f"rollout on this device, per_device_train_batch_size ({P}) x steps_per_generation ({S}) = {R} "
+                f"completions; nearest valid: {R}. It is a per-device chunk size; TRL's generation_batch_size "
+                f"is the global rollout ({R * W} here) and keeps that meaning"
+            )
+        return found
+
+    def validate(self) -> BatchPlan:
+        """Raise one ``ValueError`` listing every broken rule; return self when all hold."""
+        found = self.problems()
+        if found:
+            raise ValueError("Invalid batch sizes:\n  - " + "\n  - ".join(found))
+        return self
+
+    # ---- rendering ---------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        derived = {
+            "rollout_per_device": self.rollout_per_device,
+            "global_rollout": self.global_rollout,
+            "prompts_per_rollout": self.prompts_per_rollout,
+            "global_batch_size": self.global_batch_size,
+            "optimizer_steps_per_rollout": float(self.optimizer_steps_per_rollout),
+            "generation_chunks": self.generation_chunks,
+        }
+        return {**asdict(self), **derived}
+
+    def __str__(self) -> str:
+        P, A, S, W = (
+            self.per_device_train_batch_size,
+            self.gradient_accumulation_steps,
+            self.steps_per_generation,
+            self.world_size,
+        )
+        g, R = self.per_device_generation_batch_size, self.rollout_per_device
+        devices = _plural(W, "device")
+        chunks = f"{_plural(self.generation_chunks, 'chunk')} of {g}"
+        if self.last_generation_chunk != g:
+            chunks += f" (the last of {self.last_generation_chunk})"
+        steps = self.optimizer_steps_per_rollout
+        if steps >= 1 or steps.numerator != 1:
+            steps_text = f"{_plural(steps, 'optimizer step')} per rollout"
+        else:
+            steps_text = f"1 optimizer step per {steps.denominator} rollouts"
+        if self.tensor_batch_size is None:
+            logsoftmax = "log-softmax over all token rows at once (tensor_batch_size unset)"
+        else:
+            logsoftmax = f"log-softmax in chunks of {self.tensor_batch_size} token rows (tensor_batch_size)"
+        return "\n".join(
+            [
+                f"rollout: {_plural(self.prompts_per_rollout, 'prompt')} x "
+                f"{_plural(self.num_generations, 'generation')} = {self.global_rollout} completions "
+                f"({R} per device x {devices})",
+                f"├── generation: {R} per device in {chunks} (per_device_generation_batch_size)",
+                f"├── training: {_plural(S, 'micro-batch', 'micro-batches')} of {P} per device "
+                f"(per_device_train_batch_size)",
+                f"│   └── optimizer step every {_plural(A, 'micro-batch', 'micro-batches')}: "
+                f"{P} x {A} x {devices} = {self.global_batch_size} completions",
+                f"├── {steps_text}, {_plural(self.num_iterations, 'pass', 'passes')} (num_iterations)",
+                f"└── {logsoftmax}",
+            ]
+        )
