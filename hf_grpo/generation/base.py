@@ -1,0 +1,79 @@
+"""The interface every generation backend implements, and the padding/EOS helpers they share.
+
+A backend turns a list of tokenized prompts into completions, ``chunk_size`` prompts at a
+time, so that peak memory follows ``per_device_generation_batch_size`` and not the rollout.
+The trainer calls it inside TRL's ``unwrap_model_for_generation`` context, so under
+DeepSpeed ZeRO-3 the parameters are gathered once for all chunks of a rollout.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+
+import torch
+from transformers import GenerationConfig
+
+
+class GenerationBackend(ABC):
+    """Generates completions for prompts given as token-id lists."""
+
+    name: str = "base"
+
+    def unsupported_reason(self, model: torch.nn.Module) -> str | None:
+        """Why this backend cannot serve ``model`` (the trainer then falls back to ``"hf"``), or None."""
+        return None
+
+    @abstractmethod
+    def generate(
+        self,
+        model: torch.nn.Module,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        generation_config: GenerationConfig,
+        chunk_size: int,
+        pad_token_id: int,
+        eos_token_ids: Sequence[int],
+        pad_to_multiple_of: int | None = None,
+    ) -> list[list[int]]:
+        """Return one completion per prompt, cut after its first EOS token (the EOS is kept).
+
+        Completions are at most ``generation_config.max_new_tokens`` long. The model is the
+        unwrapped policy; the caller has already entered ``torch.no_grad()``.
+        """
+
+
+def iter_chunks(items: Sequence, size: int) -> Iterator[Sequence]:
+    """Consecutive slices of ``size`` items; the last one may be shorter."""
+    if size < 1:
+        raise ValueError(f"chunk size must be a positive integer, got {size}")
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def left_pad(
+    prompt_ids: Sequence[Sequence[int]],
+    pad_token_id: int,
+    device: torch.device | str,
+    pad_to_multiple_of: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad prompts into ``input_ids`` and ``attention_mask`` of shape [B, L]."""
+    length = max(len(p) for p in prompt_ids)
+    if pad_to_multiple_of:
+        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+    input_ids = torch.full((len(prompt_ids), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompt_ids), length), dtype=torch.long)
+    for row, ids in enumerate(prompt_ids):
+        if len(ids):
+            input_ids[row, length - len(ids) :] = torch.as_tensor(ids, dtype=torch.long)
+            attention_mask[row, length - len(ids) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def cut_after_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> list[list[int]]:
+    """Rows of ``completion_ids`` [B, T] as lists, each ending at its first EOS (kept), as TRL does."""
+    ids = completion_ids.cpu()
+    is_eos = torch.isin(ids, torch.as_tensor(list(eos_token_ids), dtype=ids.dtype))
+    # Position of the first EOS per row, or T when the row has none.
+    first_eos = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), torch.full_like(ids[:, 0], ids.size(1)))
+    return [row[: int(end) + 1].tolist() for row, end in zip(ids, first_eos)]
