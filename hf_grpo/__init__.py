@@ -1,0 +1,30 @@
+"""hf-grpo: GRPO for the Hugging Face Trainer with per-device batch sizes and chunked memory."""
+
+from .config import (
+    GRPOConfig,
+    create_balanced_config,
+    create_memory_optimized_config,
+    create_speed_optimized_config,
+)
+from .plan import BatchPlan
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # The trainer pulls in the whole of TRL's trainer stack; import it on first use only.
+    if name == "GRPOTrainer":
+        from .trainer import GRPOTrainer
+
+        return GRPOTrainer
+    raise AttributeError(f"module 'hf_grpo' has no attribute {name!r}")
+
+
+__all__ = [
+    "BatchPlan",
+    "GRPOConfig",
+    "GRPOTrainer",
+    "create_balanced_config",
+    "create_memory_optimized_config",
+    "create_speed_optimized_config",
+]

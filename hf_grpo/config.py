@@ -1,0 +1,247 @@
+"""GRPOConfig: TRL's config plus per-device generation and log-prob chunk sizes.
+
+Order of precedence for the batch fields: environment variables > explicit values >
+preset > defaults. Everything is resolved and checked in ``__post_init__``, before TRL's
+own checks, so a bad combination fails with this package's message (fields, values,
+nearest valid values) before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import trl
+
+from .generation import BACKEND_NAMES
+from .plan import BatchPlan
+
+logger = logging.getLogger("hf_grpo")
+
+# transformers 5.x renamed gradient_checkpointing to activation_checkpointing (the old name is an alias).
+CHECKPOINTING = next(
+    (f.name for f in dataclasses.fields(trl.GRPOConfig) if f.name == "activation_checkpointing"),
+    "gradient_checkpointing",
+)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # activation checkpointing trades ~20-30% step time for activation memory
+    "memory": {CHECKPOINTING: True, "per_device_generation_batch_size": 2, "tensor_batch_size": 512},
+    "balanced": {"per_device_generation_batch_size": 4, "tensor_batch_size": 1024},
+    "speed": {CHECKPOINTING: False, "per_device_generation_batch_size": 8, "tensor_batch_size": 2048},
+}
+
+ENV_OVERRIDES = {
+    "DIFFU_BATCH_SIZE": "per_device_generation_batch_size",
+    "DIFFU_TRAIN_BATCH_SIZE": "per_device_train_batch_size",
+    "DIFFU_TENSOR_BATCH_SIZE": "tensor_batch_size",
+}
+
+# The fields the batch contract reads; `resolve_batch_fields` works on a dict of these.
+BATCH_FIELDS = (
+    "preset",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "steps_per_generation",
+    "generation_batch_size",
+    "num_generations",
+    "num_iterations",
+    "per_device_generation_batch_size",
+    "tensor_batch_size",
+    CHECKPOINTING,
+    "bf16",
+)
+
+
+def current_world_size() -> int:
+    """Data-parallel processes of this launch (``accelerate launch`` and torchrun set WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+def _bf16_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def parse_env_size(variable: str, raw: str) -> int:
+    """A positive integer from an environment variable, or a ValueError naming it and the value."""
+    text = raw.strip()
+    if not re.fullmatch(r"\+?[0-9]+", text) or int(text) < 1:
+        raise ValueError(
+            f"{variable}={raw!r} is not a positive integer; set it to a whole number >= 1 (e.g. {variable}=4) "
+            f"or unset it"
+        )
+    value = int(text)
+    return value
+
+
+def resolve_batch_fields(values: dict[str, Any], defaults: dict[str, Any], world_size: int) -> dict[str, Any]:
+    """Apply preset, then environment overrides, derive the rest, and validate.
+
+    ``values`` holds the fields of ``BATCH_FIELDS`` as given; ``defaults`` their dataclass
+    defaults (a preset fills only fields still at their default). Returns the resolved
+    values with ``steps_per_generation`` and ``per_device_generation_batch_size`` filled in
+    and ``generation_batch_size`` left for TRL to derive. Raises ``ValueError``.
+    """
+    values = dict(values)
+    preset = values.get("preset")
+    preset_chunk = None
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"preset must be one of {sorted(PRESETS)} or None, got {preset!r}")
+        for name, value in PRESETS[preset].items():
+            if values[name] == defaults[name]:
+                values[name] = value
+        if values["bf16"] == defaults["bf16"]:
+            values["bf16"] = _bf16_available()
+        # The preset's chunk size is a cap: a rollout smaller than it is generated in one chunk.
+        if values["per_device_generation_batch_size"] == PRESETS[preset]["per_device_generation_batch_size"]:
+            preset_chunk = values["per_device_generation_batch_size"]
+
+    for variable, name in ENV_OVERRIDES.items():
+        raw = os.environ.get(variable)
+        if raw is None or raw == "":
+            continue
+        value = parse_env_size(variable, raw)
+        if is_main_process() and value != values[name]:
+            was = "unset" if values[name] is None else values[name]
+            logger.warning("%s=%d overrides %s (was %s)", variable, value, name, was)
+        values[name] = value
+        if name == "per_device_generation_batch_size":
+            preset_chunk = None
+
+    P, W = values["per_device_train_batch_size"], world_size
+    steps, rollout = values["steps_per_generation"], values["generation_batch_size"]
+    if steps is not None and rollout is not None:
+        raise ValueError(
+            f"set either steps_per_generation ({steps}) or generation_batch_size ({rollout}), not both: "
+            f"generation_batch_size is the global rollout, per_device_train_batch_size x world size x "
+            f"steps_per_generation"
+        )
+    if steps is None and rollout is None:
+        steps = values["gradient_accumulation_steps"]
+    elif steps is None:
+        if not isinstance(P, int) or P < 1 or rollout % (P * W):
+            raise ValueError(
+                f"generation_batch_size ({rollout}) is the global rollout and must be a multiple of "
+                f"per_device_train_batch_size ({P}) x world size ({W}) = {P * W}; prefer setting "
+                f"steps_per_generation, the number of micro-batches per rollout"
+            )
+        steps = rollout // (P * W)
+    values["steps_per_generation"], values["generation_batch_size"] = steps, None
+
+    if values["per_device_generation_batch_size"] is None:
+        values["per_device_generation_batch_size"] = P * steps if isinstance(P, int) else P
+    elif preset_chunk is not None and isinstance(P, int) and isinstance(steps, int):
+        values["per_device_generation_batch_size"] = min(preset_chunk, P * steps)
+
+    plan_fields = {f.name for f in dataclasses.fields(BatchPlan)} - {"world_size"}
+    BatchPlan(**{k: values[k] for k in plan_fields}, world_size=world_size).validate()
+    return values
+
+
+@dataclass
+class GRPOConfig(trl.GRPOConfig):
+    r"""
+    ``trl.GRPOConfig`` with per-device chunk sizes for generation and log-probs.
+
+    Every batch size is **per device**. See ``BatchPlan`` (``config.batch_plan()``) for the
+    derived global figures, and DESIGN.md for the contract.
+
+    Parameters:
+        per_device_generation_batch_size (`int`, *optional*):
+            Sequences generated at the same time on each device. The rollout of
+            ``per_device_train_batch_size x steps_per_generation`` completions is generated in
+            chunks of this size. Defaults to the whole rollout (no chunking). Not to be confused
+            with TRL's ``generation_batch_size``, the global rollout size. Env: ``DIFFU_BATCH_SIZE``.
+        tensor_batch_size (`int` or `None`, *optional*, defaults to `1024`):
+            Token rows per log-softmax / cross-entropy chunk on each device; peak logits memory
+            is ``tensor_batch_size x vocab``. ``None`` computes all rows at once.
+            Env: ``DIFFU_TENSOR_BATCH_SIZE``.
+        preset (`str`, *optional*):
+            ``"memory"``, ``"speed"`` or ``"balanced"``: fills the fields still at their defaults.
+        generation_backend (`str`, *optional*, defaults to `"auto"`):
+            ``"hf"`` (chunked ``model.generate``), ``"cuda_graph"``, ``"vllm"`` (TRL's vLLM mode) or
+            ``"auto"`` (``"cuda_graph"`` on CUDA where the model is supported, else ``"hf"``).
+    """
+
+    per_device_generation_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "Sequences generated simultaneously per device (a chunk of the rollout). Default: the whole "
+            "per-device rollout, per_device_train_batch_size x steps_per_generation. Env: DIFFU_BATCH_SIZE."
+        },
+    )
+    tensor_batch_size: int | None = field(
+        default=1024,
+        metadata={
+            "help": "Token rows per log-softmax / cross-entropy chunk per device; None for no chunking. "
+            "Env: DIFFU_TENSOR_BATCH_SIZE."
+        },
+    )
+    preset: str | None = field(
+        default=None,
+        metadata={"help": "memory, speed or balanced: fills the batch fields left at their defaults."},
+    )
+    generation_backend: str = field(
+        default="auto",
+        metadata={"help": f"Generation backend, one of {BACKEND_NAMES}."},
+    )
+
+    def __post_init__(self):
+        if self.generation_backend not in BACKEND_NAMES:
+            raise ValueError(
+                f"generation_backend must be one of {BACKEND_NAMES}, got {self.generation_backend!r}"
+            )
+        if self.generation_backend == "vllm":
+            self.use_vllm = True
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in BATCH_FIELDS}
+        resolved = resolve_batch_fields(
+            {name: getattr(self, name) for name in BATCH_FIELDS}, defaults, current_world_size()
+        )
+        for name, value in resolved.items():
+            setattr(self, name, value)
+        super().__post_init__()
+
+    def batch_plan(self, world_size: int | None = None) -> BatchPlan:
+        """The batch plan for ``world_size`` processes (default: this launch's)."""
+        return BatchPlan(
+            per_device_train_batch_size=self.per_device_train_batch_size,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            steps_per_generation=self.steps_per_generation,
+            num_generations=self.num_generations,
+            num_iterations=self.num_iterations,
+            per_device_generation_batch_size=self.per_device_generation_batch_size,
+            tensor_batch_size=self.tensor_batch_size,
+            world_size=current_world_size() if world_size is None else world_size,
+        )
+
+
+def _preset_config(preset: str, overrides: dict[str, Any]) -> GRPOConfig:
+    # Explicit overrides win: the preset's values are passed first and replaced by them.
+    values = {**PRESETS[preset], "bf16": _bf16_available(), **overrides, "preset": preset}
+    return GRPOConfig(**values)
+
+
+def create_memory_optimized_config(**overrides: Any) -> GRPOConfig:
+    """Gradient checkpointing on, generation chunks of 2, log-softmax chunks of 512 rows."""
+    return _preset_config("memory", overrides)
+
+
+def create_balanced_config(**overrides: Any) -> GRPOConfig:
+    """Generation chunks of 4, log-softmax chunks of 1024 rows."""
+    return _preset_config("balanced", overrides)
+
+
+def create_speed_optimized_config(**overrides: Any) -> GRPOConfig:
+    """No gradient checkpointing, generation chunks of 8, log-softmax chunks of 2048 rows."""
+    return _preset_config("speed", overrides)

@@ -1,0 +1,186 @@
+"""GRPOConfig: the batch contract through the real config class, presets and env overrides."""
+
+import logging
+
+import pytest
+
+from hf_grpo import (
+    GRPOConfig,
+    create_balanced_config,
+    create_memory_optimized_config,
+    create_speed_optimized_config,
+)
+from hf_grpo.config import CHECKPOINTING
+
+
+def guide_config(make_config, prompts, samples, mini_batch, micro, gpus):
+    """A config from the batch-size guides' terms: prompts x samples per rollout, global mini-batch."""
+    accumulation = mini_batch // (micro * gpus)
+    steps_per_generation = prompts * samples // (micro * gpus)
+    return make_config(
+        per_device_train_batch_size=micro,
+        num_generations=samples,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=steps_per_generation,
+    )
+
+
+@pytest.mark.parametrize(
+    "prompts, samples, mini_batch, micro, gpus, accumulation, steps",
+    [
+        (1024, 5, 256, 1, 4, 64, 20),
+        (1024, 5, 256, 2, 4, 32, 20),
+        (512, 8, 256, 1, 8, 32, 16),
+    ],
+)
+def test_valid_cases_from_the_batch_size_guides(
+    make_config, prompts, samples, mini_batch, micro, gpus, accumulation, steps
+):
+    config = guide_config(make_config, prompts, samples, mini_batch, micro, gpus)
+    plan = config.batch_plan(world_size=gpus).validate()
+    assert plan.global_rollout == prompts * samples  # samples per rollout
+    assert plan.prompts_per_rollout == prompts
+    assert plan.global_batch_size == mini_batch
+    assert plan.gradient_accumulation_steps == accumulation
+    assert plan.optimizer_steps_per_rollout == steps == prompts * samples // mini_batch
+
+
+def test_guide_case_500_samples_not_a_multiple_of_256_is_rejected(make_config):
+    # 100 prompts x 5 samples on 4 GPUs: 125 micro-batches per device per rollout, 64 per step
+    with pytest.raises(ValueError) as err:
+        make_config(per_device_train_batch_size=1, num_generations=5, gradient_accumulation_steps=64,
+                    steps_per_generation=125)
+    assert "steps_per_generation (125) and gradient_accumulation_steps (64)" in str(err.value)
+
+
+def test_guide_case_mini_batch_300_does_not_divide_5120(make_config):
+    # 1024 prompts x 5 samples on 4 GPUs with a global mini-batch of 300 (micro 1): 75 accumulation steps
+    with pytest.raises(ValueError) as err:
+        make_config(per_device_train_batch_size=1, num_generations=5, gradient_accumulation_steps=75,
+                    steps_per_generation=1280)
+    assert "(1280)" in str(err.value) and "(75)" in str(err.value)
+
+
+def test_defaults_generate_the_whole_rollout_in_one_chunk(make_config):
+    config = make_config(per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=3)
+    assert config.steps_per_generation == 3
+    assert config.per_device_generation_batch_size == 12
+    assert config.tensor_batch_size == 1024
+    # TRL's inherited field keeps TRL's meaning: the global rollout
+    assert config.generation_batch_size == 12
+
+
+def test_trl_generation_batch_size_is_still_accepted_as_the_global_rollout(make_config):
+    config = make_config(per_device_train_batch_size=2, num_generations=4, generation_batch_size=8)
+    assert config.steps_per_generation == 4
+    with pytest.raises(ValueError, match=r"generation_batch_size \(7\) is the global rollout"):
+        make_config(per_device_train_batch_size=2, num_generations=4, generation_batch_size=7)
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (dict(per_device_train_batch_size=3, num_generations=8),
+         "nearest valid per_device_train_batch_size: 8"),
+        (dict(num_generations=1), "num_generations must be an integer >= 2, got 1"),
+        (dict(steps_per_generation=2, generation_batch_size=16), "set either steps_per_generation (2)"),
+        (dict(per_device_train_batch_size=4, num_generations=4, per_device_generation_batch_size=5),
+         "per_device_generation_batch_size (5) is larger than the rollout"),
+        (dict(tensor_batch_size=0, per_device_train_batch_size=4, num_generations=4),
+         "tensor_batch_size must be an integer >= 1"),
+        (dict(preset="fast"), "preset must be one of ['balanced', 'memory', 'speed']"),
+        (dict(generation_backend="tensorrt"), "generation_backend must be one of"),
+    ],
+)
+def test_invalid_configs_fail_with_this_packages_message(make_config, overrides, fragment):
+    with pytest.raises(ValueError) as err:
+        make_config(**overrides)
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "factory, chunk, rows, checkpointing",
+    [
+        (create_memory_optimized_config, 2, 512, True),
+        (create_balanced_config, 4, 1024, None),
+        (create_speed_optimized_config, 8, 2048, False),
+    ],
+)
+def test_presets(tmp_path, factory, chunk, rows, checkpointing):
+    config = factory(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, use_cpu=True)
+    assert config.per_device_generation_batch_size == chunk
+    assert config.tensor_batch_size == rows
+    assert config.bf16 is False  # no bf16 hardware on a CPU machine
+    if checkpointing is not None:
+        assert getattr(config, CHECKPOINTING) is checkpointing
+
+
+def test_explicit_values_win_over_the_preset(tmp_path):
+    config = create_memory_optimized_config(
+        output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, use_cpu=True,
+        per_device_generation_batch_size=8, tensor_batch_size=64,
+    )
+    assert (config.per_device_generation_batch_size, config.tensor_batch_size) == (8, 64)
+    # the preset field works the same way: it fills only fields left at their defaults
+    config = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, use_cpu=True,
+                        bf16=False, preset="speed", tensor_batch_size=96)
+    assert (config.per_device_generation_batch_size, config.tensor_batch_size) == (8, 96)
+
+
+def test_preset_chunk_is_capped_by_a_smaller_rollout(tmp_path):
+    config = create_speed_optimized_config(output_dir=str(tmp_path), per_device_train_batch_size=2,
+                                           num_generations=2, use_cpu=True)
+    assert config.per_device_generation_batch_size == 2
+
+
+@pytest.mark.parametrize(
+    "variable, field, value",
+    [
+        ("DIFFU_BATCH_SIZE", "per_device_generation_batch_size", 3),
+        ("DIFFU_TRAIN_BATCH_SIZE", "per_device_train_batch_size", 8),
+        ("DIFFU_TENSOR_BATCH_SIZE", "tensor_batch_size", 77),
+    ],
+)
+def test_each_env_override_is_applied_and_logged(make_config, monkeypatch, caplog, variable, field, value):
+    monkeypatch.setenv(variable, str(value))
+    with caplog.at_level(logging.WARNING, logger="hf_grpo"):
+        config = make_config(per_device_train_batch_size=4, num_generations=4, steps_per_generation=2)
+    assert getattr(config, field) == value
+    assert f"{variable}={value} overrides {field}" in caplog.text
+
+
+def test_env_beats_explicit_beats_preset(tmp_path, monkeypatch):
+    kwargs = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, use_cpu=True)
+    assert create_memory_optimized_config(**kwargs).per_device_generation_batch_size == 2  # preset
+    assert create_memory_optimized_config(**kwargs, per_device_generation_batch_size=4) \
+        .per_device_generation_batch_size == 4  # explicit > preset
+    monkeypatch.setenv("DIFFU_BATCH_SIZE", "8")
+    assert create_memory_optimized_config(**kwargs, per_device_generation_batch_size=4) \
+        .per_device_generation_batch_size == 8  # env > explicit
+
+
+def test_env_override_is_logged_only_on_the_main_process(make_config, monkeypatch, caplog):
+    monkeypatch.setenv("DIFFU_TENSOR_BATCH_SIZE", "64")
+    monkeypatch.setenv("RANK", "1")
+    with caplog.at_level(logging.WARNING, logger="hf_grpo"):
+        assert make_config(per_device_train_batch_size=4, num_generations=4).tensor_batch_size == 64
+    assert "DIFFU_TENSOR_BATCH_SIZE" not in caplog.text
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "-2", "1.5", " ", "4x"])
+def test_bad_env_values_are_rejected_naming_variable_and_value(make_config, monkeypatch, raw):
+    monkeypatch.setenv("DIFFU_BATCH_SIZE", raw)
+    with pytest.raises(ValueError) as err:
+        make_config(per_device_train_batch_size=4, num_generations=4)
+    assert f"DIFFU_BATCH_SIZE={raw!r} is not a positive integer" in str(err.value)
+
+
+def test_env_override_that_breaks_a_rule_is_caught(make_config, monkeypatch):
+    monkeypatch.setenv("DIFFU_TRAIN_BATCH_SIZE", "3")
+    with pytest.raises(ValueError, match=r"per_device_train_batch_size \(3\)"):
+        make_config(per_device_train_batch_size=4, num_generations=4)
+
+
+def test_vllm_backend_turns_on_trls_vllm_mode(make_config):
+    config = make_config(per_device_train_batch_size=4, num_generations=4, generation_backend="vllm")
+    assert config.use_vllm is True
