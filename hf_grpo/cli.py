@@ -1,0 +1,87 @@
+"""Command line: ``hf-grpo plan`` prints the batch plan of a config without loading a model."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from collections.abc import Sequence
+
+import yaml
+
+from .config import BATCH_FIELDS, GRPOConfig, resolve_batch_fields
+from .plan import BatchPlan
+
+
+def _known_yaml_keys() -> set[str]:
+    """Keys a recipe YAML may hold: fields of the config and of the recipe's other dataclasses."""
+    from trl import ModelConfig, ScriptArguments
+
+    from .recipe_args import RecipeArguments
+
+    keys = set()
+    for cls in (GRPOConfig, ModelConfig, ScriptArguments, RecipeArguments):
+        keys |= {f.name for f in dataclasses.fields(cls)}
+    return keys
+
+
+def _int_or_none(text: str) -> int | None:
+    return None if text.lower() in ("none", "null") else int(text)
+
+
+def build_plan(argv: Sequence[str]) -> BatchPlan:
+    """Parse ``hf-grpo plan`` arguments into a validated BatchPlan (raises ValueError)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name in BATCH_FIELDS}
+    parser = argparse.ArgumentParser(
+        prog="hf-grpo plan",
+        description="Print the batch plan (per-device and global sizes) for a GRPO config. No model is loaded.",
+    )
+    parser.add_argument("--config", help="a recipe YAML; flags given here override its values")
+    parser.add_argument("--num_processes", type=int, default=1, help="data-parallel processes (default: 1)")
+    parser.add_argument("--preset", choices=["memory", "balanced", "speed"], default=None)
+    for name in BATCH_FIELDS:
+        if name in ("preset", "bf16") or "checkpointing" in name:
+            continue
+        parser.add_argument(f"--{name}", type=_int_or_none, default=None, help=f"default: {defaults[name]}")
+    args = parser.parse_args(argv)
+
+    values = dict(defaults)
+    if args.config:
+        with open(args.config) as handle:
+            loaded = yaml.safe_load(handle) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{args.config} must hold a mapping of config fields, got {type(loaded).__name__}")
+        unknown = sorted(set(loaded) - _known_yaml_keys())
+        if unknown:
+            raise ValueError(f"{args.config}: unknown keys {unknown}; they are not fields of hf_grpo.GRPOConfig")
+        values.update({k: v for k, v in loaded.items() if k in BATCH_FIELDS})
+    given = {k: v for k, v in vars(args).items() if k in BATCH_FIELDS and v is not None}
+    values.update(given)
+    if args.num_processes < 1:
+        raise ValueError(f"--num_processes must be >= 1, got {args.num_processes}")
+    resolved = resolve_batch_fields(values, defaults, args.num_processes)
+    plan_fields = {f.name for f in dataclasses.fields(BatchPlan)} - {"world_size"}
+    return BatchPlan(**{k: resolved[k] for k in plan_fields}, world_size=args.num_processes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: hf-grpo plan [--config FILE.yaml] [--num_processes N] [--<batch field> VALUE ...]")
+        print("  plan   print the batch plan of a config and check it against the batch-size contract")
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command != "plan":
+        print(f"hf-grpo: unknown command {command!r}; the commands are: plan", file=sys.stderr)
+        return 2
+    try:
+        plan = build_plan(rest)
+    except (ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(plan)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

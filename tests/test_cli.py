@@ -1,0 +1,86 @@
+"""`hf-grpo plan` as a user runs it: a subprocess, its exit code and output."""
+
+import subprocess
+import sys
+
+import pytest
+
+EXPECTED_TREE = """\
+rollout: 64 prompts x 8 generations = 512 completions (64 per device x 8 devices)
+├── generation: 64 per device in 8 chunks of 8 (per_device_generation_batch_size)
+├── training: 4 micro-batches of 16 per device (per_device_train_batch_size)
+│   └── optimizer step every 4 micro-batches: 16 x 4 x 8 devices = 512 completions
+├── 1 optimizer step per rollout, 1 pass (num_iterations)
+└── log-softmax in chunks of 1024 token rows (tensor_batch_size)
+"""
+
+
+def run_cli(*args, env=None):
+    import os
+
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("DIFFU_")}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "hf_grpo.cli", *args], capture_output=True, text=True, env=full_env, timeout=120
+    )
+
+
+def test_plan_prints_the_tree_of_the_contract_example():
+    result = run_cli(
+        "plan", "--per_device_train_batch_size", "16", "--num_generations", "8",
+        "--gradient_accumulation_steps", "4", "--steps_per_generation", "4",
+        "--per_device_generation_batch_size", "8", "--num_processes", "8",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == EXPECTED_TREE
+
+
+def test_invalid_plan_exits_1_with_the_message():
+    result = run_cli("plan", "--per_device_train_batch_size", "3", "--num_generations", "8")
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert "nearest valid per_device_train_batch_size: 8" in result.stderr
+
+
+def test_plan_reads_a_yaml_and_flags_override_it(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("per_device_train_batch_size: 4\nnum_generations: 4\nsteps_per_generation: 2\n"
+                      "learning_rate: 1.0e-5\nmodel_name_or_path: some/model\n")
+    result = run_cli("plan", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert "rollout: 2 prompts x 4 generations = 8 completions" in result.stdout
+    result = run_cli("plan", "--config", str(config), "--num_processes", "2", "--per_device_generation_batch_size", "3")
+    assert "8 per device in 3 chunks of 3 (the last of 2)" in result.stdout
+    assert "(8 per device x 2 devices)" in result.stdout
+
+
+def test_plan_rejects_unknown_yaml_keys(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("per_device_train_batch_size: 4\nnum_generation: 4\n")
+    result = run_cli("plan", "--config", str(config))
+    assert result.returncode == 1
+    assert "unknown keys ['num_generation']" in result.stderr
+
+
+def test_plan_applies_env_overrides_and_presets():
+    result = run_cli("plan", "--per_device_train_batch_size", "8", "--num_generations", "4", "--preset", "memory",
+                     env={"DIFFU_TENSOR_BATCH_SIZE": "256"})
+    assert result.returncode == 0, result.stderr
+    assert "in 4 chunks of 2" in result.stdout
+    assert "chunks of 256 token rows" in result.stdout
+    bad = run_cli("plan", env={"DIFFU_BATCH_SIZE": "abc"})
+    assert bad.returncode == 1 and "DIFFU_BATCH_SIZE='abc'" in bad.stderr
+
+
+@pytest.mark.parametrize("args, code", [(["frobnicate"], 2), ([], 2), (["--help"], 0)])
+def test_usage(args, code):
+    assert run_cli(*args).returncode == code
+
+
+def test_console_script_is_installed():
+    import shutil
+
+    exe = shutil.which("hf-grpo") or str(__import__("pathlib").Path(sys.executable).with_name("hf-grpo"))
+    result = subprocess.run([exe, "plan", "--per_device_train_batch_size", "8"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("rollout: 1 prompt x 8 generations")
