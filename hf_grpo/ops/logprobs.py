@@ -1,0 +1,342 @@
+"""Per-row log-probabilities (and entropies) through an LM head without materialising all ``(N, V)`` logits.
+
+The op projects ``chunk_rows`` rows at a time, reduces each chunk to one log-sum-exp per row, and throws the logits
+away. The backward recomputes each chunk's logits from the saved inputs (one extra GEMM per chunk) instead of keeping
+them, which is what bounds memory to one ``(chunk_rows, V)`` fp32 buffer at a time.
+
+Targets are taken as given: row ``i`` is scored against ``targets[i]``, with no causal shift, so the same op serves
+next-token (shift done by the caller) and masked-diffusion objectives.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch.autograd.function import once_differentiable
+
+__all__ = ["chunked_logprobs"]
+
+# Column width of the temporaries used by the row reductions. The main `(chunk_rows, V)` logits buffer is reused in
+# place; everything else (exp of a slice, products for the entropy) lives in `(chunk_rows, _COL_BLOCK)` slices, so
+# those temporaries stay well below the size of the logits even for a 150k vocabulary.
+_COL_BLOCK = 16384
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+# Whether `torch.mm/addmm(..., out_dtype=torch.float32)` works for half inputs (CUDA, torch >= 2.8). Probed on first
+# use on a CUDA device; None means not probed yet.
+_OUT_DTYPE_OK: bool | None = None
+
+
+def _use_out_dtype(t: torch.Tensor, acc_dtype: torch.dtype) -> bool:
+    return (
+        t.device.type == "cuda"
+        and t.dtype in _HALF_DTYPES
+        and acc_dtype == torch.float32
+        and _OUT_DTYPE_OK is not False
+    )
+
+
+def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` returned in ``acc_dtype``; half inputs go through cuBLAS with an fp32 output when possible, so the
+    logits are never rounded to bf16 before the log-sum-exp (and no extra half-size copy is made)."""
+    global _OUT_DTYPE_OK
+    if a.dtype == acc_dtype:
+        return torch.mm(a, b)
+    if _use_out_dtype(a, acc_dtype):
+        try:
+            out = torch.mm(a, b, out_dtype=acc_dtype)
+            _OUT_DTYPE_OK = True
+            return out
+        except torch.cuda.OutOfMemoryError:
+            raise  # a real OOM, not a missing kernel: the fallback would need even more memory
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_OK = False
+    # Fallback (CPU, old torch): the GEMM output is rounded to the input dtype, then upcast for the log-sum-exp.
+    return torch.mm(a, b).to(acc_dtype)
+
+
+def _addmm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_acc: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` in fp32/fp64; ``a_acc`` is ``a`` already in ``acc.dtype`` (used by the fallback).
+
+    Rounding each chunk's product to bf16 before summing over chunks would bias ``grad_weight``; either cuBLAS adds
+    the fp32 product in place, or the GEMM runs in ``acc.dtype``.
+    """
+    global _OUT_DTYPE_OK
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if _use_out_dtype(a, acc.dtype):
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            _OUT_DTYPE_OK = True
+            return
+        except torch.cuda.OutOfMemoryError:
+            raise  # a real OOM, not a missing kernel: the fallback would need even more memory
+        except (TypeError, RuntimeError, NotImplementedError):
+            _OUT_DTYPE_OK = False
+    acc.addmm_(a_acc, b.to(acc.dtype))
+
+
+def _chunk_logits(h: torch.Tensor, w_t: torch.Tensor, bias_acc, temperature: float, acc_dtype) -> torch.Tensor:
+    # (n, H) @ (H, V) -> (n, V) in acc_dtype; bias and temperature applied in place to avoid a second buffer
+    z = _mm_acc(h, w_t, acc_dtype)
+    if bias_acc is not None:
+        z.add_(bias_acc)
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
+def _col_slices(v: int):
+    for start in range(0, v, _COL_BLOCK):
+        yield slice(start, min(start + _COL_BLOCK, v))
+
+
+def _dtypes(hidden: torch.Tensor, weight: torch.Tensor):
+    # The GEMMs run in the autocast dtype when autocast is on (as nn.Linear would), else in the promoted input dtype.
+    # Reductions run in fp32, or fp64 when the GEMMs already are fp64.
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        compute = torch.get_autocast_dtype(dev)
+    else:
+        compute = torch.promote_types(hidden.dtype, weight.dtype)
+    return compute, torch.promote_types(compute, torch.float32)
+
+
+def _forward(hidden, weight, targets, bias, chunk_rows: int, temperature: float, want_entropy: bool, dtypes):
+    """Returns (logp (N,), lse (N,), entropy (N,) or None), all in the accumulation dtype."""
+    compute, acc = dtypes
+    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    w_t = weight.to(compute).t()  # (H, V); a view unless a cast is needed
+    bias_acc = None if bias is None else bias.to(acc)
+    logp = torch.empty(n_rows, device=hidden.device, dtype=acc)
+    lse = torch.empty_like(logp)
+    entropy = torch.empty_like(logp) if want_entropy else None
+
+    for start in range(0, n_rows, chunk_rows):
+        end = min(start + chunk_rows, n_rows)
+        z = _chunk_logits(hidden[start:end].to(compute), w_t, bias_acc, temperature, acc)  # (n, V)
+        m = z.amax(dim=-1, keepdim=True)  # (n, 1), for a stable exp
+        target_z = z.gather(1, targets[start:end, None]).squeeze(1)  # (n,)
+        z.sub_(m)
+        sum_exp = torch.zeros(end - start, device=z.device, dtype=acc)
+        # sum_j e^{z_j - m} (z_j - m), only for the entropy
+        sum_ez = torch.zeros_like(sum_exp) if want_entropy else None
+        for cols in _col_slices(vocab):
+            zc = z[:, cols]
+            e = torch.exp(zc)
+            sum_exp += e.sum(-1)
+            if want_entropy:
+                sum_ez += e.mul_(zc).sum(-1)
+            del e, zc  # otherwise the last slice outlives `z` into the next chunk's GEMM
+        log_sum = sum_exp.log()
+        m = m.squeeze(1)
+        lse[start:end] = m + log_sum
+        logp[start:end] = target_z - m - log_sum
+        if want_entropy:
+            # H = -sum p log p with p = e/s, log p = (z - m) - log s  =>  H = log s - sum(e (z - m)) / s
+            entropy[start:end] = log_sum - sum_ez / sum_exp
+        del z
+    return logp, lse, entropy
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, chunk_rows, temperature, want_entropy, param_context):
+        # Gradients of unused outputs (typically the entropy, logged only) arrive as None instead of zeros, so the
+        # backward can skip their term.
+        ctx.set_materialize_grads(False)
+        ctx.dtypes = _dtypes(hidden, weight)
+        # Dtypes are fixed above (autocast included); the body casts explicitly, so autocast must not recast it.
+        with torch.autocast(hidden.device.type, enabled=False):
+            logp, lse, entropy = _forward(
+                hidden, weight, targets, bias, chunk_rows, temperature, want_entropy, ctx.dtypes
+            )
+        # Only the inputs (references, no copies) and one log-sum-exp per row are kept; logits are recomputed.
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.chunk_rows = chunk_rows
+        ctx.device_type = hidden.device.type
+        ctx.temperature = temperature
+        ctx.param_context = param_context or nullcontext
+        if want_entropy:
+            return logp, entropy
+        return logp
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp, grad_entropy=None):
+        # The backward recomputes logits from the saved weight; under ZeRO-3 it must be gathered again.
+        with ctx.param_context(), torch.autocast(ctx.device_type, enabled=False):
+            return (*_backward(ctx, grad_logp, grad_entropy), None)
+
+
+def _backward(ctx, grad_logp, grad_entropy):
+    hidden, weight, bias, targets, lse = ctx.saved_tensors
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]
+    if (grad_logp is None and grad_entropy is None) or not (need_h or need_w or need_b):
+        return None, None, None, None, None, None, None
+    compute, acc = ctx.dtypes
+    chunk_rows, temperature = ctx.chunk_rows, ctx.temperature
+    n_rows, vocab = hidden.shape[0], weight.shape[0]
+    inv_t = 1.0 / temperature
+    single_chunk = n_rows <= chunk_rows
+
+    w_c = weight.to(compute)  # (V, H)
+    w_t = w_c.t()
+    bias_acc = None if bias is None else bias.to(acc)
+    g_lp = None if grad_logp is None else grad_logp.to(acc)
+    g_h = None if grad_entropy is None else grad_entropy.to(acc)
+
+    grad_hidden = torch.empty_like(hidden) if need_h else None
+    # Accumulated over chunks in fp32 (one V x H buffer); with a single chunk the GEMM output is used directly.
+    grad_w_acc = (
+        torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_w and not single_chunk else None
+    )
+    grad_weight = None
+    grad_b_acc = torch.zeros(vocab, device=weight.device, dtype=acc) if need_b else None
+
+    for start in range(0, n_rows, chunk_rows):
+        end = min(start + chunk_rows, n_rows)
+        h_c = hidden[start:end].to(compute)
+        # z becomes log p, then (in place) the gradient w.r.t. the *pre-temperature* logits
+        z = _chunk_logits(h_c, w_t, bias_acc, temperature, acc)
+        z.sub_(lse[start:end, None])
+        gl = None if g_lp is None else g_lp[start:end, None]  # (n, 1)
+        if g_h is None:
+            # d logp_t / dz_j = 1[j = t] - p_j
+            z.exp_().mul_(-gl * inv_t)
+        else:
+            # d H / dz_j = -p_j (log p_j + H) with H = -sum_k p_k log p_k (recomputed: one row is whole here).
+            # Total: dL/dz_j = gl (1[j=t] - p_j) - gh p_j (log p_j + H)
+            #              = 1[j=t] gl - p_j (gh log p_j + gh H + gl)
+            gh = g_h[start:end, None]
+            neg_ent = torch.zeros(end - start, 1, device=z.device, dtype=acc)  # sum p log p = -H
+            for cols in _col_slices(vocab):
+                zc = z[:, cols]
+                neg_ent += torch.exp(zc).mul_(zc).sum(-1, keepdim=True)
+                del zc
+            shift = -gh * neg_ent if gl is None else gl - gh * neg_ent  # gl + gh H
+            for cols in _col_slices(vocab):
+                zc = z[:, cols]
+                p = torch.exp(zc)
+                zc.mul_(-gh * inv_t).sub_(shift * inv_t).mul_(p)
+                del p, zc
+        if gl is not None:
+            z.scatter_add_(1, targets[start:end, None], gl * inv_t)
+        g = z  # (n, V) dL/d(h W^T + b), in acc dtype
+        if need_b:
+            grad_b_acc += g.sum(0)
+        g_c = g.to(compute)  # no copy unless the GEMMs run in half precision
+        if need_h:
+            grad_hidden[start:end] = torch.mm(g_c, w_c)  # (n, V) @ (V, H)
+        if need_w:
+            if single_chunk:
+                grad_weight = torch.mm(g_c.t(), h_c).to(weight.dtype)  # (V, n) @ (n, H)
+            else:
+                _addmm_acc(grad_w_acc, g_c.t(), h_c, g.t())
+        del z, g, g_c
+
+    if need_w and grad_weight is None:
+        if grad_w_acc is None:  # zero rows
+            grad_weight = torch.zeros_like(weight)
+        else:
+            grad_weight = grad_w_acc.to(weight.dtype)
+    grad_bias = None if grad_b_acc is None else grad_b_acc.to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _validate(hidden, weight, targets, bias, chunk_rows, temperature) -> int:
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+        shape = tuple(hidden.shape) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise ValueError(f"hidden must be 2-D (N, H); flatten leading dims first. Got shape {shape}")
+    if not hidden.is_floating_point():
+        raise ValueError(f"hidden must be a floating-point tensor, got dtype {hidden.dtype}")
+    n_rows, h = hidden.shape
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != h:
+        shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight must have shape (V, {h}) to match hidden {tuple(hidden.shape)}, got {shape}")
+    if not weight.is_floating_point():
+        raise ValueError(f"weight must be a floating-point tensor, got dtype {weight.dtype}")
+    vocab = weight.shape[0]
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (vocab,)):
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"bias must have shape ({vocab},) or be None, got {shape}")
+    if not isinstance(targets, torch.Tensor) or tuple(targets.shape) != (n_rows,):
+        shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets).__name__
+        raise ValueError(f"targets must have shape ({n_rows},) (one per hidden row), got {shape}")
+    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be an integer tensor (int64), got dtype {targets.dtype}")
+    try:
+        rows = None if chunk_rows is None or isinstance(chunk_rows, bool) else operator.index(chunk_rows)
+    except TypeError:
+        rows = None
+    if chunk_rows is not None and (rows is None or rows < 1):
+        raise ValueError(f"chunk_rows must be a positive int or None (all rows in one chunk), got {chunk_rows!r}")
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.item()
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if n_rows:
+        # One small reduction and one host sync: an out-of-range index would otherwise be a silent CUDA gather error.
+        lo, hi = torch.aminmax(targets)
+        lo, hi = int(lo), int(hi)
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"targets must lie in [0, {vocab}) (vocab size V={vocab}), got target value {bad}")
+    return vocab
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    chunk_rows: int | None,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+    return_entropy: bool = False,
+    param_context: Callable[[], AbstractContextManager] | None = None,
+):
+    """Log-probability of ``targets`` under ``softmax((hidden @ weight.T + bias) / temperature)``, row by row.
+
+    Args:
+        hidden: (N, H) floating point. Exactly 2-D; flatten (B, T, H) to (B*T, H) first.
+        weight: (V, H) LM head weight.
+        targets: (N,) integer in [0, V), aligned with the rows (no causal shift is applied here).
+        chunk_rows: rows projected at a time (positive int), or None for all rows in one chunk. Peak extra memory
+            is about one (chunk_rows, V) fp32 buffer plus (chunk_rows, min(V, 16384)) temporaries.
+        temperature: > 0; logits are divided by it.
+        bias: optional (V,) LM head bias.
+        return_entropy: also return the entropy of each row's distribution (needs finite logits: a -inf logit,
+            e.g. from a masking bias, makes that row's entropy NaN).
+        param_context: a zero-argument callable returning a context manager that the backward enters before it
+            reads ``weight``/``bias`` again (DeepSpeed ZeRO-3 re-partitions them after the forward).
+
+    Returns:
+        logp (N,), or (logp (N,), entropy (N,)) when ``return_entropy``. float32 (float64 if the GEMMs run in
+        float64). Differentiable w.r.t. hidden, weight and bias; gradients come back in each input's dtype.
+    """
+    _validate(hidden, weight, targets, bias, chunk_rows, temperature)
+    temperature = float(temperature.item() if isinstance(temperature, torch.Tensor) else temperature)
+    if targets.dtype != torch.long:
+        targets = targets.long()  # gather/scatter need int64 indices
+    n_rows = hidden.shape[0]
+    rows = max(n_rows, 1) if chunk_rows is None else operator.index(chunk_rows)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
+    if not needs_grad:
+        # Inference (old-policy / reference log-probs): skip autograd bookkeeping entirely.
+        dtypes = _dtypes(hidden, weight)
+        with torch.autocast(hidden.device.type, enabled=False):
+            logp, _, entropy = _forward(hidden, weight, targets, bias, rows, temperature, return_entropy, dtypes)
+        return (logp, entropy) if return_entropy else logp
+    return _ChunkedLogprobs.apply(
+        hidden, weight, bias, targets, rows, temperature, bool(return_entropy), param_context
+    )
