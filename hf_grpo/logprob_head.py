@@ -1,0 +1,97 @@
+"""Routes TRL's fused-LM-head forward through ``hf_grpo.ops.chunked_logprobs``.
+
+TRL 1.16 patches the policy's ``forward`` so that ``model(..., labels=..., fused_lm_head=True)``
+returns per-token log-probs instead of logits, in fixed 4096-row tiles. We patch the same
+instance once more, on top of TRL's patch, so the row chunk is the user's
+``tensor_batch_size``. Calls without ``fused_lm_head=True`` (generation) go to TRL's patch,
+which hands them to the model's own forward. Because the call still enters through the
+wrapped model (DDP, DeepSpeed, PEFT), their hooks run as usual.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from contextlib import nullcontext
+
+import torch
+from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
+
+from .ops import chunked_logprobs
+
+logger = logging.getLogger("hf_grpo")
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why the chunked head cannot stand in for TRL's on ``model`` (we then keep TRL's), or None."""
+    config = model.config.get_text_config()
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return "the model soft-caps its logits (final_logit_softcapping)"
+    for scale in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
+        if getattr(config, scale, None) not in (None, 1, 1.0):
+            return f"the model scales its logits ({scale})"
+    if getattr(config, "output_router_logits", False):
+        return "the model adds a router load-balancing loss to its forward"
+    if model.get_output_embeddings() is None:
+        return "the model has no output embedding (LM head)"
+    return None
+
+
+def install_chunked_lm_head(
+    model: torch.nn.Module,
+    *,
+    temperature: float,
+    chunk_rows: int | None,
+    return_entropy: bool,
+    cast_lm_head_to_fp32: bool = False,
+) -> bool:
+    """Patch ``model.forward`` (the base model, after TRL's ``add_fused_lm_head``). Returns False if skipped."""
+    reason = unsupported_reason(model)
+    if reason is not None:
+        logger.warning("tensor_batch_size is not applied: %s; TRL's fused LM head is used instead.", reason)
+        return False
+    previous_forward = model.forward
+    backbone_name = model.base_model_prefix
+
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+        if not fused_lm_head:
+            return previous_forward(
+                *args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, **kwargs
+            )
+        kwargs["use_cache"] = False
+        hidden = getattr(self, backbone_name)(*args, **kwargs).last_hidden_state  # [B, L, H]
+        if shift_labels is None:  # causal LM: position i predicts token i + 1
+            hidden, targets = hidden[:, :-1], labels[:, 1:]
+        else:
+            targets = shift_labels
+        mask = targets != -100  # [B, L-1]
+        head = self.get_output_embeddings()
+        hidden = hidden.to(head.weight.device)
+        autocast = nullcontext()
+        if cast_lm_head_to_fp32:
+            hidden = hidden.float()
+            autocast = torch.autocast(hidden.device.type, enabled=False)
+        gather = lambda: maybe_gather_lm_head_ctx(head.weight, head.bias)  # noqa: E731 (ZeRO-3: full head)
+        with autocast, gather():
+            result = chunked_logprobs(
+                hidden[mask],  # [T, H]: only scored tokens reach the vocabulary projection
+                head.weight,
+                targets[mask].to(head.weight.device),
+                chunk_rows=chunk_rows,
+                temperature=temperature,
+                bias=head.bias,
+                return_entropy=return_entropy,
+                param_context=gather,  # backward recomputes logits, so it gathers the head again
+            )
+        logps, entropy = result if return_entropy else (result, None)
+        # masked_scatter keeps the graph connected even when no token is scored
+        log_probs = logps.new_zeros(mask.shape).masked_scatter(mask, logps)
+        if entropy is not None:
+            entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
+        denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        return FusedCausalLMOutput(
+            loss=-log_probs.sum() / denominator, log_probs=log_probs, entropy=entropy, label_mask=mask
+        )
+
+    model.forward = types.MethodType(forward, model)
+    return True

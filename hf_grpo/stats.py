@@ -1,0 +1,71 @@
+"""Performance figures of a run: time per phase, tokens per second, peak memory."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+PHASES = ("generation", "reward", "logprob", "optimizer")
+
+
+def peak_memory_gib(device: torch.device | None = None) -> float:
+    """GPU max allocated on CUDA, else the process's peak resident set size."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**30 if sys.platform == "darwin" else peak / 2**20  # bytes on macOS, KiB on Linux
+
+
+class PerformanceStats:
+    """Accumulates phase times and token counts; reports per optimizer step and per second.
+
+    Two windows are kept: the whole run (``summary``) and the span since the last log
+    (``window``), so logged curves show the current speed rather than a running average.
+    """
+
+    def __init__(self, device: torch.device | None = None):
+        self.device = device
+        self._total = defaultdict(float)
+        self._window = defaultdict(float)
+
+    def _sync(self):
+        # Device work is asynchronous: without a sync a phase would be charged to the next one.
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextmanager
+    def phase(self, name: str):
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.add(f"{name}_s", time.perf_counter() - start)
+
+    def add(self, key: str, amount: float):
+        self._total[key] += amount
+        self._window[key] += amount
+
+    @staticmethod
+    def _report(counts: dict, device) -> dict[str, float]:
+        steps = max(counts.get("optimizer_steps", 0.0), 1.0)
+        report = {f"{name}_s_per_step": counts.get(f"{name}_s", 0.0) / steps for name in PHASES}
+        gen_s, train_s = counts.get("generation_s", 0.0), counts.get("train_s", 0.0)
+        report["rollout_tokens_per_s"] = counts.get("generated_tokens", 0.0) / gen_s if gen_s else 0.0
+        report["train_tokens_per_s"] = counts.get("train_tokens", 0.0) / train_s if train_s else 0.0
+        report["peak_memory_gib"] = peak_memory_gib(device)
+        return report
+
+    def summary(self) -> dict[str, float]:
+        return self._report(self._total, self.device)
+
+    def pop_window(self) -> dict[str, float]:
+        report = self._report(self._window, self.device)
+        self._window.clear()
+        return report

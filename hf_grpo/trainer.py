@@ -1,0 +1,172 @@
+"""GRPOTrainer: TRL's trainer with chunked generation, chunked log-probs and performance stats.
+
+Overrides of TRL's private methods, written against trl 1.16.0 (pyproject pins ``trl>=1.16,<1.17``).
+Each is thin and calls TRL's own code wherever it can:
+
+- ``_generate_single_turn``: the plain (non-vLLM, non-continuous-batching, text-only) path is
+  served by a backend from ``hf_grpo.generation``, ``per_device_generation_batch_size``
+  prompts at a time, all inside one ``unwrap_model_for_generation`` (one ZeRO-3 gather per
+  rollout). Every other path is TRL's, unchanged.
+- ``_calculate_rewards``: timed only (TRL's None/NaN handling is kept: see the README).
+- ``_get_per_token_logps_and_entropies``: timed only.
+- the policy's and reference's ``forward`` are patched after TRL's ``add_fused_lm_head`` so the
+  log-softmax runs ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
+
+Public overrides: ``training_step`` (token and time accounting) and ``log`` (``perf/`` figures).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+import trl
+from transformers import TrainerCallback
+from trl.models import unwrap_model_for_generation
+
+from .config import GRPOConfig
+from .generation import GenerationBackend, resolve_backend
+from .logprob_head import install_chunked_lm_head
+from .stats import PerformanceStats
+
+logger = logging.getLogger("hf_grpo")
+
+
+class _RunCallbacks(TrainerCallback):
+    """Logs the batch plan at train start and times the optimizer step."""
+
+    def __init__(self, trainer: GRPOTrainer):
+        self.trainer = trainer
+        self._optimizer_start = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            plan = self.trainer.batch_plan()
+            logger.info("hf-grpo batch plan (world size %d):\n%s", plan.world_size, plan)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer.perf._sync()
+        self._optimizer_start = time.perf_counter()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self._optimizer_start is not None:
+            self.trainer.perf._sync()
+            self.trainer.perf.add("optimizer_s", time.perf_counter() - self._optimizer_start)
+            self._optimizer_start = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.perf.add("optimizer_steps", 1)
+
+
+class GRPOTrainer(trl.GRPOTrainer):
+    """``trl.GRPOTrainer`` whose memory is set by ``hf_grpo.GRPOConfig``'s per-device sizes.
+
+    Use it as TRL's trainer: ``GRPOTrainer(model=..., reward_funcs=..., args=GRPOConfig(...),
+    train_dataset=...)``. ``get_performance_stats()`` returns peak memory, time per phase and
+    tokens/s; the same figures are logged under ``perf/``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
+        if config is not None and not isinstance(config, GRPOConfig):
+            raise TypeError(
+                f"hf_grpo.GRPOTrainer needs args=hf_grpo.GRPOConfig(...), got {type(config).__module__}."
+                f"{type(config).__name__}; the per-device batch fields live on hf_grpo.GRPOConfig"
+            )
+        super().__init__(*args, **kwargs)
+        self.perf = PerformanceStats(self.accelerator.device)
+        self._backend: GenerationBackend | None = None
+        policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        head = dict(temperature=self.temperature, chunk_rows=self.args.tensor_batch_size,
+                    cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32)
+        install_chunked_lm_head(policy, return_entropy=True, **head)
+        if self.ref_model is not None:
+            install_chunked_lm_head(self.ref_model, return_entropy=False, **head)
+        self.add_callback(_RunCallbacks(self))
+
+    # ---- public ------------------------------------------------------------------------
+    def batch_plan(self):
+        """The batch plan with this run's real world size."""
+        return self.args.batch_plan(world_size=self.accelerator.num_processes)
+
+    def get_performance_stats(self) -> dict[str, Any]:
+        """Peak memory, seconds per optimizer step by phase, tokens/s, and the batch plan, over the run."""
+        return {**self.perf.summary(), "batch_plan": self.batch_plan().to_dict()}
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        inner_before = self.perf._total["generation_s"] + self.perf._total["reward_s"]
+        start = time.perf_counter()
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.perf._sync()
+        inner = self.perf._total["generation_s"] + self.perf._total["reward_s"] - inner_before
+        # Generation and scoring happen inside training_step (in _prepare_inputs); they are not training.
+        self.perf.add("train_s", time.perf_counter() - start - inner)
+        self.perf.add("train_tokens", float(self._last_micro_batch_tokens))
+        return loss
+
+    def _prepare_inputs(self, generation_batch):
+        inputs = super()._prepare_inputs(generation_batch)
+        self._last_micro_batch_tokens = int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
+        return inputs
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if self.model.training and "loss" in logs:
+            logs.update({f"perf/{key}": value for key, value in self.perf.pop_window().items()})
+        super().log(logs, start_time)
+
+    # ---- overrides of TRL 1.16 private methods -------------------------------------------
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
+        plain_path = not (
+            self.use_vllm or self.use_transformers_continuous_batching or multimodal_fields or images is not None
+        )
+        if not plain_path:
+            with self.perf.phase("generation"):
+                return super()._generate_single_turn(
+                    prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs
+                )
+        with (
+            self.perf.phase("generation"),
+            unwrap_model_for_generation(
+                self.model_wrapped,
+                self.accelerator,
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                generation_kwargs=self.generation_kwargs,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+            ) as unwrapped_model,
+            torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+        ):
+            completion_ids = self._generation_backend(unwrapped_model).generate(
+                unwrapped_model,
+                prompt_ids,
+                generation_config=self.generation_config,
+                chunk_size=self.args.per_device_generation_batch_size,
+                pad_token_id=self._tokenizer.pad_token_id,
+                eos_token_ids=self.eos_token_ids,
+                pad_to_multiple_of=self.pad_to_multiple_of,
+            )
+        self.perf.add("generated_tokens", float(sum(len(ids) for ids in completion_ids)))
+        return completion_ids, None
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        with self.perf.phase("reward"):
+            rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        return rewards
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        with self.perf.phase("logprob"):
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _generation_backend(self, model: torch.nn.Module) -> GenerationBackend:
+        if self._backend is None:
+            self._backend, reason = resolve_backend(self.args.generation_backend, model)
+            if reason is not None and self.args.generation_backend != "auto":
+                logger.warning("generation_backend=%r falls back to 'hf': %s", self.args.generation_backend, reason)
+            elif reason is not None:
+                logger.info("generation backend: hf (%s)", reason)
+            else:
+                logger.info("generation backend: %s", self._backend.name)
+        return self._backend

@@ -1,0 +1,212 @@
+"""hf_grpo.GRPOTrainer on a tiny model: chunking is exact, accumulation is exact, stats, PEFT, bad input."""
+
+import copy
+
+import pytest
+import torch
+import trl
+from datasets import Dataset
+
+from hf_grpo import GRPOConfig, GRPOTrainer
+from hf_grpo.generation import HFGenerateBackend
+from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+
+TOKENIZER = build_char_tokenizer()
+PROMPTS = ["ab>", "c>", "defg>", "h>", "ij>", "klmno>", "p>", "qr>"]
+
+
+def prompt_dataset(n=16):
+    return Dataset.from_dict({"prompt": [PROMPTS[i % len(PROMPTS)] for i in range(n)]})
+
+
+def count_a_reward(completions, **kwargs):
+    return [text.count("a") / 4 for text in completions]
+
+
+def fixed_completions(prompt_ids):
+    """Completions that differ within a group and depend only on the prompt and its row."""
+    letters = TOKENIZER.convert_tokens_to_ids(list("abcab"))
+    return [[letters[(len(p) + row) % 5]] * (1 + row % 4) + [TOKENIZER.eos_token_id] for row, p in enumerate(prompt_ids)]
+
+
+class FixedBackend(HFGenerateBackend):
+    """Deterministic completions, so training steps can be compared across chunk sizes."""
+
+    def generate(self, model, prompt_ids, **kwargs):
+        return fixed_completions(prompt_ids)
+
+
+def make_trainer(tmp_path, cls=GRPOTrainer, config_cls=GRPOConfig, model=None, fixed=True, **overrides):
+    values = dict(
+        output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, bf16=False, max_steps=1,
+        per_device_train_batch_size=8, num_generations=4, max_completion_length=6, learning_rate=0.5,
+        optim="sgd", lr_scheduler_type="constant", logging_steps=1, save_strategy="no", seed=3,
+        disable_tqdm=True, gradient_checkpointing=False,
+    )
+    values.update(overrides)
+    args = config_cls(**values)
+    trainer = cls(
+        model=model if model is not None else build_tiny_model(TOKENIZER, seed=0),
+        reward_funcs=count_a_reward,
+        args=args,
+        train_dataset=prompt_dataset(),
+        processing_class=TOKENIZER,
+    )
+    if fixed and cls is GRPOTrainer:
+        trainer._backend = FixedBackend()
+    elif fixed:  # plain TRL trainer: replace its generation method on the instance
+        trainer._generate_single_turn = lambda prompt_ids, *a, **k: (fixed_completions(prompt_ids), None)
+    return trainer
+
+
+def train_one_step(trainer):
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    loss = trainer.state.log_history[0]["loss"]
+    update = {n: p.detach() - before[n] for n, p in trainer.model.named_parameters()}
+    return loss, update
+
+
+def assert_same_update(a, b, rtol=1e-5):
+    loss_a, update_a = a
+    loss_b, update_b = b
+    assert loss_a == pytest.approx(loss_b, rel=rtol, abs=1e-7)
+    flat_a = torch.cat([u.flatten() for u in update_a.values()])
+    flat_b = torch.cat([u.flatten() for u in update_b.values()])
+    assert flat_a.norm() > 0, "the step changed no parameter: the comparison would be empty"
+    assert ((flat_a - flat_b).norm() / flat_a.norm()).item() < rtol
+
+
+@pytest.mark.parametrize("tensor_batch_size", [3, 1, None])
+@pytest.mark.parametrize("chunk", [1, 8])
+def test_chunked_step_equals_unchunked_step(tmp_path, tensor_batch_size, chunk):
+    reference = train_one_step(make_trainer(tmp_path / "ref", tensor_batch_size=None, per_device_generation_batch_size=8))
+    chunked = train_one_step(
+        make_trainer(tmp_path / "c", tensor_batch_size=tensor_batch_size, per_device_generation_batch_size=chunk)
+    )
+    assert_same_update(reference, chunked)
+
+
+def test_step_equals_trls_own_trainer(tmp_path):
+    # The same completions through TRL's fused head: our chunked head computes the same loss and update.
+    ours = train_one_step(make_trainer(tmp_path / "ours", tensor_batch_size=5))
+    theirs = train_one_step(make_trainer(tmp_path / "trl", cls=trl.GRPOTrainer, config_cls=trl.GRPOConfig))
+    assert_same_update(ours, theirs)
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    # P=2, A=4 (four micro-batches of one rollout of 8) against P=8, A=1: one optimizer step each.
+    accumulated = train_one_step(make_trainer(tmp_path / "a", per_device_train_batch_size=2,
+                                              gradient_accumulation_steps=4))
+    big = train_one_step(make_trainer(tmp_path / "b", per_device_train_batch_size=8, gradient_accumulation_steps=1))
+    _, update_a = accumulated
+    _, update_b = big
+    flat_a = torch.cat([u.flatten() for u in update_a.values()])
+    flat_b = torch.cat([u.flatten() for u in update_b.values()])
+    assert flat_b.norm() > 0
+    assert ((flat_a - flat_b).norm() / flat_b.norm()).item() < 1e-5
+
+
+def test_greedy_generation_is_identical_for_any_chunk_size(tmp_path):
+    outputs = []
+    for chunk in (1, 3, 8):
+        trainer = make_trainer(tmp_path / str(chunk), fixed=False, per_device_generation_batch_size=chunk,
+                               generation_kwargs={"do_sample": False}, max_completion_length=10)
+        prompt_ids = [TOKENIZER(p)["input_ids"] for p in PROMPTS]
+        completions, _ = trainer._generate_single_turn(prompt_ids, None, {}, 4)
+        outputs.append(completions)
+    assert outputs[0] == outputs[1] == outputs[2]
+    reference = build_tiny_model(TOKENIZER, seed=0)
+    for prompt, completion in zip(PROMPTS, outputs[0]):
+        ids = torch.tensor([TOKENIZER(prompt)["input_ids"]])
+        alone = reference.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)[0, ids.size(1):].tolist()
+        cut = alone[: alone.index(1) + 1] if 1 in alone else alone
+        assert completion == cut  # unpadded, one prompt at a time, EOS kept as TRL keeps it
+
+
+def test_generation_runs_in_chunks_of_the_configured_size(tmp_path):
+    trainer = make_trainer(tmp_path, fixed=False, per_device_generation_batch_size=3)
+    sizes = []
+    model = trainer.model
+    original = model.generate
+
+    def spy(*args, **kwargs):
+        sizes.append(kwargs["input_ids"].size(0))
+        return original(*args, **kwargs)
+
+    model.generate = spy
+    trainer.train()
+    assert sizes == [3, 3, 2]  # rollout of 8 per device in chunks of 3
+
+
+def test_performance_stats_after_a_step(tmp_path):
+    trainer = make_trainer(tmp_path, fixed=False, per_device_generation_batch_size=4)
+    trainer.train()
+    stats = trainer.get_performance_stats()
+    for key in ("generation_s_per_step", "reward_s_per_step", "logprob_s_per_step", "optimizer_s_per_step",
+                "rollout_tokens_per_s", "train_tokens_per_s", "peak_memory_gib"):
+        assert stats[key] > 0, key
+    assert stats["batch_plan"]["generation_chunks"] == 2
+    logged = trainer.state.log_history[0]
+    assert logged["perf/rollout_tokens_per_s"] > 0 and logged["perf/peak_memory_gib"] > 0
+
+
+def test_lora_step_changes_only_adapter_weights(tmp_path):
+    from peft import LoraConfig
+
+    model = build_tiny_model(TOKENIZER, seed=0)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=count_a_reward,
+        args=GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, max_steps=1,
+                        per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
+                        learning_rate=0.5, optim="sgd", save_strategy="no", disable_tqdm=True,
+                        gradient_checkpointing=False, tensor_batch_size=4),
+        train_dataset=prompt_dataset(),
+        processing_class=TOKENIZER,
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+    )
+    trainer._backend = FixedBackend()
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
+    assert changed, "no parameter changed"
+    assert all("lora_" in n for n in changed), sorted(changed)
+    assert any("lora_A" in n for n in changed) and any("lora_B" in n for n in changed)
+
+
+def test_reward_function_with_wrong_count_is_named(tmp_path):
+    trainer = make_trainer(tmp_path)
+    trainer.reward_funcs = [lambda completions, **kw: [0.0]]
+    trainer.reward_func_names = ["short_reward"]
+    with pytest.raises(ValueError, match="'short_reward' returned 1 rewards, but 8 were expected"):
+        trainer.train()
+
+
+def test_reward_none_everywhere_scores_zero_advantage_not_nan(tmp_path):
+    # TRL's documented handling: None means "no opinion"; rows where every function abstains get 0.
+    trainer = make_trainer(tmp_path)
+    trainer.reward_funcs = [lambda completions, **kw: [None] * len(completions)]
+    loss, update = train_one_step(trainer)
+    assert loss == 0.0
+    assert all(torch.isfinite(u).all() for u in update.values())
+
+
+def test_tokenizer_without_pad_token_gets_eos_as_pad(tmp_path):
+    tokenizer = copy.deepcopy(TOKENIZER)
+    tokenizer.pad_token = None
+    trainer = GRPOTrainer(
+        model=build_tiny_model(TOKENIZER, seed=0), reward_funcs=count_a_reward,
+        args=GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False,
+                        per_device_train_batch_size=8, num_generations=4),
+        train_dataset=prompt_dataset(), processing_class=tokenizer,
+    )
+    assert trainer.processing_class.pad_token == trainer.processing_class.eos_token
+
+
+def test_trl_config_is_rejected_with_a_pointer(tmp_path):
+    with pytest.raises(TypeError, match="needs args=hf_grpo.GRPOConfig"):
+        GRPOTrainer(model=build_tiny_model(TOKENIZER), reward_funcs=count_a_reward,
+                    args=trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[],
+                                        per_device_train_batch_size=8, num_generations=4),
+                    train_dataset=prompt_dataset(), processing_class=TOKENIZER)
