@@ -539,3 +539,18 @@ def gsm8k_format_reward(completions, **kwargs) -> list[float]:
         except Exception:  # pragma: no cover
             rewards.append(0.0)
     return rewards
+
+
+# ---- quickstart: repeat the prompt's letter ----------------------------------------------------
+def repeat_letter_reward(completions, letter=None, length: int = 8, **kwargs) -> list[float]:
+    """Share of the first ``length`` completion characters that equal the prompt's letter.
+
+    An early end of the completion counts as wrong characters, so the best answer is the
+    letter ``length`` times. 0.0 when the letter column is missing.
+    """
+    letters = letter if letter is not None else [None] * len(completions)
+    rewards = []
+    for completion, wanted in zip(completions, letters):
+        text = completion_to_text(completion)[:length]
+        rewards.append(0.0 if not wanted else sum(ch == wanted for ch in text) / length)
+    return rewards

@@ -1,0 +1,88 @@
+"""What every recipe does around its task: parse arguments, build the model, finish cleanly."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from trl import ModelConfig, TrlParser, get_peft_config
+
+from .config import GRPOConfig
+from .recipe_args import RecipeArguments
+from .reporting import METRICS_FILE, PLOT_FILE, MetricsFileCallback, plot_metrics
+from .tiny import build_char_tokenizer, build_tiny_model
+
+logger = logging.getLogger("hf_grpo")
+
+
+def device_defaults() -> dict[str, Any]:
+    """CPU-only machines train on the CPU in fp32; GPUs use bf16 where they have it."""
+    cuda = torch.cuda.is_available()
+    return {"use_cpu": not cuda, "bf16": cuda and torch.cuda.is_bf16_supported()}
+
+
+def parse_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None):
+    """(GRPOConfig, RecipeArguments, ModelConfig) from ``--config FILE.yaml`` and flags.
+
+    Precedence: flags > YAML > the recipe's ``defaults`` > dataclass defaults; the DIFFU_*
+    environment variables win over all of them (GRPOConfig applies them).
+    """
+    logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.WARNING)
+    logger.setLevel(logging.INFO)
+    parser = TrlParser((GRPOConfig, RecipeArguments, ModelConfig))
+    unknown = parser.set_defaults_with_config(**{**device_defaults(), **defaults})
+    if unknown:
+        raise ValueError(f"recipe defaults name unknown fields: {unknown[::2]}")
+    return parser.parse_args_and_config(args=argv)
+
+
+def load_model_and_tokenizer(model_args: ModelConfig, recipe_args: RecipeArguments, training_args: GRPOConfig,
+                             alphabet: str | None = None):
+    """The tiny in-code model (``--tiny`` or no model name) or a pretrained one from the hub."""
+    if recipe_args.tiny or model_args.model_name_or_path is None:
+        tokenizer = build_char_tokenizer(alphabet) if alphabet else build_char_tokenizer()
+        model = build_tiny_model(tokenizer, seed=training_args.seed)
+        return model, tokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_args.model_name_or_path,
+        revision=model_args.model_revision,
+        trust_remote_code=model_args.trust_remote_code,
+        attn_implementation=model_args.attn_implementation,
+        dtype=dtype,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_args.model_name_or_path, revision=model_args.model_revision, padding_side="left",
+        trust_remote_code=model_args.trust_remote_code,
+    )
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def peft_config(model_args: ModelConfig):
+    return get_peft_config(model_args)
+
+
+def metrics_callback(training_args: GRPOConfig) -> MetricsFileCallback:
+    return MetricsFileCallback(training_args.output_dir)
+
+
+def finish(trainer, recipe_args: RecipeArguments) -> None:
+    """Save the model, draw the plot, and close the process group so the launcher exits cleanly."""
+    trainer.save_model()
+    metrics = os.path.join(trainer.args.output_dir, METRICS_FILE)
+    if trainer.is_world_process_zero():
+        if recipe_args.plot and os.path.exists(metrics):
+            png = plot_metrics(metrics, os.path.join(trainer.args.output_dir, PLOT_FILE))
+            logger.info("metrics: %s, plot: %s", metrics, png)
+        logger.info("performance: %s", {k: v for k, v in trainer.get_performance_stats().items()
+                                         if k != "batch_plan"})
+    # Without this a run that trained fine can still abort at exit under torch.distributed.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
