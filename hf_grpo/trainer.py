@@ -163,7 +163,9 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _generation_backend(self, model: torch.nn.Module) -> GenerationBackend:
         if self._backend is None:
             self._backend, reason = resolve_backend(self.args.generation_backend, model)
-            if reason is not None and self.args.generation_backend != "auto":
+            if not self.accelerator.is_main_process:
+                pass
+            elif reason is not None and self.args.generation_backend != "auto":
                 logger.warning("generation_backend=%r falls back to 'hf': %s", self.args.generation_backend, reason)
             elif reason is not None:
                 logger.info("generation backend: hf (%s)", reason)

@@ -1,0 +1,57 @@
+"""GSM8K: grade-school math, format reward plus correctness of the final number.
+
+    accelerate launch --config_file accelerate_configs/zero2.yaml recipes/gsm8k.py --config recipes/gsm8k.yaml
+    python recipes/gsm8k.py --tiny --dataset_name data.jsonl --max_steps 5   # offline: a local JSON-lines file
+
+--dataset_name is a hub dataset name (default openai/gsm8k) or a local .jsonl/.json file with
+``question`` and ``answer`` columns (answers end in ``#### N``).
+"""
+
+import string
+
+from hf_grpo import GRPOTrainer
+from hf_grpo.launch import finish, load_model_and_tokenizer, metrics_callback, parse_recipe_args, peft_config
+from hf_grpo.rewards import gsm8k_correctness_reward, gsm8k_format_reward
+from hf_grpo.tasks import as_chat, gsm8k_dataset
+
+DEFAULTS = dict(
+    output_dir="outputs/gsm8k",
+    model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct",
+    dataset_name="openai/gsm8k",
+    learning_rate=1e-6,
+    per_device_train_batch_size=8,
+    num_generations=8,
+    max_completion_length=512,
+    max_steps=500,
+    logging_steps=5,
+    save_steps=100,
+    report_to="none",
+)
+
+
+def build_dataset(recipe_args, tokenizer):
+    dataset = gsm8k_dataset(recipe_args.dataset_name, split=recipe_args.dataset_split)
+    if tokenizer.chat_template:  # chat models get the prompt as a user turn; TRL applies the template
+        dataset = dataset.map(lambda row: {"prompt": as_chat(row["prompt"])})
+    return dataset
+
+
+def main(argv=None):
+    training_args, recipe_args, model_args = parse_recipe_args(DEFAULTS, argv)
+    model, tokenizer = load_model_and_tokenizer(model_args, recipe_args, training_args, alphabet=string.printable)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=[gsm8k_format_reward, gsm8k_correctness_reward],
+        args=training_args,
+        train_dataset=build_dataset(recipe_args, tokenizer),
+        processing_class=tokenizer,
+        peft_config=peft_config(model_args),
+        callbacks=[metrics_callback(training_args)],
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    finish(trainer, recipe_args)
+    return trainer
+
+
+if __name__ == "__main__":
+    main()
