@@ -1,0 +1,45 @@
+"""Recipes with --tiny: each runs offline end to end on CPU."""
+
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+QUICK = ["--tiny", "--max_steps", "2", "--per_device_train_batch_size", "8", "--max_completion_length", "12",
+         "--logging_steps", "1", "--disable_tqdm", "true", "--report_to", "none"]
+
+
+def run_recipe(name, *args):
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main([*QUICK, *map(str, args)])
+
+
+def logged(output_dir):
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_countdown_tiny_with_its_yaml(tmp_path):
+    trainer = run_recipe("countdown", "--config", ROOT / "recipes" / "countdown.yaml", "--output_dir", tmp_path,
+                         "--num_train_samples", 64, "--dtype", "float32")
+    rows = logged(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert "rewards/countdown_reward/mean" in rows[0]
+    plan = trainer.batch_plan()  # the YAML's values, with the command line's per-device batch of 8
+    assert (plan.gradient_accumulation_steps, plan.per_device_generation_batch_size) == (4, 16)
+    assert plan.generation_chunks == 2
+
+
+@pytest.mark.slow
+def test_gsm8k_tiny_from_a_local_jsonl(tmp_path):
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"What is {a} + {a}?", "answer": f"{a}+{a}={2 * a}\n#### {2 * a}"})
+                              for a in range(8)))
+    run_recipe("gsm8k", "--dataset_name", data, "--output_dir", tmp_path / "out", "--num_generations", 4)
+    rows = logged(tmp_path / "out")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert {"rewards/gsm8k_format_reward/mean", "rewards/gsm8k_correctness_reward/mean"} <= set(rows[0])
