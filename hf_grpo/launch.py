@@ -43,7 +43,7 @@ def load_model_and_tokenizer(model_args: ModelConfig, recipe_args: RecipeArgumen
     """The tiny in-code model (``--tiny`` or no model name) or a pretrained one from the hub."""
     if recipe_args.tiny or model_args.model_name_or_path is None:
         tokenizer = build_char_tokenizer(alphabet) if alphabet else build_char_tokenizer()
-        model = build_tiny_model(tokenizer, seed=training_args.seed)
+        model = build_tiny_model(tokenizer, shape=recipe_args.tiny_shape, seed=training_args.seed)
         return model, tokenizer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

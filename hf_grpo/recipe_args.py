@@ -11,6 +11,10 @@ class RecipeArguments:
         default=False,
         metadata={"help": "Build a tiny random model and character tokenizer in code instead of loading one."},
     )
+    tiny_shape: str = field(
+        default="tiny",
+        metadata={"help": "Shape of the --tiny model: tiny (CPU), 0.5b or 1.5b (random init, for GPU benchmarks)."},
+    )
     dataset_name: str | None = field(
         default=None, metadata={"help": "Dataset name on the hub, or a local JSON-lines file (recipe-specific)."}
     )

@@ -30,28 +30,36 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
     return tokenizer
 
 
+# Random-init shapes. "tiny" is for CPU tests; the others copy Qwen2.5-0.5B / 1.5B for GPU benchmarks
+# (with their 151936-token vocabulary: ids past the char tokenizer's decode to nothing).
+SHAPES = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=None, tie_word_embeddings=False),
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+}
+
+
 def build_tiny_model(
     tokenizer: PreTrainedTokenizerFast,
     *,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
+    shape: str = "tiny",
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
 ) -> Qwen2ForCausalLM:
-    """A randomly initialised Qwen2-shaped causal LM sized for CPU tests (~100k parameters)."""
+    """A randomly initialised Qwen2-shaped causal LM; ``"tiny"`` (~80k parameters) suits CPU tests."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
+    dims = dict(SHAPES[shape])
+    dims["vocab_size"] = dims["vocab_size"] or len(tokenizer)
     config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=max(1, num_heads // 2),
-        max_position_embeddings=512,
+        **dims,
+        max_position_embeddings=4096,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(dtype)
