@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
@@ -15,6 +16,7 @@ from .reporting import METRICS_FILE, PLOT_FILE, MetricsFileCallback, plot_metric
 from .tiny import build_char_tokenizer, build_tiny_model
 
 logger = logging.getLogger("hf_grpo")
+PERFORMANCE_FILE = "performance.json"
 
 
 def device_defaults() -> dict[str, Any]:
@@ -73,16 +75,23 @@ def metrics_callback(training_args: GRPOConfig) -> MetricsFileCallback:
 
 
 def finish(trainer, recipe_args: RecipeArguments) -> None:
-    """Save the model, draw the plot, and close the process group so the launcher exits cleanly."""
+    """Save the model, the per-rank performance figures and the plot; close the process group."""
     trainer.save_model()
-    metrics = os.path.join(trainer.args.output_dir, METRICS_FILE)
+    output_dir = trainer.args.output_dir
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    stats = trainer.get_performance_stats()
+    per_rank = [None] * trainer.accelerator.num_processes if distributed else [stats]
+    if distributed:  # peak memory differs per GPU under ZeRO: keep every rank's figures
+        torch.distributed.all_gather_object(per_rank, stats)
     if trainer.is_world_process_zero():
+        with open(os.path.join(output_dir, PERFORMANCE_FILE), "w") as handle:
+            json.dump({"per_rank": per_rank}, handle, indent=1)
+        metrics = os.path.join(output_dir, METRICS_FILE)
         if recipe_args.plot and os.path.exists(metrics):
-            png = plot_metrics(metrics, os.path.join(trainer.args.output_dir, PLOT_FILE))
+            png = plot_metrics(metrics, os.path.join(output_dir, PLOT_FILE))
             logger.info("metrics: %s, plot: %s", metrics, png)
-        logger.info("performance: %s", {k: v for k, v in trainer.get_performance_stats().items()
-                                         if k != "batch_plan"})
+        logger.info("performance (rank 0): %s", {k: round(v, 4) for k, v in stats.items() if k != "batch_plan"})
     # Without this a run that trained fine can still abort at exit under torch.distributed.
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
+    if distributed:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

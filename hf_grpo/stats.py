@@ -55,7 +55,8 @@ class PerformanceStats:
     @staticmethod
     def _report(counts: dict, device) -> dict[str, float]:
         steps = max(counts.get("optimizer_steps", 0.0), 1.0)
-        report = {f"{name}_s_per_step": counts.get(f"{name}_s", 0.0) / steps for name in PHASES}
+        report = {"step_s": counts.get("step_s", 0.0) / steps}
+        report.update({f"{name}_s_per_step": counts.get(f"{name}_s", 0.0) / steps for name in PHASES})
         gen_s, train_s = counts.get("generation_s", 0.0), counts.get("train_s", 0.0)
         report["rollout_tokens_per_s"] = counts.get("generated_tokens", 0.0) / gen_s if gen_s else 0.0
         report["train_tokens_per_s"] = counts.get("train_tokens", 0.0) / train_s if train_s else 0.0

@@ -35,7 +35,7 @@ logger = logging.getLogger("hf_grpo")
 
 
 class _RunCallbacks(TrainerCallback):
-    """Logs the batch plan at train start and times the optimizer step."""
+    """Logs the batch plan at train start; times whole optimizer steps and the optimizer itself."""
 
     def __init__(self, trainer: GRPOTrainer):
         self.trainer = trainer
@@ -56,7 +56,13 @@ class _RunCallbacks(TrainerCallback):
             self.trainer.perf.add("optimizer_s", time.perf_counter() - self._optimizer_start)
             self._optimizer_start = None
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.trainer.perf._sync()
+        self._step_start = time.perf_counter()
+
     def on_step_end(self, args, state, control, **kwargs):
+        self.trainer.perf._sync()
+        self.trainer.perf.add("step_s", time.perf_counter() - self._step_start)
         self.trainer.perf.add("optimizer_steps", 1)
 
 
@@ -163,12 +169,11 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _generation_backend(self, model: torch.nn.Module) -> GenerationBackend:
         if self._backend is None:
             self._backend, reason = resolve_backend(self.args.generation_backend, model)
-            if not self.accelerator.is_main_process:
-                pass
-            elif reason is not None and self.args.generation_backend != "auto":
-                logger.warning("generation_backend=%r falls back to 'hf': %s", self.args.generation_backend, reason)
-            elif reason is not None:
-                logger.info("generation backend: hf (%s)", reason)
-            else:
-                logger.info("generation backend: %s", self._backend.name)
+            if self.accelerator.is_main_process:
+                if reason is None:
+                    logger.info("generation backend: %s", self._backend.name)
+                elif self.args.generation_backend == "auto":
+                    logger.info("generation backend: hf (%s)", reason)
+                else:
+                    logger.warning("generation_backend=%r falls back to 'hf': %s", self.args.generation_backend, reason)
         return self._backend

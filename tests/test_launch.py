@@ -47,6 +47,8 @@ def test_quickstart_runs_under_each_config_with_two_processes(tmp_path, config):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in rows)
+    per_rank = json.loads((tmp_path / "performance.json").read_text())["per_rank"]
+    assert len(per_rank) == 2 and all(rank["peak_memory_gib"] > 0 for rank in per_rank)
 
 
 def _update(path, initial):

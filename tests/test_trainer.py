@@ -143,10 +143,13 @@ def test_performance_stats_after_a_step(tmp_path):
     trainer = make_trainer(tmp_path, fixed=False, per_device_generation_batch_size=4)
     trainer.train()
     stats = trainer.get_performance_stats()
-    for key in ("generation_s_per_step", "reward_s_per_step", "logprob_s_per_step", "optimizer_s_per_step",
+    for key in ("step_s", "generation_s_per_step", "reward_s_per_step", "logprob_s_per_step", "optimizer_s_per_step",
                 "rollout_tokens_per_s", "train_tokens_per_s", "peak_memory_gib"):
         assert stats[key] > 0, key
     assert stats["batch_plan"]["generation_chunks"] == 2
+    # the phases happen inside the step
+    phases = sum(stats[f"{p}_s_per_step"] for p in ("generation", "reward", "logprob", "optimizer"))
+    assert phases < stats["step_s"]
     logged = trainer.state.log_history[0]
     assert logged["perf/rollout_tokens_per_s"] > 0 and logged["perf/peak_memory_gib"] > 0
 

@@ -139,6 +139,33 @@ def _unsupported_generation_setting(gc: GenerationConfig) -> str | None:
     return None
 
 
+def _last_logits(model, input_ids, attention_mask, position_ids, cache, cache_kw: str, logits_to_keep: bool):
+    """One forward against the static cache; the last position's logits as float32 [B, V]."""
+    kwargs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        cache_kw: cache,
+        "use_cache": True,
+    }
+    if logits_to_keep:
+        kwargs["logits_to_keep"] = 1
+    out = model(**kwargs)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return logits[:, -1, :].float()
+
+
+def _compile_available() -> str | None:
+    """Why the decode forward cannot be compiled here, or None."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if not hasattr(torch, "compile"):
+        return "torch.compile is unavailable"
+    return None
+
+
 @dataclass(frozen=True)
 class _Sampling:
     """The generation settings baked into a captured step (part of the graph's key)."""
@@ -214,7 +241,6 @@ class _Entry:
     min_steps: torch.Tensor | None = None  # [1] EOS is blocked while step < min_steps
     unfinished: torch.Tensor | None = None  # [B] bool
     seen: torch.Tensor | None = None  # [B, V + 1] bool, for the repetition penalty
-    eos_ids: torch.Tensor | None = None  # [n_eos] long
     eos_vocab_mask: torch.Tensor | None = None  # [V] bool
     graph: torch.cuda.CUDAGraph | None = None
     signature: tuple | None = None
@@ -232,6 +258,11 @@ class CudaGraphBackend(GenerationBackend):
         max_cached_graphs: graphs (and their KV caches) kept alive; the least recently used
             beyond this are freed.
         use_cuda_graph: False runs the same step eagerly (for debugging, and on CPU).
+        compile: compile the one-token decode forward with ``torch.compile`` (inductor fuses
+            the dozens of small element-wise kernels of each layer) before capturing it. The
+            prefill and the sampling stay eager. ``None`` (default): on when capturing graphs
+            and Triton is available. A failed compile falls back to capturing the eager
+            forward, with a warning. Compiling costs tens of seconds once per shape.
     """
 
     name = "cuda_graph"
@@ -243,6 +274,7 @@ class CudaGraphBackend(GenerationBackend):
         cache_len_multiple: int = 64,
         max_cached_graphs: int = 2,
         use_cuda_graph: bool = True,
+        compile: bool | None = None,
     ) -> None:
         if check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {check_every}")
@@ -250,6 +282,11 @@ class CudaGraphBackend(GenerationBackend):
         self.cache_len_multiple = max(1, cache_len_multiple)
         self.max_cached_graphs = max(1, max_cached_graphs)
         self.use_cuda_graph = use_cuda_graph
+        if compile is None:
+            compile = use_cuda_graph and torch.cuda.is_available() and _compile_available() is None
+        self.compile = bool(compile)
+        self._compiled_fn = None
+        self.compile_error: str | None = None  # why compiling failed, once it has
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
         self._fallback = HFGenerateBackend()
         self._warned: set[str] = set()
@@ -412,25 +449,31 @@ class CudaGraphBackend(GenerationBackend):
         entry.step = torch.zeros((1,), dtype=torch.long, device=device)
         entry.min_steps = torch.zeros((1,), dtype=torch.long, device=device)
         entry.unfinished = torch.ones((batch,), dtype=torch.bool, device=device)
-        entry.eos_ids = torch.tensor(sampling.eos_token_ids or [-1], dtype=torch.long, device=device)
-        params = inspect.signature(model.forward).parameters
-        entry.extra["cache_kw"] = "cache" if "cache" in params or "kwargs" in params else "past_key_values"
-        entry.extra["logits_to_keep"] = "logits_to_keep" in params or "kwargs" in params
+        # transformers 5.24 names the cache argument `cache` (`past_key_values` is deprecated).
+        if self.compile and self.use_cuda_graph and self.compile_error is None:
+            if self._compiled_fn is None:
+                # Shapes are fixed per entry (batch, cache length), so no dynamic shapes.
+                self._compiled_fn = torch.compile(_last_logits, dynamic=False)
+            entry.extra["compiled"] = self._compiled_fn
+        params = inspect.signature(_base_model(model).forward).parameters
+        entry.extra["cache_kw"] = "past_key_values" if "past_key_values" in params and "cache" not in params else "cache"
+        entry.extra["logits_to_keep"] = "logits_to_keep" in params
         return entry
 
-    def _forward(self, model: torch.nn.Module, entry: _Entry, input_ids, position_ids) -> torch.Tensor:
-        kwargs = {
-            "input_ids": input_ids,
-            "attention_mask": entry.mask2d,
-            "position_ids": position_ids,
-            entry.extra["cache_kw"]: entry.cache,
-            "use_cache": True,
-        }
-        if entry.extra["logits_to_keep"]:
-            kwargs["logits_to_keep"] = 1
-        out = model(**kwargs)
-        logits = out.logits if hasattr(out, "logits") else out[0]
-        return logits[:, -1, :].float()
+    def _forward(self, model: torch.nn.Module, entry: _Entry, input_ids, position_ids, *, decode: bool = False):
+        """Last-position logits as float32 [B, V]; the one-token decode forward may be compiled."""
+        fn = _last_logits
+        if decode and entry.extra.get("compiled") is not None:
+            fn = entry.extra["compiled"]
+        return fn(
+            model,
+            input_ids,
+            entry.mask2d,
+            position_ids,
+            entry.cache,
+            entry.extra["cache_kw"],
+            entry.extra["logits_to_keep"],
+        )
 
     def _prefill(self, model, entry: _Entry, input_ids, attention_mask, steps: int) -> None:
         """Reset the cache and buffers for a new chunk, run the prompt and pick the first token."""
@@ -506,7 +549,7 @@ class CudaGraphBackend(GenerationBackend):
             next_tokens = scores.argmax(dim=-1)
         next_tokens = torch.where(entry.unfinished, next_tokens, torch.full_like(next_tokens, s.pad_token_id))
         entry.out.scatter_(1, entry.step.view(1, 1).expand(entry.batch, 1), next_tokens.unsqueeze(1))
-        entry.unfinished &= ~torch.isin(next_tokens, entry.eos_ids)
+        entry.unfinished &= ~entry.eos_vocab_mask[next_tokens]
         entry.tok.copy_(next_tokens.unsqueeze(1))
         entry.pos.add_(1)
         entry.step.add_(1)
@@ -514,11 +557,19 @@ class CudaGraphBackend(GenerationBackend):
             entry.seen.scatter_(1, next_tokens.unsqueeze(1), True)
 
     def _decode_step(self, model, entry: _Entry) -> None:
-        logits = self._forward(model, entry, entry.tok, entry.pos)
+        logits = self._forward(model, entry, entry.tok, entry.pos, decode=True)
         self._advance(entry, logits)
 
     def _capture(self, model, entry: _Entry) -> None:
         """Warm up the decode step on a side stream, then capture it (the state it leaves is reset after)."""
+        if entry.extra.get("compiled") is not None:
+            try:  # the first call compiles; do it outside the capture
+                self._decode_step(model, entry)
+            except Exception as err:  # noqa: BLE001 - any compiler failure: capture the eager forward
+                self.compile_error = f"{type(err).__name__}: {err}"
+                logger.warning("cuda_graph backend: torch.compile failed (%s); capturing the eager forward", self.compile_error)
+                entry.extra["compiled"] = None
+            torch.cuda.synchronize()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

@@ -1,0 +1,362 @@
+"""The CUDA-graph generation backend: HF-identical greedy decoding, sampling law, live weights.
+
+GPU tests are marked ``gpu`` and skipped without CUDA. The CPU tests check the fallback
+rules, and run the backend's decode step eagerly (``use_cuda_graph=False``) against
+``model.generate`` so that the padding/position/EOS logic is exercised everywhere.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import random
+
+import pytest
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from hf_grpo.generation import HFGenerateBackend, resolve_backend
+from hf_grpo.generation.cuda_graph import CudaGraphBackend
+from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+PAD, EOS = 0, 1
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+def _prompts(tokenizer, n: int, seed: int = 0, max_len: int = 12) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [
+        tokenizer("".join(rng.choice("abcdefgh 123+=") for _ in range(rng.randint(1, max_len))))["input_ids"]
+        for _ in range(n)
+    ]
+
+
+def _llama(tokenizer, seed: int = 0) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        bos_token_id=EOS,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(config)
+
+
+def _bias_eos(model, prompts, max_new_tokens: int, device) -> None:
+    """Make EOS the near-copy of the most frequent greedy token, so some rows stop mid-way."""
+    gc = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    out = HFGenerateBackend().generate(
+        model, prompts, generation_config=gc, chunk_size=len(prompts), pad_token_id=PAD, eos_token_ids=[EOS]
+    )
+    counts = collections.Counter(t for row in out for t in row if t not in (PAD, EOS))
+    token = counts.most_common(1)[0][0]
+    with torch.no_grad():
+        weight = model.get_output_embeddings().weight
+        weight[EOS] = 1.05 * weight[token]
+
+
+def _greedy_case(model, prompts, *, chunk_size: int, backend: CudaGraphBackend, max_new_tokens: int = 40, **gen):
+    gc = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=PAD, eos_token_id=EOS, **gen
+    )
+    kwargs = dict(generation_config=gc, chunk_size=chunk_size, pad_token_id=PAD, eos_token_ids=[EOS])
+    with torch.no_grad():
+        expected = HFGenerateBackend().generate(model, prompts, **kwargs)
+        got = backend.generate(model, prompts, **kwargs)
+    return expected, got
+
+
+# ---------------------------------------------------------------------------------------- CPU
+
+
+def test_auto_falls_back_to_hf_on_cpu(tokenizer):
+    model = build_tiny_model(tokenizer)
+    backend, reason = resolve_backend("auto", model)
+    assert backend.name == "hf"
+    assert reason is not None and "CUDA" in reason
+    assert "CUDA" in CudaGraphBackend().unsupported_reason(model)
+
+
+def test_unsupported_models_get_a_reason(tokenizer, monkeypatch):
+    backend = CudaGraphBackend()
+    model = build_tiny_model(tokenizer)
+    # Pretend the model is on CUDA so that the family/attention checks are reached on CPU.
+    monkeypatch.setattr("hf_grpo.generation.cuda_graph._model_device", lambda m: torch.device("cuda"))
+    assert backend.unsupported_reason(model) is None
+
+    model.config._attn_implementation = "flash_attention_2"
+    assert "attention" in backend.unsupported_reason(model)
+    model.config._attn_implementation = "sdpa"
+
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2, d_kv=8))
+    assert "encoder-decoder" in backend.unsupported_reason(t5)
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=32, n_embd=16, n_layer=1, n_head=2))
+    assert "gpt2" in backend.unsupported_reason(gpt2)
+
+
+def test_cuda_graph_backend_refuses_cpu_models(tokenizer):
+    model = build_tiny_model(tokenizer)
+    gc = GenerationConfig(max_new_tokens=4, do_sample=False)
+    with pytest.raises(ValueError, match="CUDA"):
+        CudaGraphBackend().generate(
+            model, [[3, 4]], generation_config=gc, chunk_size=2, pad_token_id=PAD, eos_token_ids=[EOS]
+        )
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_eager_step_matches_generate_on_cpu(tokenizer, family):
+    """The same decode logic without graphs: identical to model.generate, EOS mid-way, padded last chunk."""
+    model = (build_tiny_model(tokenizer) if family == "qwen2" else _llama(tokenizer)).eval()
+    prompts = _prompts(tokenizer, 11)
+    _bias_eos(model, prompts, 40, "cpu")
+    backend = CudaGraphBackend(use_cuda_graph=False, check_every=4)
+    expected, got = _greedy_case(model, prompts, chunk_size=4, backend=backend)
+    lengths = [len(c) for c in expected]
+    assert min(lengths) < 40 and max(lengths) == 40, lengths  # some rows stop on EOS, some run out
+    assert got == expected
+
+
+def test_eager_step_matches_generate_with_penalty_and_min_tokens_on_cpu(tokenizer):
+    model = build_tiny_model(tokenizer).eval()
+    prompts = _prompts(tokenizer, 7, seed=1)
+    _bias_eos(model, prompts, 30, "cpu")
+    backend = CudaGraphBackend(use_cuda_graph=False)
+    expected, got = _greedy_case(
+        model, prompts, chunk_size=3, backend=backend, max_new_tokens=30, repetition_penalty=1.3, min_new_tokens=5
+    )
+    assert all(len(c) >= 5 for c in expected)
+    assert got == expected
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_greedy_identical_to_generate(tokenizer, family):
+    model = (build_tiny_model(tokenizer) if family == "qwen2" else _llama(tokenizer)).cuda().eval()
+    prompts = _prompts(tokenizer, 11)
+    _bias_eos(model, prompts, 40, "cuda")
+    backend = CudaGraphBackend()
+    assert backend.unsupported_reason(model) is None
+    expected, got = _greedy_case(model, prompts, chunk_size=4, backend=backend)  # 4 + 4 + 3 (padded)
+    lengths = [len(c) for c in expected]
+    assert min(lengths) < 40 and max(lengths) == 40, lengths
+    assert got == expected
+    assert backend.num_captures == 1  # one capture serves every chunk, the padded last one included
+
+    # Another call with the same shapes replays the same graph.
+    expected2, got2 = _greedy_case(model, list(reversed(prompts)), chunk_size=4, backend=backend)
+    assert got2 == expected2
+    assert backend.num_captures == 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_greedy_with_penalty_min_tokens_and_padding_multiple(tokenizer):
+    model = build_tiny_model(tokenizer).cuda().eval()
+    prompts = _prompts(tokenizer, 9, seed=3)
+    _bias_eos(model, prompts, 30, "cuda")
+    backend = CudaGraphBackend()
+    gc = GenerationConfig(
+        max_new_tokens=30, do_sample=False, pad_token_id=PAD, eos_token_id=EOS, repetition_penalty=1.3, min_new_tokens=5
+    )
+    kwargs = dict(generation_config=gc, chunk_size=4, pad_token_id=PAD, eos_token_ids=[EOS], pad_to_multiple_of=8)
+    with torch.no_grad():
+        expected = HFGenerateBackend().generate(model, prompts, **kwargs)
+        got = backend.generate(model, prompts, **kwargs)
+    assert all(len(c) >= 5 for c in expected)
+    assert got == expected
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_bf16_model_runs_and_matches_mostly(tokenizer):
+    """bf16: same code path as the benchmark; numerics may differ from generate in near-ties only."""
+    model = build_tiny_model(tokenizer, dtype=torch.bfloat16).cuda().eval()
+    prompts = _prompts(tokenizer, 16, seed=5)
+    expected, got = _greedy_case(model, prompts, chunk_size=8, backend=CudaGraphBackend())
+    same = sum(e == g for e, g in zip(expected, got))
+    assert same >= 12, (same, expected, got)
+
+
+def _constant_logit_model(tokenizer, seed: int = 0):
+    """A model whose next-token logits are the same vector at every step and for every input.
+
+    Every token embeds to the same vector, so every position carries the same hidden state
+    (attention averages identical values), whatever the prompt or position: the sampled
+    tokens are i.i.d., and each decode step replayed from the graph can be tested.
+    """
+    model = build_tiny_model(tokenizer, seed=seed).cuda().eval()
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb.copy_(emb[2].expand_as(emb))
+        head = model.get_output_embeddings().weight
+        head.mul_(4.0)  # spread the logits
+        logits = model(torch.tensor([[5, 6, 7]], device="cuda")).logits[0, -1].float()
+    return model, logits
+
+
+def _sample(model, n_rows: int, steps: int, **gen) -> list[list[int]]:
+    gc = GenerationConfig(
+        max_new_tokens=steps,
+        min_new_tokens=steps,  # EOS is masked, so every row yields `steps` samples
+        do_sample=True,
+        pad_token_id=PAD,
+        eos_token_id=EOS,
+        **gen,
+    )
+    prompts = [[5, 6, 7]] * n_rows
+    with torch.no_grad():
+        return CudaGraphBackend().generate(
+            model, prompts, generation_config=gc, chunk_size=n_rows, pad_token_id=PAD, eos_token_ids=[EOS]
+        )
+
+
+def _chi_square_ok(counts: collections.Counter, probs: torch.Tensor, n: int) -> tuple[bool, float, int]:
+    expected = probs.double() * n
+    stat, df, lump_obs, lump_exp = 0.0, -1, 0.0, 0.0
+    for token, e in enumerate(expected.tolist()):
+        if e >= 5:
+            stat += (counts.get(token, 0) - e) ** 2 / e
+            df += 1
+        else:
+            lump_obs += counts.get(token, 0)
+            lump_exp += e
+    if lump_exp > 0:
+        stat += (lump_obs - lump_exp) ** 2 / max(lump_exp, 1e-9)
+        df += 1
+    # chi2(df) has mean df and sd sqrt(2 df): 5 sigma above the mean.
+    return stat <= df + 5 * math.sqrt(2 * df), stat, df
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampling_follows_softmax(tokenizer, temperature):
+    torch.manual_seed(1234)
+    model, logits = _constant_logit_model(tokenizer)
+    rows, steps = 256, 64
+    out = _sample(model, rows, steps, temperature=temperature, top_k=0, top_p=1.0)
+    assert all(len(r) == steps for r in out)
+    scaled = logits / temperature
+    scaled[EOS] = float("-inf")  # min_new_tokens blocks EOS
+    probs = scaled.softmax(-1).cpu()
+    samples = [t for r in out for t in r]
+    ok, stat, df = _chi_square_ok(collections.Counter(samples), probs, len(samples))
+    assert ok, (stat, df)
+    # Steps replayed from the graph draw fresh numbers: the last step alone follows the law too.
+    last = collections.Counter(r[-1] for r in out)
+    ok_last, stat_last, df_last = _chi_square_ok(last, probs, rows)
+    assert ok_last, (stat_last, df_last)
+    # ... and rows are not copies of each other.
+    assert len({tuple(r) for r in out}) == rows
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_top_k_two_only_emits_the_two_most_likely(tokenizer):
+    torch.manual_seed(99)
+    model, logits = _constant_logit_model(tokenizer, seed=1)
+    out = _sample(model, 128, 32, temperature=1.0, top_k=2)
+    masked = logits.clone()
+    masked[EOS] = float("-inf")
+    top2 = set(torch.topk(masked, 2).indices.tolist())
+    seen = collections.Counter(t for r in out for t in r)
+    assert set(seen) <= top2 and len(seen) == 2, (seen, top2)
+    p = masked[list(sorted(top2))].softmax(-1).cpu().double()
+    n = sum(seen.values())
+    first = sorted(top2)[0]
+    sd = math.sqrt(n * p[0] * (1 - p[0]))
+    assert abs(seen[first] - n * p[0]) <= 5 * sd
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_top_p_and_min_p_cut_the_tail(tokenizer):
+    torch.manual_seed(7)
+    model, logits = _constant_logit_model(tokenizer, seed=2)
+    masked = logits.clone()
+    masked[EOS] = float("-inf")
+    probs = masked.softmax(-1)
+    order = probs.argsort(descending=True)
+    # top_p = mass of the 3 most likely tokens (minus a hair) keeps exactly those 3.
+    top_p = float(probs[order[:3]].sum()) - 1e-4
+    seen = collections.Counter(t for r in _sample(model, 128, 32, top_p=top_p) for t in r)
+    assert set(seen) <= set(order[:3].tolist())
+    # min_p = between the 2nd and 3rd token's ratio to the top keeps the 2 most likely.
+    ratio2, ratio3 = float(probs[order[1]] / probs[order[0]]), float(probs[order[2]] / probs[order[0]])
+    seen = collections.Counter(t for r in _sample(model, 128, 32, min_p=(ratio2 + ratio3) / 2) for t in r)
+    assert set(seen) <= set(order[:2].tolist())
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_replayed_graph_follows_in_place_weight_updates(tokenizer):
+    model = build_tiny_model(tokenizer).cuda()
+    prompts = _prompts(tokenizer, 6, seed=11)
+    backend = CudaGraphBackend()
+    before_expected, before = _greedy_case(model, prompts, chunk_size=4, backend=backend, max_new_tokens=24)
+    assert before == before_expected
+    captures = backend.num_captures
+
+    # An optimizer step updates the parameters in place: same addresses, new values.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ids = torch.tensor(prompts[0], device="cuda")[None]
+    model(ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    after_expected, after = _greedy_case(model, prompts, chunk_size=4, backend=backend, max_new_tokens=24)
+    assert after_expected != before_expected  # the update changed the model's output...
+    assert after == after_expected  # ...and the replayed graph follows it
+    assert backend.num_captures == captures  # without capturing again
+
+    # A parameter replaced by a new tensor moves its address: the backend captures again.
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone() * 1.5)
+    moved_expected, moved = _greedy_case(model, prompts, chunk_size=4, backend=backend, max_new_tokens=24)
+    assert moved == moved_expected
+    assert backend.num_captures == captures + 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_model_left_usable_by_generate(tokenizer):
+    """model.generate between graph replays is unaffected (no state left on the model)."""
+    model = build_tiny_model(tokenizer).cuda().eval()
+    prompts = _prompts(tokenizer, 5, seed=21)
+    backend = CudaGraphBackend()
+    e1, g1 = _greedy_case(model, prompts, chunk_size=5, backend=backend)
+    e2, g2 = _greedy_case(model, prompts, chunk_size=5, backend=backend)
+    assert e1 == e2 == g1 == g2
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_unsupported_generation_setting_falls_back(tokenizer):
+    model = build_tiny_model(tokenizer).cuda().eval()
+    prompts = _prompts(tokenizer, 3, seed=2)
+    backend = CudaGraphBackend()
+    expected, got = _greedy_case(model, prompts, chunk_size=2, backend=backend, no_repeat_ngram_size=2)
+    assert got == expected
+    assert backend.num_captures == 0
