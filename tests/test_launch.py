@@ -38,10 +38,15 @@ QUICK = ["--use_cpu", "true", "--bf16", "false", "--disable_tqdm", "true", "--lo
          "--per_device_train_batch_size", "8"]
 
 
-@pytest.mark.parametrize("config", ["zero1", "zero2", "zero3", "multi_gpu"])
-def test_quickstart_runs_under_each_config_with_two_processes(tmp_path, config):
+@pytest.mark.parametrize(
+    "config, extra",
+    [("zero1", []), ("zero2", []), ("zero3", []), ("multi_gpu", []),
+     ("zero3", ["--ds3_gather_for_generation", "false"])],  # generation without gathering the whole model
+    ids=["zero1", "zero2", "zero3", "multi_gpu", "zero3-no-gather"],
+)
+def test_quickstart_runs_under_each_config_with_two_processes(tmp_path, config, extra):
     result = launch(config, "recipes/quickstart.py", *QUICK, "--output_dir", tmp_path, "--max_steps", 2,
-                    "--gradient_accumulation_steps", 2)
+                    "--gradient_accumulation_steps", 2, *extra)
     assert "hf-grpo batch plan (world size 2)" in result.stderr
     assert "16 per device x 2 devices" in result.stderr
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
