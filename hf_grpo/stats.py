@@ -33,20 +33,24 @@ class PerformanceStats:
         self._total = defaultdict(float)
         self._window = defaultdict(float)
 
-    def _sync(self):
+    def sync(self):
         # Device work is asynchronous: without a sync a phase would be charged to the next one.
         if self.device is not None and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     @contextmanager
     def phase(self, name: str):
-        self._sync()
+        self.sync()
         start = time.perf_counter()
         try:
             yield
         finally:
-            self._sync()
+            self.sync()
             self.add(f"{name}_s", time.perf_counter() - start)
+
+    def total(self, key: str) -> float:
+        """The whole run's sum for ``key`` (seconds or a count)."""
+        return self._total[key]
 
     def add(self, key: str, amount: float):
         self._total[key] += amount

@@ -47,21 +47,21 @@ class _RunCallbacks(TrainerCallback):
             logger.info("hf-grpo batch plan (world size %d):\n%s", plan.world_size, plan)
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer.perf._sync()
+        self.trainer.perf.sync()
         self._optimizer_start = time.perf_counter()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self._optimizer_start is not None:
-            self.trainer.perf._sync()
+            self.trainer.perf.sync()
             self.trainer.perf.add("optimizer_s", time.perf_counter() - self._optimizer_start)
             self._optimizer_start = None
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.trainer.perf._sync()
+        self.trainer.perf.sync()
         self._step_start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
-        self.trainer.perf._sync()
+        self.trainer.perf.sync()
         self.trainer.perf.add("step_s", time.perf_counter() - self._step_start)
         self.trainer.perf.add("optimizer_steps", 1)
 
@@ -102,11 +102,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         return {**self.perf.summary(), "batch_plan": self.batch_plan().to_dict()}
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        inner_before = self.perf._total["generation_s"] + self.perf._total["reward_s"]
+        inner_before = self.perf.total("generation_s") + self.perf.total("reward_s")
         start = time.perf_counter()
         loss = super().training_step(model, inputs, num_items_in_batch)
-        self.perf._sync()
-        inner = self.perf._total["generation_s"] + self.perf._total["reward_s"] - inner_before
+        self.perf.sync()
+        inner = self.perf.total("generation_s") + self.perf.total("reward_s") - inner_before
         # Generation and scoring happen inside training_step (in _prepare_inputs); they are not training.
         self.perf.add("train_s", time.perf_counter() - start - inner)
         self.perf.add("train_tokens", float(self._last_micro_batch_tokens))

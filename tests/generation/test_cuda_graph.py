@@ -149,18 +149,20 @@ def test_eager_step_matches_generate_with_penalty_and_min_tokens_on_cpu(tokenize
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("compile", [False, True], ids=["eager-graph", "compiled-graph"])
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_greedy_identical_to_generate(tokenizer, family):
+def test_greedy_identical_to_generate(tokenizer, family, compile):
     model = (build_tiny_model(tokenizer) if family == "qwen2" else _llama(tokenizer)).cuda().eval()
     prompts = _prompts(tokenizer, 11)
     _bias_eos(model, prompts, 40, "cuda")
-    backend = CudaGraphBackend()
+    backend = CudaGraphBackend(compile=compile)
     assert backend.unsupported_reason(model) is None
     expected, got = _greedy_case(model, prompts, chunk_size=4, backend=backend)  # 4 + 4 + 3 (padded)
     lengths = [len(c) for c in expected]
     assert min(lengths) < 40 and max(lengths) == 40, lengths
     assert got == expected
     assert backend.num_captures == 1  # one capture serves every chunk, the padded last one included
+    assert backend.compile_error is None
 
     # Another call with the same shapes replays the same graph.
     expected2, got2 = _greedy_case(model, list(reversed(prompts)), chunk_size=4, backend=backend)
@@ -174,7 +176,7 @@ def test_greedy_with_penalty_min_tokens_and_padding_multiple(tokenizer):
     model = build_tiny_model(tokenizer).cuda().eval()
     prompts = _prompts(tokenizer, 9, seed=3)
     _bias_eos(model, prompts, 30, "cuda")
-    backend = CudaGraphBackend()
+    backend = CudaGraphBackend(compile=False)
     gc = GenerationConfig(
         max_new_tokens=30, do_sample=False, pad_token_id=PAD, eos_token_id=EOS, repetition_penalty=1.3, min_new_tokens=5
     )
@@ -189,10 +191,10 @@ def test_greedy_with_penalty_min_tokens_and_padding_multiple(tokenizer):
 @pytest.mark.gpu
 @needs_cuda
 def test_bf16_model_runs_and_matches_mostly(tokenizer):
-    """bf16: same code path as the benchmark; numerics may differ from generate in near-ties only."""
+    """bf16 and compiled: the benchmark's path; numerics may differ from generate in near-ties only."""
     model = build_tiny_model(tokenizer, dtype=torch.bfloat16).cuda().eval()
     prompts = _prompts(tokenizer, 16, seed=5)
-    expected, got = _greedy_case(model, prompts, chunk_size=8, backend=CudaGraphBackend())
+    expected, got = _greedy_case(model, prompts, chunk_size=8, backend=CudaGraphBackend(compile=True))
     same = sum(e == g for e, g in zip(expected, got))
     assert same >= 12, (same, expected, got)
 
@@ -225,7 +227,7 @@ def _sample(model, n_rows: int, steps: int, **gen) -> list[list[int]]:
     )
     prompts = [[5, 6, 7]] * n_rows
     with torch.no_grad():
-        return CudaGraphBackend().generate(
+        return CudaGraphBackend(compile=False).generate(
             model, prompts, generation_config=gc, chunk_size=n_rows, pad_token_id=PAD, eos_token_ids=[EOS]
         )
 
@@ -309,10 +311,11 @@ def test_top_p_and_min_p_cut_the_tail(tokenizer):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_replayed_graph_follows_in_place_weight_updates(tokenizer):
+@pytest.mark.parametrize("compile", [False, True], ids=["eager-graph", "compiled-graph"])
+def test_replayed_graph_follows_in_place_weight_updates(tokenizer, compile):
     model = build_tiny_model(tokenizer).cuda()
     prompts = _prompts(tokenizer, 6, seed=11)
-    backend = CudaGraphBackend()
+    backend = CudaGraphBackend(compile=compile)
     before_expected, before = _greedy_case(model, prompts, chunk_size=4, backend=backend, max_new_tokens=24)
     assert before == before_expected
     captures = backend.num_captures
@@ -337,6 +340,7 @@ def test_replayed_graph_follows_in_place_weight_updates(tokenizer):
     moved_expected, moved = _greedy_case(model, prompts, chunk_size=4, backend=backend, max_new_tokens=24)
     assert moved == moved_expected
     assert backend.num_captures == captures + 1
+    assert backend.compile_error is None
 
 
 @pytest.mark.gpu
@@ -345,7 +349,7 @@ def test_model_left_usable_by_generate(tokenizer):
     """model.generate between graph replays is unaffected (no state left on the model)."""
     model = build_tiny_model(tokenizer).cuda().eval()
     prompts = _prompts(tokenizer, 5, seed=21)
-    backend = CudaGraphBackend()
+    backend = CudaGraphBackend(compile=False)
     e1, g1 = _greedy_case(model, prompts, chunk_size=5, backend=backend)
     e2, g2 = _greedy_case(model, prompts, chunk_size=5, backend=backend)
     assert e1 == e2 == g1 == g2
@@ -356,7 +360,7 @@ def test_model_left_usable_by_generate(tokenizer):
 def test_unsupported_generation_setting_falls_back(tokenizer):
     model = build_tiny_model(tokenizer).cuda().eval()
     prompts = _prompts(tokenizer, 3, seed=2)
-    backend = CudaGraphBackend()
+    backend = CudaGraphBackend(compile=False)
     expected, got = _greedy_case(model, prompts, chunk_size=2, backend=backend, no_repeat_ngram_size=2)
     assert got == expected
     assert backend.num_captures == 0
