@@ -14,6 +14,7 @@ from .config import GRPOConfig
 from .recipe_args import RecipeArguments
 from .reporting import METRICS_FILE, PLOT_FILE, MetricsFileCallback, plot_metrics
 from .tiny import build_char_tokenizer, build_tiny_model
+from .trainer import GRPOTrainer
 
 logger = logging.getLogger("hf_grpo")
 PERFORMANCE_FILE = "performance.json"
@@ -66,12 +67,26 @@ def load_model_and_tokenizer(model_args: ModelConfig, recipe_args: RecipeArgumen
     return model, tokenizer
 
 
-def peft_config(model_args: ModelConfig):
-    return get_peft_config(model_args)
+def run_recipe(defaults: dict[str, Any], reward_funcs, build_dataset, argv: list[str] | None = None,
+               alphabet: str | None = None):
+    """Parse, build the model, train (resuming when asked), finish. Returns the trainer.
 
-
-def metrics_callback(training_args: GRPOConfig) -> MetricsFileCallback:
-    return MetricsFileCallback(training_args.output_dir)
+    ``build_dataset(recipe_args, training_args, tokenizer)`` returns the training dataset.
+    """
+    training_args, recipe_args, model_args = parse_recipe_args(defaults, argv)
+    model, tokenizer = load_model_and_tokenizer(model_args, recipe_args, training_args, alphabet)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_funcs,
+        args=training_args,
+        train_dataset=build_dataset(recipe_args, training_args, tokenizer),
+        processing_class=tokenizer,
+        peft_config=get_peft_config(model_args),
+        callbacks=[MetricsFileCallback(training_args.output_dir)],
+    )
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    finish(trainer, recipe_args)
+    return trainer
 
 
 def finish(trainer, recipe_args: RecipeArguments) -> None:

@@ -9,8 +9,7 @@ Reward: 1.0 for a correct equation using every number once, 0.1 for a well-forme
 
 import string
 
-from hf_grpo import GRPOTrainer
-from hf_grpo.launch import finish, load_model_and_tokenizer, metrics_callback, parse_recipe_args, peft_config
+from hf_grpo.launch import run_recipe
 from hf_grpo.rewards import countdown_reward
 from hf_grpo.tasks import as_chat, countdown_dataset
 
@@ -29,28 +28,15 @@ DEFAULTS = dict(
 )
 
 
-def build_dataset(recipe_args, tokenizer, seed):
-    dataset = countdown_dataset(recipe_args.num_train_samples, seed=seed)
+def build_dataset(recipe_args, training_args, tokenizer):
+    dataset = countdown_dataset(recipe_args.num_train_samples, seed=training_args.seed)
     if tokenizer.chat_template:  # chat models get the prompt as a user turn; TRL applies the template
         dataset = dataset.map(lambda row: {"prompt": as_chat(row["prompt"])})
     return dataset
 
 
 def main(argv=None):
-    training_args, recipe_args, model_args = parse_recipe_args(DEFAULTS, argv)
-    model, tokenizer = load_model_and_tokenizer(model_args, recipe_args, training_args, alphabet=string.printable)
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=countdown_reward,
-        args=training_args,
-        train_dataset=build_dataset(recipe_args, tokenizer, training_args.seed),
-        processing_class=tokenizer,
-        peft_config=peft_config(model_args),
-        callbacks=[metrics_callback(training_args)],
-    )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    finish(trainer, recipe_args)
-    return trainer
+    return run_recipe(DEFAULTS, countdown_reward, build_dataset, argv, alphabet=string.printable)
 
 
 if __name__ == "__main__":

@@ -9,8 +9,7 @@
 
 import string
 
-from hf_grpo import GRPOTrainer
-from hf_grpo.launch import finish, load_model_and_tokenizer, metrics_callback, parse_recipe_args, peft_config
+from hf_grpo.launch import run_recipe
 from hf_grpo.rewards import gsm8k_correctness_reward, gsm8k_format_reward
 from hf_grpo.tasks import as_chat, gsm8k_dataset
 
@@ -29,7 +28,7 @@ DEFAULTS = dict(
 )
 
 
-def build_dataset(recipe_args, tokenizer):
+def build_dataset(recipe_args, training_args, tokenizer):
     dataset = gsm8k_dataset(recipe_args.dataset_name, split=recipe_args.dataset_split)
     if tokenizer.chat_template:  # chat models get the prompt as a user turn; TRL applies the template
         dataset = dataset.map(lambda row: {"prompt": as_chat(row["prompt"])})
@@ -37,20 +36,8 @@ def build_dataset(recipe_args, tokenizer):
 
 
 def main(argv=None):
-    training_args, recipe_args, model_args = parse_recipe_args(DEFAULTS, argv)
-    model, tokenizer = load_model_and_tokenizer(model_args, recipe_args, training_args, alphabet=string.printable)
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=[gsm8k_format_reward, gsm8k_correctness_reward],
-        args=training_args,
-        train_dataset=build_dataset(recipe_args, tokenizer),
-        processing_class=tokenizer,
-        peft_config=peft_config(model_args),
-        callbacks=[metrics_callback(training_args)],
-    )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    finish(trainer, recipe_args)
-    return trainer
+    rewards = [gsm8k_format_reward, gsm8k_correctness_reward]
+    return run_recipe(DEFAULTS, rewards, build_dataset, argv, alphabet=string.printable)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,7 @@
 Writes metrics.jsonl (one line per logging step) and reward_loss.png to --output_dir.
 """
 
-from hf_grpo import GRPOTrainer
-from hf_grpo.launch import finish, load_model_and_tokenizer, metrics_callback, parse_recipe_args, peft_config
+from hf_grpo.launch import run_recipe
 from hf_grpo.rewards import repeat_letter_reward
 from hf_grpo.tasks import repeat_letter_dataset
 
@@ -40,22 +39,12 @@ def reward(completions, letter=None, **kwargs):
     return repeat_letter_reward(completions, letter=letter, length=COMPLETION_LENGTH)
 
 
+def build_dataset(recipe_args, training_args, tokenizer):
+    return repeat_letter_dataset(recipe_args.num_train_samples, seed=training_args.seed)
+
+
 def main(argv=None):
-    training_args, recipe_args, model_args = parse_recipe_args(DEFAULTS, argv)
-    model, tokenizer = load_model_and_tokenizer(model_args, recipe_args, training_args)
-    dataset = repeat_letter_dataset(recipe_args.num_train_samples, seed=training_args.seed)
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=reward,
-        args=training_args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        peft_config=peft_config(model_args),
-        callbacks=[metrics_callback(training_args)],
-    )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    finish(trainer, recipe_args)
-    return trainer
+    return run_recipe(DEFAULTS, reward, build_dataset, argv)
 
 
 if __name__ == "__main__":

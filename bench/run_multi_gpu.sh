@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Quickstart with a 0.5B-shaped model: one GPU, then 2 GPUs under DDP, ZeRO-2 and ZeRO-3.
+# Run from the repository root on a 2-GPU machine; per-rank performance.json files go to $RESULTS.
+#   RESULTS=bench/results/raw bash bench/run_multi_gpu.sh
+set -u
+RESULTS=${RESULTS:-bench/results/raw}
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1
+ARGS="--tiny_shape 0.5b --max_steps 6 --max_completion_length 128 --per_device_train_batch_size 16
+      --num_generations 8 --logging_steps 1 --save_strategy no --disable_tqdm true"
+for config in single_gpu multi_gpu zero2 zero3; do
+  processes=2; [ "$config" = single_gpu ] && processes=1
+  out=/tmp/multi_gpu_$config
+  python3 -m accelerate.commands.launch --config_file "accelerate_configs/$config.yaml" --num_processes $processes \
+    recipes/quickstart.py $ARGS --output_dir "$out" > "$RESULTS/multi_gpu_$config.log" 2>&1
+  echo "$config exit=$?"
+  cp "$out/performance.json" "$RESULTS/multi_gpu_$config.json" 2>/dev/null
+  python3 - "$config" "$out/performance.json" <<'PY'
+import json, sys
+try:
+    ranks = json.load(open(sys.argv[2]))["per_rank"]
+except OSError:
+    sys.exit(0)
+print(sys.argv[1], [dict(step_s=round(r["step_s"], 3), peak_gib=round(r["peak_memory_gib"], 2),
+                         gen_s=round(r["generation_s_per_step"], 3)) for r in ranks])
+PY
+done
