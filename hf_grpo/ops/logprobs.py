@@ -26,6 +26,21 @@ __all__ = ["chunked_logprobs"]
 _COL_BLOCK = 16384
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+# On CUDA the row reductions run as fused Triton kernels (hf_grpo/ops/_triton_rows.py); tests switch
+# this off to compare against the torch path.
+USE_TRITON = True
+
+
+def _triton_rows(z: torch.Tensor):
+    """The Triton row kernels when they apply to this fp32 CUDA chunk, else None (torch path)."""
+    if not (USE_TRITON and z.is_cuda and z.dtype == torch.float32):
+        return None
+    try:
+        from . import _triton_rows
+    except ImportError:  # no triton installed
+        return None
+    return _triton_rows
 # Whether `torch.mm/addmm(..., out_dtype=torch.float32)` works for half inputs (CUDA, torch >= 2.8). Probed on first
 # use on a CUDA device; None means not probed yet.
 _OUT_DTYPE_OK: bool | None = None
@@ -59,8 +74,8 @@ def _mm_acc(a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.T
     return torch.mm(a, b).to(acc_dtype)
 
 
-def _addmm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_acc: torch.Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` in fp32/fp64; ``a_acc`` is ``a`` already in ``acc.dtype`` (used by the fallback).
+def _addmm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_acc: torch.Tensor | None) -> None:
+    """``acc += a @ b`` with ``acc`` in fp32/fp64; ``a_acc`` is ``a`` in ``acc.dtype`` if at hand (for the fallback).
 
     Rounding each chunk's product to bf16 before summing over chunks would bias ``grad_weight``; either cuBLAS adds
     the fp32 product in place, or the GEMM runs in ``acc.dtype``.
@@ -78,17 +93,7 @@ def _addmm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_acc: torch
             raise  # a real OOM, not a missing kernel: the fallback would need even more memory
         except (TypeError, RuntimeError, NotImplementedError):
             _OUT_DTYPE_OK = False
-    acc.addmm_(a_acc, b.to(acc.dtype))
-
-
-def _chunk_logits(h: torch.Tensor, w_t: torch.Tensor, bias_acc, temperature: float, acc_dtype) -> torch.Tensor:
-    # (n, H) @ (H, V) -> (n, V) in acc_dtype; bias and temperature applied in place to avoid a second buffer
-    z = _mm_acc(h, w_t, acc_dtype)
-    if bias_acc is not None:
-        z.add_(bias_acc)
-    if temperature != 1.0:
-        z.div_(temperature)
-    return z
+    acc.addmm_(a.to(acc.dtype) if a_acc is None else a_acc, b.to(acc.dtype))
 
 
 def _col_slices(v: int):
@@ -119,7 +124,17 @@ def _forward(hidden, weight, targets, bias, chunk_rows: int, temperature: float,
 
     for start in range(0, n_rows, chunk_rows):
         end = min(start + chunk_rows, n_rows)
-        z = _chunk_logits(hidden[start:end].to(compute), w_t, bias_acc, temperature, acc)  # (n, V)
+        z = _mm_acc(hidden[start:end].to(compute), w_t, acc)  # (n, V) raw logits
+        kernels = _triton_rows(z)
+        if kernels is not None:  # one fused pass: bias, temperature, log-sum-exp, target, entropy
+            ent = entropy[start:end] if want_entropy else None
+            kernels.row_stats(z, bias_acc, targets[start:end], 1.0 / temperature, lse[start:end], logp[start:end], ent)
+            del z
+            continue
+        if bias_acc is not None:
+            z.add_(bias_acc)
+        if temperature != 1.0:
+            z.div_(temperature)
         m = z.amax(dim=-1, keepdim=True)  # (n, 1), for a stable exp
         target_z = z.gather(1, targets[start:end, None]).squeeze(1)  # (n,)
         z.sub_(m)
@@ -174,6 +189,40 @@ class _ChunkedLogprobs(torch.autograd.Function):
             return (*_backward(ctx, grad_logp, grad_entropy), None)
 
 
+def _logits_grad_torch(z, bias_acc, temperature, lse, targets, gl, gh):
+    """dL/d(raw logits) for one chunk, in place in ``z`` (fp32): the torch path of the backward.
+
+    gl, gh: (n, 1) upstream gradients of log p_target and of the entropy, or None.
+    """
+    inv_t = 1.0 / temperature
+    if bias_acc is not None:
+        z.add_(bias_acc)
+    if temperature != 1.0:
+        z.div_(temperature)
+    z.sub_(lse[:, None])  # z is now log p
+    if gh is None:
+        # d logp_t / dz_j = 1[j = t] - p_j
+        z.exp_().mul_(-gl * inv_t)
+    else:
+        # d H / dz_j = -p_j (log p_j + H) with H = -sum_k p_k log p_k (recomputed: one row is whole here).
+        # Total: dL/dz_j = gl (1[j=t] - p_j) - gh p_j (log p_j + H)
+        #              = 1[j=t] gl - p_j (gh log p_j + gh H + gl)
+        neg_ent = torch.zeros(z.shape[0], 1, device=z.device, dtype=z.dtype)  # sum p log p = -H
+        for cols in _col_slices(z.shape[1]):
+            zc = z[:, cols]
+            neg_ent += torch.exp(zc).mul_(zc).sum(-1, keepdim=True)
+            del zc
+        shift = -gh * neg_ent if gl is None else gl - gh * neg_ent  # gl + gh H
+        for cols in _col_slices(z.shape[1]):
+            zc = z[:, cols]
+            p = torch.exp(zc)
+            zc.mul_(-gh * inv_t).sub_(shift * inv_t).mul_(p)
+            del p, zc
+    if gl is not None:
+        z.scatter_add_(1, targets[:, None], gl * inv_t)
+    return z
+
+
 def _backward(ctx, grad_logp, grad_entropy):
     hidden, weight, bias, targets, lse = ctx.saved_tensors
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -202,43 +251,29 @@ def _backward(ctx, grad_logp, grad_entropy):
     for start in range(0, n_rows, chunk_rows):
         end = min(start + chunk_rows, n_rows)
         h_c = hidden[start:end].to(compute)
-        # z becomes log p, then (in place) the gradient w.r.t. the *pre-temperature* logits
-        z = _chunk_logits(h_c, w_t, bias_acc, temperature, acc)
-        z.sub_(lse[start:end, None])
-        gl = None if g_lp is None else g_lp[start:end, None]  # (n, 1)
-        if g_h is None:
-            # d logp_t / dz_j = 1[j = t] - p_j
-            z.exp_().mul_(-gl * inv_t)
+        z = _mm_acc(h_c, w_t, acc)  # (n, V) raw logits, recomputed
+        kernels = _triton_rows(z)
+        if kernels is not None:  # one fused pass writes dL/dz straight in the GEMM dtype
+            gl_c = None if g_lp is None else g_lp[start:end].contiguous()
+            gh_c = None if g_h is None else g_h[start:end].contiguous()
+            g_c = kernels.row_grad(z, bias_acc, targets[start:end], lse[start:end], gl_c, gh_c, inv_t, compute)
+            g = None  # the fp32 gradient is never materialised
         else:
-            # d H / dz_j = -p_j (log p_j + H) with H = -sum_k p_k log p_k (recomputed: one row is whole here).
-            # Total: dL/dz_j = gl (1[j=t] - p_j) - gh p_j (log p_j + H)
-            #              = 1[j=t] gl - p_j (gh log p_j + gh H + gl)
-            gh = g_h[start:end, None]
-            neg_ent = torch.zeros(end - start, 1, device=z.device, dtype=acc)  # sum p log p = -H
-            for cols in _col_slices(vocab):
-                zc = z[:, cols]
-                neg_ent += torch.exp(zc).mul_(zc).sum(-1, keepdim=True)
-                del zc
-            shift = -gh * neg_ent if gl is None else gl - gh * neg_ent  # gl + gh H
-            for cols in _col_slices(vocab):
-                zc = z[:, cols]
-                p = torch.exp(zc)
-                zc.mul_(-gh * inv_t).sub_(shift * inv_t).mul_(p)
-                del p, zc
-        if gl is not None:
-            z.scatter_add_(1, targets[start:end, None], gl * inv_t)
-        g = z  # (n, V) dL/d(h W^T + b), in acc dtype
+            g = _logits_grad_torch(z, bias_acc, temperature, lse[start:end], targets[start:end],
+                                   None if g_lp is None else g_lp[start:end, None],
+                                   None if g_h is None else g_h[start:end, None])
+            g_c = g.to(compute)  # no copy unless the GEMMs run in half precision
+        del z
         if need_b:
-            grad_b_acc += g.sum(0)
-        g_c = g.to(compute)  # no copy unless the GEMMs run in half precision
+            grad_b_acc += g.sum(0) if g is not None else g_c.sum(0, dtype=acc)
         if need_h:
             grad_hidden[start:end] = torch.mm(g_c, w_c)  # (n, V) @ (V, H)
         if need_w:
             if single_chunk:
                 grad_weight = torch.mm(g_c.t(), h_c).to(weight.dtype)  # (V, n) @ (n, H)
             else:
-                _addmm_acc(grad_w_acc, g_c.t(), h_c, g.t())
-        del z, g, g_c
+                _addmm_acc(grad_w_acc, g_c.t(), h_c, None if g is None else g.t())
+        del g, g_c
 
     if need_w and grad_weight is None:
         if grad_w_acc is None:  # zero rows
