@@ -8,7 +8,7 @@ mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
 ARGS="--tiny_shape 0.5b --max_steps 5 --max_completion_length 128 --per_device_train_batch_size 16
       --num_generations 8 --logging_steps 1 --save_strategy no --disable_tqdm true"
-for config in single_gpu multi_gpu zero2 zero3; do
+for config in ${CONFIGS:-single_gpu multi_gpu zero2 zero3}; do
   processes=2; [ "$config" = single_gpu ] && processes=1
   out=/tmp/multi_gpu_$config
   timeout 240 python3 -m accelerate.commands.launch --config_file "accelerate_configs/$config.yaml" --num_processes $processes \

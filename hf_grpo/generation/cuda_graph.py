@@ -27,6 +27,11 @@ How a chunk is decoded:
   registers with the graph, so every replay draws fresh numbers.
 * No host synchronisation per token: whether every row has finished is read back only
   every ``check_every`` steps.
+* By default the one-token forward is compiled with ``torch.compile`` before it is captured
+  (inductor fuses each layer's dozens of small kernels; ~2x faster steps at 0.5B), with a
+  packed grouped-query attention for the decode step (``_gqa_decode``) because transformers'
+  sdpa path repeats the KV heads while being traced. Compiling costs ~20-30 s once per
+  (model, batch, cache length); ``compile=False`` captures the eager forward instead.
 
 Weights change every optimizer step. A CUDA graph stores the *addresses* of the tensors
 it reads, not their values, so replaying it reads whatever the parameters hold now:
@@ -52,6 +57,7 @@ import logging
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -153,6 +159,86 @@ def _last_logits(model, input_ids, attention_mask, position_ids, cache, cache_kw
     out = model(**kwargs)
     logits = out.logits if hasattr(out, "logits") else out[0]
     return logits[:, -1, :].float()
+
+
+# While the decode step is traced by torch.compile, transformers' sdpa path cannot use its
+# eager "pack GQA" trick (it checks is_torchdynamo_compiling) and materialises every KV head
+# num_key_value_groups times (repeat_kv): 7x the KV-cache traffic for Qwen2-0.5B, per layer
+# and per token. This attention does the pack instead: the one query token of the
+# num_key_value_groups query heads sharing a KV head become the "query length" of one SDPA
+# call on the un-repeated cache. Head h maps to KV head h // groups, as in repeat_kv, and the
+# [B, 1, 1, L] mask broadcasts over both, so the result equals sdpa's.
+_GQA_DECODE_ATTENTION = {"sdpa": "hf_grpo_gqa_decode_sdpa", "matmul": "hf_grpo_gqa_decode_matmul"}
+
+
+def _gqa_decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """variant "sdpa": one torch SDPA call on the packed query (cuDNN/efficient kernels)."""
+    return _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, False, **kwargs)
+
+
+def _gqa_decode_attention_matmul(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
+    """variant "matmul": two batched matmuls and a float32 softmax, which inductor fuses around."""
+    return _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, True, **kwargs)
+
+
+def _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, matmul, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, q_len, head_dim = query.shape
+    if q_len != 1 or groups == 1 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    packed = query.reshape(batch, heads // groups, groups, head_dim)  # [B, KV heads, groups, D]
+    if matmul:
+        scale = head_dim**-0.5 if scaling is None else scaling
+        scores = torch.matmul(packed, key.transpose(-1, -2)) * scale  # [B, KV heads, groups, L]
+        if attention_mask is not None:
+            if attention_mask.dtype == torch.bool:
+                scores = scores.masked_fill(~attention_mask, float("-inf"))
+            else:
+                scores = scores + attention_mask
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+        out = torch.matmul(probs, value)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            packed, key, value, attn_mask=attention_mask, scale=scaling
+        )
+    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+def _register_gqa_decode_attention() -> None:
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    for variant, fn in (("sdpa", _gqa_decode_attention), ("matmul", _gqa_decode_attention_matmul)):
+        name = _GQA_DECODE_ATTENTION[variant]
+        if name not in ALL_ATTENTION_FUNCTIONS:
+            ALL_ATTENTION_FUNCTIONS.register(name, fn)
+            ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+
+
+@contextmanager
+def _decode_attention(model: torch.nn.Module, variant: str | None):
+    """Route an sdpa model's attention through the packed-GQA decode attention while tracing/capturing.
+
+    The model's config is restored on exit, so `model.generate` and training see it unchanged;
+    the captured graph keeps the kernels it recorded.
+    """
+    config = _base_model(model).config
+    original = getattr(config, "_attn_implementation_internal", None)
+    if variant is None or original != "sdpa":
+        yield
+        return
+    _register_gqa_decode_attention()
+    config._attn_implementation_internal = _GQA_DECODE_ATTENTION[variant]
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = original
 
 
 def _compile_available() -> str | None:
@@ -263,6 +349,10 @@ class CudaGraphBackend(GenerationBackend):
             prefill and the sampling stay eager. ``None`` (default): on when capturing graphs
             and Triton is available. A failed compile falls back to capturing the eager
             forward, with a warning. Compiling costs tens of seconds once per shape.
+        decode_attention: how the compiled step attends for sdpa models with grouped KV heads
+            (see `_gqa_decode`): "matmul" (default: explicit matmuls + float32 softmax, as
+            transformers' eager attention computes it; 4-7% faster end to end on an H200 for
+            Qwen2-0.5B shapes) or "sdpa" (torch SDPA on the packed query, cuDNN kernel).
     """
 
     name = "cuda_graph"
@@ -275,6 +365,7 @@ class CudaGraphBackend(GenerationBackend):
         max_cached_graphs: int = 2,
         use_cuda_graph: bool = True,
         compile: bool | None = None,
+        decode_attention: str = "matmul",
     ) -> None:
         if check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {check_every}")
@@ -285,6 +376,9 @@ class CudaGraphBackend(GenerationBackend):
         if compile is None:
             compile = use_cuda_graph and torch.cuda.is_available() and _compile_available() is None
         self.compile = bool(compile)
+        if decode_attention not in _GQA_DECODE_ATTENTION:
+            raise ValueError(f"decode_attention must be one of {sorted(_GQA_DECODE_ATTENTION)}, got {decode_attention!r}")
+        self.decode_attention = decode_attention
         self._compiled_fn = None
         self.compile_error: str | None = None  # why compiling failed, once it has
         self._entries: OrderedDict[tuple, _Entry] = OrderedDict()
@@ -303,6 +397,12 @@ class CudaGraphBackend(GenerationBackend):
         device = _model_device(model)
         if device.type != "cuda":
             return f"the model is on {device.type}, and the cuda_graph backend needs a CUDA device"
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+        if is_deepspeed_zero3_enabled():
+            # Seen on 2 x H200: the re-capture each rollout needs (gathered weights move) fails with
+            # "operation not permitted when stream is capturing" under ZeRO-3's hooks.
+            return "DeepSpeed ZeRO-3 re-partitions the weights every rollout, and capture under its hooks fails"
         if getattr(base, "hf_quantizer", None) is not None or getattr(base, "is_quantized", False):
             return "quantized models are not supported by the cuda_graph backend"
         model_type = getattr(config, "model_type", None)
@@ -562,23 +662,28 @@ class CudaGraphBackend(GenerationBackend):
 
     def _capture(self, model, entry: _Entry) -> None:
         """Warm up the decode step on a side stream, then capture it (the state it leaves is reset after)."""
-        if entry.extra.get("compiled") is not None:
-            try:  # the first call compiles; do it outside the capture
+        compiled = entry.extra.get("compiled") is not None
+        with _decode_attention(model, self.decode_attention if compiled else None):
+            if compiled:
+                try:  # the first call compiles; do it outside the capture
+                    self._decode_step(model, entry)
+                except Exception as err:  # noqa: BLE001 - any compiler failure: capture the eager forward
+                    self.compile_error = f"{type(err).__name__}: {err}"
+                    logger.warning(
+                        "cuda_graph backend: torch.compile failed (%s); capturing the eager forward", self.compile_error
+                    )
+                    entry.extra["compiled"] = None
+                torch.cuda.synchronize()
+        with _decode_attention(model, self.decode_attention if entry.extra.get("compiled") is not None else None):
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._decode_step(model, entry)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
                 self._decode_step(model, entry)
-            except Exception as err:  # noqa: BLE001 - any compiler failure: capture the eager forward
-                self.compile_error = f"{type(err).__name__}: {err}"
-                logger.warning("cuda_graph backend: torch.compile failed (%s); capturing the eager forward", self.compile_error)
-                entry.extra["compiled"] = None
-            torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._decode_step(model, entry)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._decode_step(model, entry)
         entry.graph = graph
         self.num_captures += 1
 
