@@ -12,7 +12,8 @@ Each is thin and calls TRL's own code wherever it can:
 - the policy's and reference's ``forward`` are patched after TRL's ``add_fused_lm_head`` so the
   log-softmax runs ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
 
-Public overrides: ``training_step`` (token and time accounting) and ``log`` (``perf/`` figures).
+Also: ``_prepare_inputs`` (TRL's, calls it and counts the micro-batch's tokens), and the public
+``training_step`` (time accounting) and ``log`` (``perf/`` figures).
 """
 
 from __future__ import annotations
