@@ -13,6 +13,7 @@ from trl import ModelConfig, TrlParser, get_peft_config
 from .config import GRPOConfig
 from .recipe_args import RecipeArguments
 from .reporting import METRICS_FILE, PLOT_FILE, MetricsFileCallback, plot_metrics
+from .tasks import as_chat
 from .tiny import build_char_tokenizer, build_tiny_model
 from .trainer import GRPOTrainer
 
@@ -65,6 +66,13 @@ def load_model_and_tokenizer(model_args: ModelConfig, recipe_args: RecipeArgumen
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def chat_prompts_if_templated(dataset, tokenizer):
+    """Chat models get each prompt as a user turn (TRL applies their template); others keep plain text."""
+    if not tokenizer.chat_template:
+        return dataset
+    return dataset.map(lambda row: {"prompt": as_chat(row["prompt"])})
 
 
 def run_recipe(defaults: dict[str, Any], reward_funcs, build_dataset, argv: list[str] | None = None,

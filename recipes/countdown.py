@@ -9,9 +9,9 @@ Reward: 1.0 for a correct equation using every number once, 0.1 for a well-forme
 
 import string
 
-from hf_grpo.launch import run_recipe
+from hf_grpo.launch import chat_prompts_if_templated, run_recipe
 from hf_grpo.rewards import countdown_reward
-from hf_grpo.tasks import as_chat, countdown_dataset
+from hf_grpo.tasks import countdown_dataset
 
 DEFAULTS = dict(
     output_dir="outputs/countdown",
@@ -29,10 +29,7 @@ DEFAULTS = dict(
 
 
 def build_dataset(recipe_args, training_args, tokenizer):
-    dataset = countdown_dataset(recipe_args.num_train_samples, seed=training_args.seed)
-    if tokenizer.chat_template:  # chat models get the prompt as a user turn; TRL applies the template
-        dataset = dataset.map(lambda row: {"prompt": as_chat(row["prompt"])})
-    return dataset
+    return chat_prompts_if_templated(countdown_dataset(recipe_args.num_train_samples, seed=training_args.seed), tokenizer)
 
 
 def main(argv=None):

@@ -9,9 +9,9 @@
 
 import string
 
-from hf_grpo.launch import run_recipe
+from hf_grpo.launch import chat_prompts_if_templated, run_recipe
 from hf_grpo.rewards import gsm8k_correctness_reward, gsm8k_format_reward
-from hf_grpo.tasks import as_chat, gsm8k_dataset
+from hf_grpo.tasks import gsm8k_dataset
 
 DEFAULTS = dict(
     output_dir="outputs/gsm8k",
@@ -29,10 +29,7 @@ DEFAULTS = dict(
 
 
 def build_dataset(recipe_args, training_args, tokenizer):
-    dataset = gsm8k_dataset(recipe_args.dataset_name, split=recipe_args.dataset_split)
-    if tokenizer.chat_template:  # chat models get the prompt as a user turn; TRL applies the template
-        dataset = dataset.map(lambda row: {"prompt": as_chat(row["prompt"])})
-    return dataset
+    return chat_prompts_if_templated(gsm8k_dataset(recipe_args.dataset_name, split=recipe_args.dataset_split), tokenizer)
 
 
 def main(argv=None):

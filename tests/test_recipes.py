@@ -43,3 +43,18 @@ def test_gsm8k_tiny_from_a_local_jsonl(tmp_path):
     rows = logged(tmp_path / "out")
     assert [r["step"] for r in rows] == [1, 2]
     assert {"rewards/gsm8k_format_reward/mean", "rewards/gsm8k_correctness_reward/mean"} <= set(rows[0])
+
+
+def test_prompts_become_chat_turns_only_for_tokenizers_with_a_template():
+    from datasets import Dataset
+
+    from hf_grpo.launch import chat_prompts_if_templated
+    from hf_grpo.tiny import build_char_tokenizer
+
+    dataset = Dataset.from_dict({"prompt": ["what is 1+1?"], "answer": ["#### 2"]})
+    tokenizer = build_char_tokenizer()
+    assert chat_prompts_if_templated(dataset, tokenizer)["prompt"] == ["what is 1+1?"]
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    chat = chat_prompts_if_templated(dataset, tokenizer)
+    assert chat["prompt"] == [[{"role": "user", "content": "what is 1+1?"}]]
+    assert chat["answer"] == ["#### 2"]
