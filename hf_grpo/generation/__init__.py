@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import GenerationBackend, cut_after_eos, iter_chunks, left_pad
+from .base import GenerationBackend, cut_after_eos, iter_chunks, left_pad, model_device, padded_length
 from .hf import HFGenerateBackend
 
 BACKEND_NAMES = ("auto", "hf", "cuda_graph", "vllm")
@@ -23,13 +23,9 @@ def resolve_backend(name: str, model: torch.nn.Module) -> tuple[GenerationBacken
         raise ValueError(f"generation_backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name == "hf":
         return HFGenerateBackend(), None
-    device = next(model.parameters()).device
-    if device.type != "cuda":
-        reason = f"the model is on {device.type}, and the cuda_graph backend needs a CUDA device"
-        return HFGenerateBackend(), reason
     try:
         from .cuda_graph import CudaGraphBackend
-    except ImportError as err:  # the module arrives with the fast-rollout work
+    except ImportError as err:
         return HFGenerateBackend(), f"the cuda_graph backend is unavailable ({err})"
     backend = CudaGraphBackend()
     reason = backend.unsupported_reason(model)
@@ -45,5 +41,7 @@ __all__ = [
     "cut_after_eos",
     "iter_chunks",
     "left_pad",
+    "model_device",
+    "padded_length",
     "resolve_backend",
 ]

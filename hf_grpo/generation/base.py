@@ -51,6 +51,22 @@ def iter_chunks(items: Sequence, size: int) -> Iterator[Sequence]:
         yield items[start : start + size]
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's parameters live (the CPU for a model without any)."""
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def padded_length(prompt_ids: Sequence[Sequence[int]], pad_to_multiple_of: int | None = None) -> int:
+    """Length of the longest prompt, rounded up to ``pad_to_multiple_of`` when given."""
+    length = max(len(p) for p in prompt_ids)
+    if pad_to_multiple_of:
+        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+    return length
+
+
 def left_pad(
     prompt_ids: Sequence[Sequence[int]],
     pad_token_id: int,
@@ -58,9 +74,7 @@ def left_pad(
     pad_to_multiple_of: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad prompts into ``input_ids`` and ``attention_mask`` of shape [B, L]."""
-    length = max(len(p) for p in prompt_ids)
-    if pad_to_multiple_of:
-        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+    length = padded_length(prompt_ids, pad_to_multiple_of)
     input_ids = torch.full((len(prompt_ids), length), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(prompt_ids), length), dtype=torch.long)
     for row, ids in enumerate(prompt_ids):

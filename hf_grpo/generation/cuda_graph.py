@@ -63,7 +63,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig
 
-from .base import GenerationBackend, cut_after_eos, iter_chunks, left_pad
+from .base import GenerationBackend, cut_after_eos, iter_chunks, left_pad, model_device, padded_length
 from .hf import HFGenerateBackend
 
 logger = logging.getLogger(__name__)
@@ -128,13 +128,6 @@ def _base_model(model: torch.nn.Module) -> torch.nn.Module:
     while hasattr(model, "module") and isinstance(model.module, torch.nn.Module) and not hasattr(model, "config"):
         model = model.module
     return model
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except StopIteration:
-        return torch.device("cpu")
 
 
 def _unsupported_generation_setting(gc: GenerationConfig) -> str | None:
@@ -394,7 +387,7 @@ class CudaGraphBackend(GenerationBackend):
             return f"{type(base).__name__} has no transformers config"
         if getattr(config, "is_encoder_decoder", False):
             return "encoder-decoder models are not supported by the cuda_graph backend"
-        device = _model_device(model)
+        device = model_device(model)
         if device.type != "cuda":
             return f"the model is on {device.type}, and the cuda_graph backend needs a CUDA device"
         from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
@@ -455,7 +448,7 @@ class CudaGraphBackend(GenerationBackend):
             return []
         if chunk_size < 1:
             raise ValueError(f"chunk size must be a positive integer, got {chunk_size}")
-        device = _model_device(model)
+        device = model_device(model)
         if self.use_cuda_graph and device.type != "cuda":
             raise ValueError(
                 f"the model is on {device.type}, and the cuda_graph backend needs a CUDA device "
@@ -467,15 +460,9 @@ class CudaGraphBackend(GenerationBackend):
 
         # Per-chunk padded prompt length and number of new tokens (max_new_tokens, or what
         # max_length leaves, as model.generate computes it from the padded input length).
-        def padded_len(chunk):
-            n = max(len(p) for p in chunk)
-            if pad_to_multiple_of:
-                n = -(-n // pad_to_multiple_of) * pad_to_multiple_of
-            return n
-
         plan = []
         for chunk in chunks:
-            p = padded_len(chunk)
+            p = padded_length(chunk, pad_to_multiple_of)
             steps = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 20) - p
             plan.append((chunk, p, max(0, int(steps))))
         need = max(p + s for _, p, s in plan)
@@ -538,7 +525,7 @@ class CudaGraphBackend(GenerationBackend):
     def _new_entry(self, model: torch.nn.Module, batch: int, cache_len: int, sampling: _Sampling) -> _Entry:
         from transformers import StaticCache
 
-        device = _model_device(model)
+        device = model_device(model)
         config = _base_model(model).config
         cache = StaticCache(config=config, max_cache_len=cache_len)
         entry = _Entry(model_ref=weakref.ref(model), batch=batch, cache_len=cache_len, sampling=sampling, cache=cache)

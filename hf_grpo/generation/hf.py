@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 from transformers import GenerationConfig
 
-from .base import GenerationBackend, cut_after_eos, iter_chunks, left_pad
+from .base import GenerationBackend, cut_after_eos, iter_chunks, left_pad, model_device
 
 
 class HFGenerateBackend(GenerationBackend):
@@ -28,7 +28,7 @@ class HFGenerateBackend(GenerationBackend):
         eos_token_ids: Sequence[int],
         pad_to_multiple_of: int | None = None,
     ) -> list[list[int]]:
-        device = next(model.parameters()).device
+        device = model_device(model)
         completions: list[list[int]] = []
         for chunk in iter_chunks(prompt_ids, chunk_size):
             input_ids, attention_mask = left_pad(chunk, pad_token_id, device, pad_to_multiple_of)

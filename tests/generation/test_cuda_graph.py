@@ -101,7 +101,7 @@ def test_unsupported_models_get_a_reason(tokenizer, monkeypatch):
     backend = CudaGraphBackend()
     model = build_tiny_model(tokenizer)
     # Pretend the model is on CUDA so that the family/attention checks are reached on CPU.
-    monkeypatch.setattr("hf_grpo.generation.cuda_graph._model_device", lambda m: torch.device("cuda"))
+    monkeypatch.setattr("hf_grpo.generation.cuda_graph.model_device", lambda m: torch.device("cuda"))
     assert backend.unsupported_reason(model) is None
 
     model.config._attn_implementation = "flash_attention_2"
