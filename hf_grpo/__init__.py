@@ -7,6 +7,7 @@ from .config import (
     create_speed_optimized_config,
 )
 from .plan import BatchPlan
+from .shutdown import close_distributed
 
 __version__ = "0.1.0"
 
@@ -24,6 +25,7 @@ __all__ = [
     "BatchPlan",
     "GRPOConfig",
     "GRPOTrainer",
+    "close_distributed",
     "create_balanced_config",
     "create_memory_optimized_config",
     "create_speed_optimized_config",

@@ -13,6 +13,7 @@ from trl import ModelConfig, TrlParser, get_peft_config
 from .config import GRPOConfig
 from .recipe_args import RecipeArguments
 from .reporting import METRICS_FILE, PLOT_FILE, MetricsFileCallback, plot_metrics
+from .shutdown import close_distributed
 from .tasks import as_chat
 from .tiny import build_char_tokenizer, build_tiny_model
 from .trainer import GRPOTrainer
@@ -98,7 +99,7 @@ def run_recipe(defaults: dict[str, Any], reward_funcs, build_dataset, argv: list
 
 
 def finish(trainer, recipe_args: RecipeArguments) -> None:
-    """Save the model, the per-rank performance figures and the plot; close the process group."""
+    """Save the model, the per-rank performance figures and the plot; end the distributed run."""
     trainer.save_model()
     output_dir = trainer.args.output_dir
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -114,7 +115,4 @@ def finish(trainer, recipe_args: RecipeArguments) -> None:
             png = plot_metrics(metrics, os.path.join(output_dir, PLOT_FILE))
             logger.info("metrics: %s, plot: %s", metrics, png)
         logger.info("performance (rank 0): %s", {k: round(v, 4) for k, v in stats.items() if k != "batch_plan"})
-    # Without this a run that trained fine can still abort at exit under torch.distributed.
-    if distributed:
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    close_distributed(trainer)

@@ -14,7 +14,7 @@ import torch
 from datasets import Dataset
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-from hf_grpo import GRPOConfig, GRPOTrainer
+from hf_grpo import GRPOConfig, GRPOTrainer, close_distributed
 from hf_grpo.generation import HFGenerateBackend
 from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
 
@@ -58,9 +58,7 @@ def main(out_dir, per_device_batch, steps):
         state = {n: p.detach().clone() for n, p in model.named_parameters()}
     if trainer.is_world_process_zero():
         torch.save(state, f"{out_dir}/params.pt")
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    close_distributed(trainer)
 
 
 if __name__ == "__main__":
