@@ -21,8 +21,9 @@ How a chunk is decoded:
   rows are decoded and dropped, and the graph is not captured again.
 * Sampling stays on the device: repetition penalty, ``min_new_tokens``/``min_length``,
   temperature, top-k, top-p and min-p are applied to float32 logits as the matching
-  ``transformers`` logits processors do, then a token is drawn with the exponential
-  race (``argmax(p / E)``, ``E ~ Exp(1)``), which samples exactly from ``p``. The
+  ``transformers`` logits processors do (in place, to keep the step's peak memory low),
+  then a token is drawn with the Gumbel-max trick (``argmax(log p - log E)``,
+  ``E ~ Exp(1)``), which samples exactly from ``p``. The
   random numbers come from torch's default CUDA generator, which ``torch.cuda.graph``
   registers with the graph, so every replay draws fresh numbers.
 * No host synchronisation per token: whether every row has finished is read back only
@@ -597,7 +598,11 @@ class CudaGraphBackend(GenerationBackend):
         self._advance(entry, logits)
 
     def _advance(self, entry: _Entry, logits: torch.Tensor) -> None:
-        """Logits [B, V] float32 -> next token, written into the static buffers (capturable)."""
+        """Logits [B, V] float32 -> next token, written into the static buffers (capturable).
+
+        ``logits`` is this step's own float32 copy and is filtered in place: every extra [B, V]
+        float32 buffer is another 19 MB at 32 rows of a 152k vocabulary, at the peak of the step.
+        """
         s = entry.sampling
         scores = logits
         if s.repetition_penalty != 1.0:
@@ -606,32 +611,33 @@ class CudaGraphBackend(GenerationBackend):
             scores = torch.where(seen, penalised, scores)
         if s.min_new_tokens > 0 or s.min_length > 0:
             block = entry.eos_vocab_mask & (entry.step < entry.min_steps)
-            scores = scores.masked_fill(block, float("-inf"))
+            scores.masked_fill_(block, float("-inf"))
         if s.do_sample:
             if s.temperature != 1.0:
-                scores = scores / s.temperature
+                scores.div_(s.temperature)
             if s.top_k > 0:
                 k = min(s.top_k, scores.size(-1))
                 kth = torch.topk(scores, k, dim=-1).values[:, -1:]
-                scores = scores.masked_fill(scores < kth, float("-inf"))
+                scores.masked_fill_(scores < kth, float("-inf"))
             if s.top_p < 1.0:
                 sorted_scores, sorted_idx = torch.sort(scores, descending=False)
                 cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
                 remove_sorted = cum <= (1 - s.top_p)
                 remove_sorted[:, -1:] = False  # keep at least one token
                 remove = remove_sorted.scatter(1, sorted_idx, remove_sorted)
-                scores = scores.masked_fill(remove, float("-inf"))
+                scores.masked_fill_(remove, float("-inf"))
             if s.min_p is not None:
                 probs = scores.softmax(dim=-1)
                 threshold = s.min_p * probs.amax(dim=-1, keepdim=True)
                 remove = probs < threshold
                 remove.scatter_(1, probs.argmax(dim=-1, keepdim=True), False)
-                scores = scores.masked_fill(remove, float("-inf"))
-            probs = scores.softmax(dim=-1)
-            # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i.
-            # The clamp keeps a 0 draw from turning 0/0 into a NaN that argmax would select.
-            race = torch.empty_like(probs).exponential_().clamp_min_(1e-20)
-            next_tokens = (probs / race).argmax(dim=-1)
+                del probs
+                scores.masked_fill_(remove, float("-inf"))
+            # Gumbel-max: argmax_i (log p_i - log E_i), E_i ~ Exp(1), picks i with probability p_i, and
+            # log p_i differs from scores_i by a per-row constant, so no softmax is needed. One noise
+            # buffer, turned into scores - log E in place; the clamp keeps log(0) from winning.
+            noise = torch.empty_like(scores).exponential_().clamp_min_(1e-20).log_()
+            next_tokens = noise.neg_().add_(scores).argmax(dim=-1)
         else:
             next_tokens = scores.argmax(dim=-1)
         next_tokens = torch.where(entry.unfinished, next_tokens, torch.full_like(next_tokens, s.pad_token_id))

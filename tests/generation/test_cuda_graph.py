@@ -213,20 +213,20 @@ def test_bf16_model_runs_and_matches_mostly(tokenizer, attention):
     assert same >= 12, (same, expected, got)
 
 
-def _constant_logit_model(tokenizer, seed: int = 0):
+def _constant_logit_model(tokenizer, seed: int = 0, device: str = "cuda"):
     """A model whose next-token logits are the same vector at every step and for every input.
 
     Every token embeds to the same vector, so every position carries the same hidden state
     (attention averages identical values), whatever the prompt or position: the sampled
     tokens are i.i.d., and each decode step replayed from the graph can be tested.
     """
-    model = build_tiny_model(tokenizer, seed=seed).cuda().eval()
+    model = build_tiny_model(tokenizer, seed=seed).to(device).eval()
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
         emb.copy_(emb[2].expand_as(emb))
         head = model.get_output_embeddings().weight
         head.mul_(4.0)  # spread the logits
-        logits = model(torch.tensor([[5, 6, 7]], device="cuda")).logits[0, -1].float()
+        logits = model(torch.tensor([[5, 6, 7]], device=device)).logits[0, -1].float()
     return model, logits
 
 
@@ -240,8 +240,10 @@ def _sample(model, n_rows: int, steps: int, **gen) -> list[list[int]]:
         **gen,
     )
     prompts = [[5, 6, 7]] * n_rows
+    # On CPU the same decode step and sampling run eagerly, without a graph.
+    backend = CudaGraphBackend(compile=False, use_cuda_graph=model.device.type == "cuda")
     with torch.no_grad():
-        return CudaGraphBackend(compile=False).generate(
+        return backend.generate(
             model, prompts, generation_config=gc, chunk_size=n_rows, pad_token_id=PAD, eos_token_ids=[EOS]
         )
 
@@ -263,12 +265,11 @@ def _chi_square_ok(counts: collections.Counter, probs: torch.Tensor, n: int) -> 
     return stat <= df + 5 * math.sqrt(2 * df), stat, df
 
 
-@pytest.mark.gpu
-@needs_cuda
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampling_follows_softmax(tokenizer, temperature):
+def test_sampling_follows_softmax(tokenizer, temperature, device):
     torch.manual_seed(1234)
-    model, logits = _constant_logit_model(tokenizer)
+    model, logits = _constant_logit_model(tokenizer, device=device)
     rows, steps = 256, 64
     out = _sample(model, rows, steps, temperature=temperature, top_k=0, top_p=1.0)
     assert all(len(r) == steps for r in out)
@@ -286,11 +287,10 @@ def test_sampling_follows_softmax(tokenizer, temperature):
     assert len({tuple(r) for r in out}) == rows
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_top_k_two_only_emits_the_two_most_likely(tokenizer):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+def test_top_k_two_only_emits_the_two_most_likely(tokenizer, device):
     torch.manual_seed(99)
-    model, logits = _constant_logit_model(tokenizer, seed=1)
+    model, logits = _constant_logit_model(tokenizer, seed=1, device=device)
     out = _sample(model, 128, 32, temperature=1.0, top_k=2)
     masked = logits.clone()
     masked[EOS] = float("-inf")
@@ -304,11 +304,10 @@ def test_top_k_two_only_emits_the_two_most_likely(tokenizer):
     assert abs(seen[first] - n * p[0]) <= 5 * sd
 
 
-@pytest.mark.gpu
-@needs_cuda
-def test_top_p_and_min_p_cut_the_tail(tokenizer):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+def test_top_p_and_min_p_cut_the_tail(tokenizer, device):
     torch.manual_seed(7)
-    model, logits = _constant_logit_model(tokenizer, seed=2)
+    model, logits = _constant_logit_model(tokenizer, seed=2, device=device)
     masked = logits.clone()
     masked[EOS] = float("-inf")
     probs = masked.softmax(-1)
