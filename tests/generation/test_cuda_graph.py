@@ -2,7 +2,8 @@
 
 GPU tests are marked ``gpu`` and skipped without CUDA. The CPU tests check the fallback
 rules, and run the backend's decode step eagerly (``use_cuda_graph=False``) against
-``model.generate`` so that the padding/position/EOS logic is exercised everywhere.
+``model.generate`` so that the padding/position/EOS logic and the sampling law are
+exercised everywhere.
 """
 
 from __future__ import annotations
