@@ -18,18 +18,9 @@ import time
 
 import torch
 from datasets import Dataset
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, TrainerCallback
+from transformers import TrainerCallback
 
-VOCAB = 151936
-
-
-def word_tokenizer() -> PreTrainedTokenizerFast:
-    """Token "t<i>" is id i: any id sequence round-trips, so prompts are plain random ids."""
-    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, VOCAB)}}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+from rollout import SHAPES, VOCAB, build_tokenizer  # bench/ is on sys.path when this script runs
 
 
 class StepTimer(TrainerCallback):
@@ -48,7 +39,7 @@ class StepTimer(TrainerCallback):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--impl", choices=["trl", "hf_grpo"], required=True)
-    parser.add_argument("--shape", choices=["0.5b", "1.5b"], default="0.5b")
+    parser.add_argument("--shape", choices=SHAPES, default="0.5b")
     parser.add_argument("--per_device_train_batch_size", type=int, default=8)
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--steps_per_generation", type=int, default=4)
@@ -63,7 +54,7 @@ def main():
 
     from hf_grpo.tiny import build_tiny_model
 
-    tokenizer = word_tokenizer()
+    tokenizer = build_tokenizer()
     model = build_tiny_model(tokenizer, shape=args.shape, dtype=torch.bfloat16)
     rng = random.Random(0)
     dataset = Dataset.from_dict({"prompt": [" ".join(f"t{rng.randrange(2, VOCAB)}" for _ in range(64))

@@ -41,12 +41,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from hf_grpo.generation import HFGenerateBackend  # noqa: E402
 from hf_grpo.generation.cuda_graph import CudaGraphBackend  # noqa: E402
+from hf_grpo.tiny import build_tiny_model  # noqa: E402
 
-VOCAB = 151936
-SHAPES = {
-    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2),
-}
+VOCAB = 151936  # the vocabulary of the 0.5b and 1.5b shapes in hf_grpo.tiny.SHAPES
+SHAPES = ("0.5b", "1.5b")
 PAD, EOS = 0, 1
 
 
@@ -57,6 +55,7 @@ def gpu_short_name() -> str:
 
 
 def build_tokenizer():
+    """Token "t<i>" is id i (pad 0, eos 1): any id sequence round-trips, so prompts are plain random ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -67,14 +66,9 @@ def build_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
 
 
-def build_model(shape: str):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=VOCAB, pad_token_id=PAD, eos_token_id=EOS, bos_token_id=EOS, tie_word_embeddings=True, **SHAPES[shape]
-    )
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).to("cuda", torch.bfloat16)
+def build_model(shape: str, tokenizer):
+    """The random-init Qwen2 shape of ``hf_grpo.tiny``, bf16 on the GPU (seed 0)."""
+    return build_tiny_model(tokenizer, shape=shape, dtype=torch.bfloat16).to("cuda")
 
 
 def build_trl_trainer(model, tokenizer, completion_len: int):
@@ -156,10 +150,10 @@ def main(argv=None) -> int:
     gpu = gpu_short_name()
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     records = []
-    tokenizer = build_tokenizer() if "trl" in backends else None
+    tokenizer = build_tokenizer()
 
     for shape in [s.strip() for s in args.shapes.split(",") if s.strip()]:
-        model = build_model(shape)
+        model = build_model(shape, tokenizer)
         trainer, trl_missing = (None, "not requested")
         if "trl" in backends:
             trainer, trl_missing = build_trl_trainer(model, tokenizer, args.completion_len)

@@ -41,7 +41,7 @@ def main(argv=None) -> int:
         print("bench/rollout_memory.py needs a CUDA device", file=sys.stderr)
         return 2
 
-    model = rollout.build_model(args.shape)
+    model = rollout.build_model(args.shape, rollout.build_tokenizer())
     config = rollout.trl_like_generation_config(args.completion_len)
     rng = random.Random(args.completions)
     prompts = [[rng.randrange(2, rollout.VOCAB) for _ in range(args.prompt_len)] for _ in range(args.completions)]
