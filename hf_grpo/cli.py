@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import yaml
 
-from .config import BATCH_FIELDS, GRPOConfig, resolve_batch_fields
+from .config import BATCH_FIELDS, GRPOConfig, batch_field_defaults, resolve_batch_fields
 from .plan import BatchPlan
 
 
@@ -31,7 +31,7 @@ def _int_or_none(text: str) -> int | None:
 
 def build_plan(argv: Sequence[str]) -> BatchPlan:
     """Parse ``hf-grpo plan`` arguments into a validated BatchPlan (raises ValueError)."""
-    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name in BATCH_FIELDS}
+    defaults = batch_field_defaults()
     parser = argparse.ArgumentParser(
         prog="hf-grpo plan",
         description="Print the batch plan (per-device and global sizes) for a GRPO config. No model is loaded.",
@@ -60,8 +60,7 @@ def build_plan(argv: Sequence[str]) -> BatchPlan:
     if args.num_processes < 1:
         raise ValueError(f"--num_processes must be >= 1, got {args.num_processes}")
     resolved = resolve_batch_fields(values, defaults, args.num_processes)
-    plan_fields = {f.name for f in dataclasses.fields(BatchPlan)} - {"world_size"}
-    return BatchPlan(**{k: resolved[k] for k in plan_fields}, world_size=args.num_processes)
+    return BatchPlan.from_fields(resolved, args.num_processes)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -144,9 +144,13 @@ def resolve_batch_fields(values: dict[str, Any], defaults: dict[str, Any], world
     elif preset_chunk is not None and isinstance(P, int) and isinstance(steps, int):
         values["per_device_generation_batch_size"] = min(preset_chunk, P * steps)
 
-    plan_fields = {f.name for f in dataclasses.fields(BatchPlan)} - {"world_size"}
-    BatchPlan(**{k: values[k] for k in plan_fields}, world_size=world_size).validate()
+    BatchPlan.from_fields(values, world_size).validate()
     return values
+
+
+def batch_field_defaults() -> dict[str, Any]:
+    """The dataclass defaults of ``BATCH_FIELDS`` (a preset fills only fields still at these)."""
+    return {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name in BATCH_FIELDS}
 
 
 @dataclass
@@ -204,9 +208,8 @@ class GRPOConfig(trl.GRPOConfig):
             )
         if self.generation_backend == "vllm":
             self.use_vllm = True
-        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name in BATCH_FIELDS}
         resolved = resolve_batch_fields(
-            {name: getattr(self, name) for name in BATCH_FIELDS}, defaults, current_world_size()
+            {name: getattr(self, name) for name in BATCH_FIELDS}, batch_field_defaults(), current_world_size()
         )
         for name, value in resolved.items():
             setattr(self, name, value)
@@ -214,16 +217,7 @@ class GRPOConfig(trl.GRPOConfig):
 
     def batch_plan(self, world_size: int | None = None) -> BatchPlan:
         """The batch plan for ``world_size`` processes (default: this launch's)."""
-        return BatchPlan(
-            per_device_train_batch_size=self.per_device_train_batch_size,
-            gradient_accumulation_steps=self.gradient_accumulation_steps,
-            steps_per_generation=self.steps_per_generation,
-            num_generations=self.num_generations,
-            num_iterations=self.num_iterations,
-            per_device_generation_batch_size=self.per_device_generation_batch_size,
-            tensor_batch_size=self.tensor_batch_size,
-            world_size=current_world_size() if world_size is None else world_size,
-        )
+        return BatchPlan.from_fields(vars(self), current_world_size() if world_size is None else world_size)
 
 
 def _preset_config(preset: str, overrides: dict[str, Any]) -> GRPOConfig:

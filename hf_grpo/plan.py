@@ -8,8 +8,10 @@ t log-softmax row chunk, W data-parallel processes.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
 from fractions import Fraction
+from typing import Any
 
 
 def _plural(count: int | Fraction, word: str, plural: str | None = None) -> str:
@@ -46,6 +48,11 @@ class BatchPlan:
     per_device_generation_batch_size: int
     tensor_batch_size: int | None
     world_size: int = 1
+
+    @classmethod
+    def from_fields(cls, values: Mapping[str, Any], world_size: int) -> BatchPlan:
+        """The plan of a config's fields (any mapping holding them, extra keys ignored)."""
+        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name != "world_size"}, world_size=world_size)
 
     # ---- derived figures -------------------------------------------------------------
     @property
