@@ -447,8 +447,6 @@ class CudaGraphBackend(GenerationBackend):
     ) -> list[list[int]]:
         if len(prompt_ids) == 0:
             return []
-        if chunk_size < 1:
-            raise ValueError(f"chunk size must be a positive integer, got {chunk_size}")
         device = model_device(model)
         if self.use_cuda_graph and device.type != "cuda":
             raise ValueError(
@@ -457,7 +455,7 @@ class CudaGraphBackend(GenerationBackend):
             )
         gc = generation_config
         batch = min(chunk_size, len(prompt_ids))
-        chunks = list(iter_chunks(prompt_ids, batch))
+        chunks = list(iter_chunks(prompt_ids, batch))  # raises for a chunk size below 1
 
         # Per-chunk padded prompt length and number of new tokens (max_new_tokens, or what
         # max_length leaves, as model.generate computes it from the padded input length).
