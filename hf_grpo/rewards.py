@@ -123,6 +123,22 @@ def _column(values: Sequence[Any] | None, n: int) -> list[Any]:
     return values[:n] + [None] * (n - len(values))
 
 
+def _score_each(completions, score, *columns) -> list[float]:
+    """``score(text, *column values)`` per completion, as a float; any exception scores 0.0.
+
+    ``columns`` are the dataset's keyword lists, aligned with the completions by ``_column``.
+    """
+    completions = list(completions) if completions is not None else []
+    aligned = [_column(values, len(completions)) for values in columns]
+    rewards: list[float] = []
+    for completion, *row in zip(completions, *aligned):
+        try:
+            rewards.append(float(score(completion_to_text(completion), *row)))
+        except Exception:  # a reward function must never raise on model output
+            rewards.append(0.0)
+    return rewards
+
+
 def extract_answer_tag(text: str) -> str | None:
     """Content of the *last* complete ``<answer>...</answer>`` pair in ``text`` (not stripped).
 
@@ -316,17 +332,7 @@ def countdown_reward(completions, target=None, nums=None, **kwargs) -> list[floa
     ``MAX_AST_DEPTH`` = 64, literals ``<= MAX_LITERAL`` = 10**6, intermediate numerators and
     denominators ``<= MAX_INTERMEDIATE`` = 10**15).
     """
-    completions = list(completions) if completions is not None else []
-    n = len(completions)
-    targets = _column(target, n)
-    numbers = _column(nums, n)
-    rewards: list[float] = []
-    for completion, t, ns in zip(completions, targets, numbers):
-        try:
-            rewards.append(float(_score_countdown(completion_to_text(completion), t, ns)))
-        except Exception:  # pragma: no cover - never raise from a reward function
-            rewards.append(0.0)
-    return rewards
+    return _score_each(completions, _score_countdown, target, nums)
 
 
 def countdown_format_reward(completions, **kwargs) -> list[float]:
@@ -336,16 +342,13 @@ def countdown_format_reward(completions, **kwargs) -> list[float]:
     Useful as a separately logged format metric; note :func:`countdown_reward` already includes
     this format credit, so summing both double counts it.
     """
-    completions = list(completions) if completions is not None else []
-    rewards: list[float] = []
-    for completion in completions:
-        try:
-            content = extract_answer_tag(completion_to_text(completion))
-            ok = content is not None and _parse_with_claim(content) is not None
-            rewards.append(COUNTDOWN_FORMAT_REWARD if ok else 0.0)
-        except Exception:  # pragma: no cover
-            rewards.append(0.0)
-    return rewards
+
+    def score(text: str) -> float:
+        content = extract_answer_tag(text)
+        ok = content is not None and _parse_with_claim(content) is not None
+        return COUNTDOWN_FORMAT_REWARD if ok else 0.0
+
+    return _score_each(completions, score)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -386,14 +389,17 @@ def _normalize_number(sign: str | None, num: str) -> str:
     return out
 
 
+def _matched_number(m: re.Match) -> str:
+    return _normalize_number(m.group("s1") or m.group("s2"), m.group("num"))
+
+
 def _numbers(text: str) -> list[str]:
-    return [_normalize_number(m.group("s1") or m.group("s2"), m.group("num"))
-            for m in _NUM_RE.finditer(text)]
+    return [_matched_number(m) for m in _NUM_RE.finditer(text)]
 
 
 def _first_number(text: str) -> str | None:
     m = _NUM_RE.search(text)
-    return _normalize_number(m.group("s1") or m.group("s2"), m.group("num")) if m else None
+    return _matched_number(m) if m else None
 
 
 def _last_number(text: str) -> str | None:
@@ -480,19 +486,14 @@ def gsm8k_correctness_reward(completions, answer=None, **kwargs) -> list[float]:
     """``1.0`` when :func:`extract_final_number` of the completion equals that of the reference
     ``answer`` (GSM8K style: reasoning then ``#### 72``; a bare number works too), else ``0.0``
     (also ``0.0`` when either side has no number)."""
-    completions = list(completions) if completions is not None else []
-    references = _column(answer, len(completions))
-    rewards: list[float] = []
-    for completion, reference in zip(completions, references):
-        try:
-            if isinstance(reference, (int, float)) and not isinstance(reference, bool):
-                reference = str(reference)
-            want = extract_final_number(reference)
-            got = extract_final_number(completion_to_text(completion))
-            rewards.append(1.0 if want is not None and got == want else 0.0)
-        except Exception:  # pragma: no cover
-            rewards.append(0.0)
-    return rewards
+
+    def score(text: str, reference: Any) -> float:
+        if isinstance(reference, (int, float)) and not isinstance(reference, bool):
+            reference = str(reference)
+        want = extract_final_number(reference)
+        return 1.0 if want is not None and extract_final_number(text) == want else 0.0
+
+    return _score_each(completions, score, answer)
 
 
 # Expected GSM8K completion format: some reasoning (at least one non-space character), then a
@@ -529,16 +530,11 @@ def gsm8k_format_reward(completions, **kwargs) -> list[float]:
         Natalia sold 48 / 2 = 24 clips in May, so 48 + 24 = 72 in total.
         <answer>72</answer>
     """
-    completions = list(completions) if completions is not None else []
-    rewards: list[float] = []
-    for completion in completions:
-        try:
-            text = completion_to_text(completion)
-            ok = len(text) <= _MAX_GSM8K_CHARS and _gsm8k_well_formatted(text)
-            rewards.append(GSM8K_FORMAT_REWARD if ok else 0.0)
-        except Exception:  # pragma: no cover
-            rewards.append(0.0)
-    return rewards
+
+    def score(text: str) -> float:
+        return GSM8K_FORMAT_REWARD if len(text) <= _MAX_GSM8K_CHARS and _gsm8k_well_formatted(text) else 0.0
+
+    return _score_each(completions, score)
 
 
 # ---- quickstart: repeat the prompt's letter ----------------------------------------------------
