@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
 from typing import Any
 
 import torch
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from .config import GRPOConfig
 from .recipe_args import RecipeArguments
@@ -28,6 +29,20 @@ def device_defaults() -> dict[str, Any]:
     return {"use_cpu": not cuda, "bf16": cuda and torch.cuda.is_bf16_supported()}
 
 
+def cpu_launch_without_mixed_precision() -> None:
+    """On a machine without a GPU, turn off the launch config's bf16/fp16 (the shipped configs say bf16).
+
+    ``accelerate launch`` passes ``mixed_precision`` on as ACCELERATE_MIXED_PRECISION, which the
+    Trainer and DeepSpeed read; on a CPU the recipe trains in fp32, so the two would disagree.
+    """
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launched != "no" and not torch.cuda.is_available():
+        if os.environ.get("RANK", "0") == "0":
+            logger.warning("no CUDA device: training in fp32, not the launch config's mixed_precision=%s "
+                           "(pass --mixed_precision no to accelerate launch to say so)", launched)
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
+
+
 def parse_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None):
     """(GRPOConfig, RecipeArguments, ModelConfig) from ``--config FILE.yaml`` and flags.
 
@@ -36,6 +51,7 @@ def parse_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None):
     """
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.WARNING)
     logger.setLevel(logging.INFO)
+    cpu_launch_without_mixed_precision()
     parser = TrlParser((GRPOConfig, RecipeArguments, ModelConfig))
     unknown = parser.set_defaults_with_config(**{**device_defaults(), **defaults})
     if unknown:
@@ -45,24 +61,59 @@ def parse_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None):
 
 def load_model_and_tokenizer(model_args: ModelConfig, recipe_args: RecipeArguments, training_args: GRPOConfig,
                              alphabet: str | None = None):
-    """The tiny in-code model (``--tiny`` or no model name) or a pretrained one from the hub."""
+    """The tiny in-code model (``--tiny`` or no model name), else a checkpoint: a hub id or a local directory."""
     if recipe_args.tiny or model_args.model_name_or_path is None:
         tokenizer = build_char_tokenizer(alphabet) if alphabet else build_char_tokenizer()
         model = build_tiny_model(tokenizer, shape=recipe_args.tiny_shape, seed=training_args.seed)
         return model, tokenizer
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return load_pretrained(model_args, training_args)
 
+
+def pretrained_init_kwargs(model_args: ModelConfig, training_args: GRPOConfig) -> dict[str, Any]:
+    """``from_pretrained`` keyword arguments from TRL's ModelConfig; quantization through TRL's helpers.
+
+    ``trust_remote_code`` is GRPOConfig's (TRL's) field, so the reference model TRL builds from the
+    same path reads the same value.
+    """
     dtype = model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype)
-    model = AutoModelForCausalLM.from_pretrained(
-        model_args.model_name_or_path,
+    kwargs: dict[str, Any] = dict(
         revision=model_args.model_revision,
-        trust_remote_code=model_args.trust_remote_code,
+        trust_remote_code=training_args.trust_remote_code,
         attn_implementation=model_args.attn_implementation,
         dtype=dtype,
     )
+    quantization = _quantization_config(model_args)
+    if quantization is not None:
+        # a quantized model is placed at load time, each process on its own GPU
+        kwargs.update(quantization_config=quantization, device_map={"": int(os.environ.get("LOCAL_RANK", "0"))})
+    return kwargs
+
+
+def _quantization_config(model_args: ModelConfig):
+    """TRL's BitsAndBytes config for ``--load_in_4bit`` / ``--load_in_8bit``, or None; refused where it cannot run."""
+    flag = "load_in_4bit" if model_args.load_in_4bit else "load_in_8bit" if model_args.load_in_8bit else None
+    if flag is None:
+        return None
+    if not torch.cuda.is_available():
+        raise ValueError(f"{flag}=True needs a CUDA GPU (bitsandbytes quantizes on the GPU); this machine has "
+                         f"none: drop --{flag}")
+    if not model_args.use_peft:
+        raise ValueError(f"{flag}=True trains a quantized model, whose weights cannot be updated directly: add "
+                         f"--use_peft true (LoRA adapters train on top of the quantized weights) or drop --{flag}")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(f"{flag}=True needs the bitsandbytes package: pip install bitsandbytes, or drop --{flag}")
+    return get_quantization_config(model_args)
+
+
+def load_pretrained(model_args: ModelConfig, training_args: GRPOConfig):
+    """A model and its tokenizer from ``model_name_or_path``: a hub id or a ``save_pretrained`` directory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name = model_args.model_name_or_path
+    model = AutoModelForCausalLM.from_pretrained(name, **pretrained_init_kwargs(model_args, training_args))
     tokenizer = AutoTokenizer.from_pretrained(
-        model_args.model_name_or_path, revision=model_args.model_revision, padding_side="left",
-        trust_remote_code=model_args.trust_remote_code,
+        name, revision=model_args.model_revision, padding_side="left",
+        trust_remote_code=training_args.trust_remote_code,
     )
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -10,6 +10,7 @@ wrapped model (DDP, DeepSpeed, PEFT), their hooks run as usual.
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 from contextlib import nullcontext
@@ -53,6 +54,9 @@ def install_chunked_lm_head(
     previous_forward = model.forward
     backbone_name = model.base_model_prefix
 
+    # Keep the model's own signature: `generate` reads it to decide which kwargs to pass, and without
+    # `logits_to_keep` there its prefill would build logits for every prompt token.
+    @functools.wraps(type(model).forward)
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
         if not fused_lm_head:
             return previous_forward(

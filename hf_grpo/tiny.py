@@ -66,3 +66,53 @@ def build_tiny_model(
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
+
+
+
+def build_byte_level_tokenizer(alphabet: str = string.printable) -> PreTrainedTokenizerFast:
+    """One token per byte of ``alphabet``, laid out as a byte-level BPE (GPT-2 / Qwen2 style) with no merges.
+
+    Saved next to a Qwen2 model, it reloads through ``AutoTokenizer`` as the ``Qwen2Tokenizer`` a
+    real Qwen checkpoint gets (which re-reads the vocabulary with a byte-level pre-tokenizer), and
+    tokenizes the same way: a stand-in for a hub tokenizer. ids 0 and 1 are ``<pad>`` and ``<eos>``.
+    """
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    vocab = {PAD: 0, EOS: 1}
+    for char in alphabet:
+        for piece, _ in byte_level.pre_tokenize_str(char):
+            vocab.setdefault(piece, len(vocab))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, byte_fallback=False))
+    backend.pre_tokenizer = byte_level
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS)
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+# Each user turn's text, then "> " as the assistant prefix: printable characters only.
+CHAR_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['content'] }}{% if not loop.last %} {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}> {% endif %}"
+)
+
+
+def save_tiny_checkpoint(
+    directory,
+    *,
+    shape: str = "tiny",
+    seed: int = 0,
+    chat_template: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> str:
+    """Write a tiny Qwen2 model and its tokenizer with ``save_pretrained``, laid out as a hub download.
+
+    The directory takes the same ``from_pretrained`` path as a real checkpoint (TRL also builds
+    the reference model from it). Returns the directory as a string.
+    """
+    tokenizer = build_byte_level_tokenizer()
+    if chat_template:
+        tokenizer.chat_template = CHAR_CHAT_TEMPLATE
+    model = build_tiny_model(tokenizer, shape=shape, seed=seed, dtype=dtype)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)

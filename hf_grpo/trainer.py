@@ -77,10 +77,12 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any):
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
-        if config is not None and not isinstance(config, GRPOConfig):
+        if not isinstance(config, GRPOConfig):
+            got = "None (TRL would build its own default config)" if config is None else (
+                f"{type(config).__module__}.{type(config).__name__}")
             raise TypeError(
-                f"hf_grpo.GRPOTrainer needs args=hf_grpo.GRPOConfig(...), got {type(config).__module__}."
-                f"{type(config).__name__}; the per-device batch fields live on hf_grpo.GRPOConfig"
+                f"hf_grpo.GRPOTrainer needs args=hf_grpo.GRPOConfig(...), got args={got}; the per-device batch "
+                f"fields live on hf_grpo.GRPOConfig: pass args=hf_grpo.GRPOConfig(output_dir=..., ...)"
             )
         super().__init__(*args, **kwargs)
         self.perf = PerformanceStats(self.accelerator.device)
@@ -90,7 +92,10 @@ class GRPOTrainer(trl.GRPOTrainer):
                     cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32)
         install_chunked_lm_head(policy, return_entropy=True, **head)
         if self.ref_model is not None:
-            install_chunked_lm_head(self.ref_model, return_entropy=False, **head)
+            # TRL has already wrapped the reference (a DeepSpeed engine under ZeRO): patch the module inside,
+            # whose forward the wrapper calls.
+            reference = self.accelerator.unwrap_model(self.ref_model)
+            install_chunked_lm_head(reference, return_entropy=False, **head)
         self.add_callback(_RunCallbacks(self))
 
     # ---- public ------------------------------------------------------------------------

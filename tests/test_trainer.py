@@ -1,6 +1,7 @@
 """hf_grpo.GRPOTrainer on a tiny model: chunking is exact, accumulation is exact, stats, PEFT, bad input."""
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -213,3 +214,22 @@ def test_trl_config_is_rejected_with_a_pointer(tmp_path):
                     args=trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to=[],
                                         per_device_train_batch_size=8, num_generations=4),
                     train_dataset=prompt_dataset(), processing_class=TOKENIZER)
+
+
+def test_args_none_is_rejected_with_the_fix(tmp_path):
+    with pytest.raises(TypeError, match=r"args=None.*hf_grpo.GRPOConfig\(output_dir="):
+        GRPOTrainer(model=build_tiny_model(TOKENIZER), reward_funcs=count_a_reward, args=None,
+                    train_dataset=prompt_dataset(), processing_class=TOKENIZER)
+
+
+def test_generate_on_the_patched_model_still_receives_logits_to_keep(tmp_path):
+    """The chunked head keeps forward's signature, so the prefill projects only the last position."""
+    trainer = make_trainer(tmp_path, fixed=False)
+    model = trainer.model
+    seen = []
+    head = model.get_output_embeddings()
+    head.register_forward_hook(lambda module, args, output: seen.append(args[0].shape[1]))
+    assert "logits_to_keep" in inspect.signature(model.forward).parameters
+    prompt = TOKENIZER(["abcdefgh>"], return_tensors="pt")
+    model.generate(**prompt, max_new_tokens=3, do_sample=False)
+    assert seen[0] == 1, f"the prefill projected {seen[0]} positions through the LM head, not 1"
