@@ -57,9 +57,10 @@ def build_plan(argv: Sequence[str]) -> BatchPlan:
         values.update({k: v for k, v in loaded.items() if k in BATCH_FIELDS})
     given = {k: v for k, v in vars(args).items() if k in BATCH_FIELDS and v is not None}
     values.update(given)
+    explicit = set(given) | (set(loaded) if args.config else set())
     if args.num_processes < 1:
         raise ValueError(f"--num_processes must be >= 1, got {args.num_processes}")
-    resolved = resolve_batch_fields(values, defaults, args.num_processes)
+    resolved = resolve_batch_fields(values, explicit, args.num_processes)
     return BatchPlan.from_fields(resolved, args.num_processes)
 
 

@@ -8,11 +8,14 @@ nearest valid values) before any model is loaded.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import os
 import re
 from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import Any
 
 import trl
@@ -84,11 +87,11 @@ def parse_env_size(variable: str, raw: str) -> int:
     return value
 
 
-def resolve_batch_fields(values: dict[str, Any], defaults: dict[str, Any], world_size: int) -> dict[str, Any]:
+def resolve_batch_fields(values: dict[str, Any], explicit: Collection[str], world_size: int) -> dict[str, Any]:
     """Apply preset, then environment overrides, derive the rest, and validate.
 
-    ``values`` holds the fields of ``BATCH_FIELDS`` as given; ``defaults`` their dataclass
-    defaults (a preset fills only fields still at their default). Returns the resolved
+    ``values`` holds the fields of ``BATCH_FIELDS`` as given; ``explicit`` names the fields the
+    user set (a preset fills only the others, whatever their values). Returns the resolved
     values with ``steps_per_generation`` and ``per_device_generation_batch_size`` filled in
     and ``generation_batch_size`` left for TRL to derive. Raises ``ValueError``.
     """
@@ -99,12 +102,12 @@ def resolve_batch_fields(values: dict[str, Any], defaults: dict[str, Any], world
         if preset not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)} or None, got {preset!r}")
         for name, value in PRESETS[preset].items():
-            if values[name] == defaults[name]:
+            if name not in explicit:
                 values[name] = value
-        if values["bf16"] == defaults["bf16"]:
+        if "bf16" not in explicit:
             values["bf16"] = _bf16_available()
         # The preset's chunk size is a cap: a rollout smaller than it is generated in one chunk.
-        if values["per_device_generation_batch_size"] == PRESETS[preset]["per_device_generation_batch_size"]:
+        if "per_device_generation_batch_size" not in explicit:
             preset_chunk = values["per_device_generation_batch_size"]
 
     for variable, name in ENV_OVERRIDES.items():
@@ -149,8 +152,25 @@ def resolve_batch_fields(values: dict[str, Any], defaults: dict[str, Any], world
 
 
 def batch_field_defaults() -> dict[str, Any]:
-    """The dataclass defaults of ``BATCH_FIELDS`` (a preset fills only fields still at these)."""
+    """The dataclass defaults of ``BATCH_FIELDS``."""
     return {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name in BATCH_FIELDS}
+
+
+# Set while a parser builds the config from every field at once (YAML + flags): it then names the
+# fields the user really gave, which keyword arguments alone cannot tell.
+_EXPLICIT_FIELDS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+    "hf_grpo_explicit_fields", default=None
+)
+
+
+@contextlib.contextmanager
+def explicit_fields(names: Collection[str]):
+    """Configs built inside this block treat ``names`` as the fields the user set (for presets)."""
+    token = _EXPLICIT_FIELDS.set(frozenset(names))
+    try:
+        yield
+    finally:
+        _EXPLICIT_FIELDS.reset(token)
 
 
 @dataclass
@@ -201,6 +221,16 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={"help": f"Generation backend, one of {BACKEND_NAMES}."},
     )
 
+    def __new__(cls, *args: Any, **kwargs: Any):
+        # Remember which fields the caller set, so a preset never overrides one, whatever its value.
+        config = super().__new__(cls)
+        given = _EXPLICIT_FIELDS.get()
+        if given is None:
+            init_fields = [f.name for f in dataclasses.fields(cls) if f.init]
+            given = frozenset(kwargs) | frozenset(init_fields[: len(args)])
+        config._explicit_fields = given
+        return config
+
     def __post_init__(self):
         if self.generation_backend not in BACKEND_NAMES:
             raise ValueError(
@@ -209,7 +239,7 @@ class GRPOConfig(trl.GRPOConfig):
         if self.generation_backend == "vllm":
             self.use_vllm = True
         resolved = resolve_batch_fields(
-            {name: getattr(self, name) for name in BATCH_FIELDS}, batch_field_defaults(), current_world_size()
+            {name: getattr(self, name) for name in BATCH_FIELDS}, self._explicit_fields, current_world_size()
         )
         for name, value in resolved.items():
             setattr(self, name, value)
@@ -221,9 +251,8 @@ class GRPOConfig(trl.GRPOConfig):
 
 
 def _preset_config(preset: str, overrides: dict[str, Any]) -> GRPOConfig:
-    # Explicit overrides win: the preset's values are passed first and replaced by them.
-    values = {**PRESETS[preset], "bf16": _bf16_available(), **overrides, "preset": preset}
-    return GRPOConfig(**values)
+    # The preset fills what the overrides leave out (GRPOConfig sees only the overrides as set).
+    return GRPOConfig(**overrides, preset=preset)
 
 
 def create_memory_optimized_config(**overrides: Any) -> GRPOConfig:

@@ -6,12 +6,14 @@ import importlib.util
 import json
 import logging
 import os
+import sys
 from typing import Any
 
 import torch
+import yaml
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
-from .config import GRPOConfig
+from .config import GRPOConfig, explicit_fields
 from .recipe_args import RecipeArguments
 from .reporting import METRICS_FILE, PLOT_FILE, MetricsFileCallback, plot_metrics
 from .shutdown import close_distributed
@@ -56,7 +58,22 @@ def parse_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None):
     unknown = parser.set_defaults_with_config(**{**device_defaults(), **defaults})
     if unknown:
         raise ValueError(f"recipe defaults name unknown fields: {unknown[::2]}")
-    return parser.parse_args_and_config(args=argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # A preset fills only what the user left out: the YAML's keys and the flags, not the recipe's defaults.
+    with explicit_fields(user_given_fields(argv)):
+        return parser.parse_args_and_config(args=argv)
+
+
+def user_given_fields(argv: list[str]) -> set[str]:
+    """Field names set by ``--flag`` on the command line or as keys of the ``--config`` YAML."""
+    names = {token[2:].split("=", 1)[0] for token in argv if token.startswith("--")}
+    for index, token in enumerate(argv):
+        path = token.split("=", 1)[1] if token.startswith("--config=") else (
+            argv[index + 1] if token == "--config" and index + 1 < len(argv) else None)
+        if path is not None:
+            with open(path) as handle:
+                names |= set(yaml.safe_load(handle) or {})
+    return names - {"config"}
 
 
 def load_model_and_tokenizer(model_args: ModelConfig, recipe_args: RecipeArguments, training_args: GRPOConfig,

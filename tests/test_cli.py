@@ -72,6 +72,14 @@ def test_plan_applies_env_overrides_and_presets():
     assert bad.returncode == 1 and "DIFFU_BATCH_SIZE='abc'" in bad.stderr
 
 
+def test_plan_flag_at_the_default_beats_the_preset():
+    result = run_cli("plan", "--per_device_train_batch_size", "8", "--num_generations", "4", "--preset", "memory",
+                     "--tensor_batch_size", "1024")
+    assert result.returncode == 0, result.stderr
+    assert "chunks of 1024 token rows" in result.stdout  # the flag, though 1024 is also the field's default
+    assert "in 4 chunks of 2" in result.stdout  # the preset still fills the generation chunk
+
+
 @pytest.mark.parametrize("args, code", [(["frobnicate"], 2), ([], 2), (["--help"], 0)])
 def test_usage(args, code):
     assert run_cli(*args).returncode == code

@@ -10,7 +10,7 @@ from hf_grpo import (
     create_memory_optimized_config,
     create_speed_optimized_config,
 )
-from hf_grpo.config import CHECKPOINTING
+from hf_grpo.config import CHECKPOINTING, batch_field_defaults
 
 
 def guide_config(make_config, prompts, samples, mini_batch, micro, gpus):
@@ -184,3 +184,37 @@ def test_env_override_that_breaks_a_rule_is_caught(make_config, monkeypatch):
 def test_vllm_backend_turns_on_trls_vllm_mode(make_config):
     config = make_config(per_device_train_batch_size=4, num_generations=4, generation_backend="vllm")
     assert config.use_vllm is True
+
+
+def test_an_explicit_value_equal_to_the_default_still_beats_the_preset(tmp_path):
+    kwargs = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, use_cpu=True)
+    default_rows = batch_field_defaults()["tensor_batch_size"]  # 1024; the memory preset's is 512
+    assert create_memory_optimized_config(**kwargs, tensor_batch_size=default_rows).tensor_batch_size == default_rows
+    assert GRPOConfig(**kwargs, preset="memory", tensor_batch_size=default_rows).tensor_batch_size == default_rows
+    assert GRPOConfig(**kwargs, preset="memory").tensor_batch_size == 512
+
+
+@pytest.mark.parametrize("given", ["flag", "yaml"])
+def test_recipe_flags_and_yaml_beat_the_preset_even_at_the_default(tmp_path, given):
+    from hf_grpo.launch import parse_recipe_args
+
+    argv = ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "8", "--num_generations", "4",
+            "--preset", "memory"]
+    if given == "flag":
+        argv += ["--tensor_batch_size", "1024", "--per_device_generation_batch_size=8"]
+    else:
+        (tmp_path / "run.yaml").write_text("tensor_batch_size: 1024\nper_device_generation_batch_size: 8\n")
+        argv += ["--config", str(tmp_path / "run.yaml")]
+    config, _, _ = parse_recipe_args({"report_to": "none"}, argv)
+    assert (config.tensor_batch_size, config.per_device_generation_batch_size) == (1024, 8)
+    # what was left out still comes from the preset
+    assert getattr(config, CHECKPOINTING) is True
+
+
+def test_recipe_preset_fills_what_the_user_left_out(tmp_path):
+    from hf_grpo.launch import parse_recipe_args
+
+    argv = ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "8", "--num_generations", "4",
+            "--preset", "memory"]
+    config, _, _ = parse_recipe_args({"report_to": "none", "tensor_batch_size": 4096}, argv)
+    assert (config.tensor_batch_size, config.per_device_generation_batch_size) == (512, 2)
