@@ -12,7 +12,9 @@ Dataset columns arrive as keyword lists aligned with ``completions`` (``target=[
 ``completion_ids``, ``trainer_state``, ...) are ignored.
 
 The functions never raise on model output: any malformed, hostile or oversized completion scores
-``0.0``. They never call ``eval``/``exec``.
+``0.0``. They never call ``eval``/``exec``. A reference column they read that the dataset lacks
+(``target`` / ``nums`` / ``answer`` / ``letter``) raises ``MissingColumnError`` at the first
+rollout, naming it: scoring every completion 0.0 would train on no signal without a word.
 
 Reward values
 -------------
@@ -45,6 +47,7 @@ from typing import Any
 __all__ = [
     "COUNTDOWN_FORMAT_REWARD",
     "GSM8K_FORMAT_REWARD",
+    "MissingColumnError",
     "MAX_EQUATION_CHARS",
     "MAX_AST_DEPTH",
     "MAX_LITERAL",
@@ -57,6 +60,8 @@ __all__ = [
     "extract_final_number",
     "gsm8k_correctness_reward",
     "gsm8k_format_reward",
+    "repeat_letter_reward",
+    "require_columns",
 ]
 
 #: Score for a Countdown answer that parses but is wrong.
@@ -123,10 +128,27 @@ def _column(values: Sequence[Any] | None, n: int) -> list[Any]:
     return values[:n] + [None] * (n - len(values))
 
 
+class MissingColumnError(ValueError):
+    """A reward reads a dataset column the training dataset does not have."""
+
+
+def require_columns(reward: str, **columns: Any) -> None:
+    """Raise when a column a reward reads was not passed: it would score every completion 0, silently."""
+    missing = [name for name, values in columns.items() if values is None]
+    if missing:
+        names = ", ".join(repr(name) for name in missing)
+        raise MissingColumnError(
+            f"{reward} reads the dataset column(s) {names}, which the training dataset does not have "
+            f"(TRL passes each dataset column to the reward by name): add {names} to the dataset, one value "
+            f"per prompt, or use a reward that does not need {'it' if len(missing) == 1 else 'them'}"
+        )
+
+
 def _score_each(completions, score, *columns) -> list[float]:
     """``score(text, *column values)`` per completion, as a float; any exception scores 0.0.
 
-    ``columns`` are the dataset's keyword lists, aligned with the completions by ``_column``.
+    ``columns`` are the dataset's keyword lists, aligned with the completions by ``_column``;
+    the caller checks first that none is missing (``require_columns``).
     """
     completions = list(completions) if completions is not None else []
     aligned = [_column(values, len(completions)) for values in columns]
@@ -332,6 +354,7 @@ def countdown_reward(completions, target=None, nums=None, **kwargs) -> list[floa
     ``MAX_AST_DEPTH`` = 64, literals ``<= MAX_LITERAL`` = 10**6, intermediate numerators and
     denominators ``<= MAX_INTERMEDIATE`` = 10**15).
     """
+    require_columns("countdown_reward", target=target, nums=nums)
     return _score_each(completions, _score_countdown, target, nums)
 
 
@@ -493,6 +516,7 @@ def gsm8k_correctness_reward(completions, answer=None, **kwargs) -> list[float]:
         want = extract_final_number(reference)
         return 1.0 if want is not None and extract_final_number(text) == want else 0.0
 
+    require_columns("gsm8k_correctness_reward", answer=answer)
     return _score_each(completions, score, answer)
 
 
@@ -542,11 +566,11 @@ def repeat_letter_reward(completions, letter=None, length: int = 8, **kwargs) ->
     """Share of the first ``length`` completion characters that equal the prompt's letter.
 
     An early end of the completion counts as wrong characters, so the best answer is the
-    letter ``length`` times. 0.0 when the letter column is missing.
+    letter ``length`` times.
     """
-    letters = letter if letter is not None else [None] * len(completions)
+    require_columns("repeat_letter_reward", letter=letter)
     rewards = []
-    for completion, wanted in zip(completions, letters):
+    for completion, wanted in zip(completions, letter):
         text = completion_to_text(completion)[:length]
         rewards.append(0.0 if not wanted else sum(ch == wanted for ch in text) / length)
     return rewards

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from hf_grpo.rewards import (
     COUNTDOWN_FORMAT_REWARD,
+    MissingColumnError,
     GSM8K_FORMAT_REWARD,
     completion_to_text,
     countdown_format_reward,
@@ -17,6 +18,7 @@ from hf_grpo.rewards import (
     gsm8k_correctness_reward,
     gsm8k_format_reward,
     parse_countdown_equation,
+    repeat_letter_reward,
 )
 
 FMT = COUNTDOWN_FORMAT_REWARD
@@ -192,7 +194,20 @@ def test_countdown_bad_reference_data_scores_zero():
     assert cd(good, 24, "6 3 12") == 0.0
     assert cd(good, "x" * 1000, [6, 3, 12]) == 0.0
     assert cd(good, 24, [6.5, 3, 12]) == 0.0
-    assert countdown_reward([good, good]) == [0.0, 0.0]  # columns missing entirely
+
+
+@pytest.mark.parametrize(
+    "reward, present, missing",
+    [
+        (countdown_reward, {"nums": [[6, 3, 12]]}, "'target'"),
+        (countdown_reward, {}, "'target', 'nums'"),
+        (gsm8k_correctness_reward, {}, "'answer'"),
+        (repeat_letter_reward, {}, "'letter'"),
+    ],
+)
+def test_a_missing_dataset_column_is_an_error_not_a_silent_zero(reward, present, missing):
+    with pytest.raises(MissingColumnError, match=rf"{reward.__name__} reads the dataset column\(s\) {missing}"):
+        reward([ans("(6/3)*12")], prompts=["p"], **present)
 
 
 def test_countdown_chat_format():
@@ -330,7 +345,6 @@ def test_gsm8k_correctness_references_and_chat():
     assert gsm8k_correctness_reward(["<answer>7</answer>"], answer=[7]) == [1.0]
     assert gsm8k_correctness_reward(["<answer>7</answer>"], answer=[None]) == [0.0]
     assert gsm8k_correctness_reward(["no number"], answer=["no number"]) == [0.0]
-    assert gsm8k_correctness_reward(["7"]) == [0.0]
     assert gsm8k_correctness_reward([None, 5, "x" * 200_000], answer=["#### 5"] * 3) == [0.0, 0.0, 0.0]
 
 
