@@ -6,7 +6,8 @@ temperature 1, no top-k/top-p, plus ``min_new_tokens`` = completion length so th
 backend generates the same number of tokens), 64-token prompts.
 
 (a) ``trl``: ``trl.GRPOTrainer._generate_single_turn`` on a trainer built like
-    ``shared/anchors/trl_grpo_bench.py`` (all completions in one ``model.generate`` call).
+    TRL's own defaults (``trl.GRPOConfig`` with only the batch and length fields set): all of a
+    device's completions in one ``model.generate`` call.
     When TRL cannot be imported, ``model.generate`` with the same settings is timed
     instead; the record's ``trl_path`` says which.
 (b) ``hf``: ``HFGenerateBackend`` (``model.generate`` per chunk).

@@ -179,7 +179,8 @@ class GRPOConfig(trl.GRPOConfig):
     ``trl.GRPOConfig`` with per-device chunk sizes for generation and log-probs.
 
     Every batch size is **per device**. See ``BatchPlan`` (``config.batch_plan()``) for the
-    derived global figures, and DESIGN.md for the contract.
+    derived global figures, and the README's "Batch sizes: all per device" section for
+    the contract.
 
     Parameters:
         per_device_generation_batch_size (`int`, *optional*):

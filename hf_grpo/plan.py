@@ -1,6 +1,6 @@
 """BatchPlan: the arithmetic of the per-device batch-size contract, with no torch import.
 
-Symbols follow ``DESIGN.md``: P per-device micro-batch, A accumulation steps, S micro-batches
+Symbols follow the README's "Batch sizes: all per device" section (the contract): P per-device micro-batch, A accumulation steps, S micro-batches
 per rollout, G generations per prompt, mu passes per rollout, g per-device generation chunk,
 t log-softmax row chunk, W data-parallel processes.
 """

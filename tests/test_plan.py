@@ -1,4 +1,4 @@
-"""BatchPlan arithmetic and rules, checked against the formulas of DESIGN.md."""
+"""BatchPlan arithmetic and rules, checked against the formulas of the README's batch-size section."""
 
 import math
 

@@ -67,3 +67,13 @@ def test_every_path_the_readme_names_exists():
     assert paths, "the README names no file"
     missing = sorted(p for p in paths if not (ROOT / p).exists())
     assert not missing, missing
+
+
+def test_no_shipped_file_cites_a_file_the_project_does_not_ship():
+    """DESIGN.md and the anchors live outside the repository: a user of the package has neither."""
+    shipped = [p for p in ROOT.rglob("*") if p.is_file() and p.suffix in {".py", ".md", ".yaml", ".sh", ".toml"}
+               and not SKIP & set(p.relative_to(ROOT).parts)]
+    pattern = re.compile(r"DESIGN\.md|shared/anchors|shared/seeds|\.\./shared")
+    citing = sorted(str(p.relative_to(ROOT)) for p in shipped
+                    if p.name != "test_shipped_files.py" and pattern.search(p.read_text(errors="ignore")))
+    assert not citing, citing
