@@ -14,7 +14,8 @@ ACCELERATE_YAML = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 
 
 def test_the_globs_found_the_shipped_files():
-    assert {p.stem for p in ACCELERATE_YAML} == {"single_gpu", "multi_gpu", "zero1", "zero2", "zero3", "zero3_offload"}
+    assert {p.stem for p in ACCELERATE_YAML} == {"single_gpu", "multi_gpu", "zero1", "zero2", "zero3", "zero3_offload",
+                                               "multi_node", "multi_node_zero2"}
     assert {p.stem for p in RECIPE_YAML} >= {"quickstart", "countdown", "gsm8k"}
     assert set(ACCELERATE_YAML + RECIPE_YAML) <= set(ALL_YAML)
 
@@ -47,7 +48,7 @@ def test_recipe_yaml_has_no_key_the_recipe_would_ignore(path):
 @pytest.mark.parametrize("path", ACCELERATE_YAML, ids=lambda p: p.name)
 def test_accelerate_configs(path):
     config = yaml.safe_load(path.read_text())
-    stage = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3}.get(path.stem)
+    stage = {"zero1": 1, "zero2": 2, "zero3": 3, "zero3_offload": 3, "multi_node_zero2": 2}.get(path.stem)
     if stage:
         assert config["distributed_type"] == "DEEPSPEED"
         assert config["deepspeed_config"]["zero_stage"] == stage
@@ -57,7 +58,10 @@ def test_accelerate_configs(path):
         assert config["deepspeed_config"]["offload_optimizer_device"] == offload
         assert config["deepspeed_config"]["offload_param_device"] == offload
     else:
-        assert config["distributed_type"] == {"multi_gpu": "MULTI_GPU", "single_gpu": "NO"}[path.stem]
+        assert config["distributed_type"] == {"multi_gpu": "MULTI_GPU", "multi_node": "MULTI_GPU", "single_gpu": "NO"}[
+            path.stem]
+    # one machine, or a multi-node config whose every node runs the same command with its own --machine_rank
+    assert config["num_machines"] == (2 if path.stem.startswith("multi_node") else 1)
     assert config["use_cpu"] is False  # CPU runs pass the override on the command line
 
 
