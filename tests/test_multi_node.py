@@ -1,0 +1,138 @@
+"""The multi-node launch configs, run on this machine as two "nodes" of one process each over gloo.
+
+Each node is its own ``accelerate launch`` (as on real machines: one command per node, differing only in
+``--machine_rank``), both pointing at 127.0.0.1. They must rendezvous into one world of 2 processes.
+"""
+
+import json
+import math
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MULTI_NODE_YAML = sorted((ROOT / "accelerate_configs").glob("multi_node*.yaml"))
+LAUNCH_TIMEOUT_S = 600  # ~20 s warm; the first DeepSpeed launch on a machine JIT-builds its CPU comm op (~1.5 min)
+pytestmark = pytest.mark.slow
+
+
+def test_the_multi_node_configs_are_shipped():
+    assert {p.stem for p in MULTI_NODE_YAML} >= {"multi_node", "multi_node_zero2"}
+
+
+@pytest.mark.parametrize("path", MULTI_NODE_YAML, ids=lambda p: p.name)
+def test_multi_node_yaml_starts_with_its_per_node_launch_command(path):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith(f"# accelerate launch --config_file accelerate_configs/{path.name} "), first
+    for flag in ("--machine_rank", "--main_process_ip", "--main_process_port"):
+        assert flag in first, (flag, first)
+    config = yaml.safe_load(path.read_text())
+    assert config["num_machines"] >= 2
+    # num_processes is the total over all machines; accelerate starts num_processes // num_machines per node
+    assert config["num_processes"] % config["num_machines"] == 0
+    assert config["num_processes"] >= config["num_machines"]
+    assert config["machine_rank"] == 0 and config["rdzv_backend"] == "static"
+    assert config["main_process_ip"] and config["main_process_port"]
+    if config["distributed_type"] == "DEEPSPEED":
+        # torchrun on every node: no hostfile, no pdsh/ssh from node 0
+        assert config["deepspeed_config"]["deepspeed_multinode_launcher"] == "standard"
+        assert "deepspeed_hostfile" not in config["deepspeed_config"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def node_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_", "ACCELERATE_"))}
+    # Gloo picks its network interface from the hostname; where that does not resolve to a reachable
+    # address (containers, sandboxes) the ranks cannot connect. Both "nodes" are on loopback here.
+    if sys.platform.startswith("linux"):
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    env["OMP_NUM_THREADS"] = "1"  # two single-process nodes share this machine's cores
+    return env
+
+
+def stop(process: subprocess.Popen) -> None:
+    """End a node launcher and its torchrun agent and worker (its own process group)."""
+    if process.poll() is not None:
+        return
+    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def tail(path: pathlib.Path, chars: int = 4000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else "<none>"
+
+
+def launch_two_nodes(config: str, tmp_path: pathlib.Path):
+    """Start node 0 and node 1 side by side; return their (stderr text, output_dir) once both exit 0."""
+    port = free_port()
+    env = node_env()
+    nodes = []
+    for rank in (0, 1):
+        output_dir = tmp_path / f"node{rank}"
+        command = [
+            sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}.yaml",
+            "--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
+            "--main_process_port", str(port), "--num_processes", "2",
+            "recipes/quickstart.py", "--output_dir", str(output_dir), "--max_steps", "2",
+            "--per_device_train_batch_size", "8", "--logging_steps", "1", "--disable_tqdm", "true",
+            "--save_strategy", "no",
+        ]
+        stdout, stderr = tmp_path / f"node{rank}.out", tmp_path / f"node{rank}.err"
+        # log files, not pipes: a full pipe would stall a node; own session: stop() reaches its children
+        with open(stdout, "w") as out, open(stderr, "w") as err:
+            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+        nodes.append((process, stderr, output_dir))
+
+    deadline, problem = time.monotonic() + LAUNCH_TIMEOUT_S, None
+    try:
+        while problem is None and any(p.poll() is None for p, _, _ in nodes):
+            failed = [rank for rank, (p, _, _) in enumerate(nodes) if p.poll() not in (None, 0)]
+            if failed:  # the other node would wait for its peer until the rendezvous times out
+                problem = f"node {failed[0]} failed"
+            elif time.monotonic() > deadline:
+                problem = f"timed out after {LAUNCH_TIMEOUT_S} s"
+            else:
+                time.sleep(0.2)
+    finally:
+        for process, _, _ in nodes:
+            stop(process)
+    if problem is None and any(p.returncode != 0 for p, _, _ in nodes):
+        problem = "a node exited non-zero"
+    if problem is not None:
+        pytest.fail(problem + "".join(f"\n--- node {rank} (exit {p.returncode}) stderr tail:\n{tail(e)}"
+                                      for rank, (p, e, _) in enumerate(nodes)))
+    return [(stderr.read_text(errors="replace"), output_dir) for _, stderr, output_dir in nodes]
+
+
+@pytest.mark.parametrize("config", ["multi_node", "multi_node_zero2"])
+def test_two_nodes_train_as_one_world(config, tmp_path):
+    (main_err, main_dir), (other_err, other_dir) = launch_two_nodes(config, tmp_path)
+    # ranks are global: the main node holds rank 0 of a 2-process world, node 1 holds rank 1
+    assert "hf-grpo batch plan (world size 2)" in main_err, main_err[-4000:]
+    assert "(8 per device x 2 devices)" in main_err
+    assert "hf-grpo batch plan" not in other_err
+    rows = [json.loads(line) for line in (main_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2]
+    assert all(math.isfinite(row["loss"]) for row in rows), rows
+    assert not (other_dir / "metrics.jsonl").exists()  # only global rank 0 writes
