@@ -14,11 +14,16 @@ How a chunk is decoded:
   prompt's mask followed by ones, which is what ``model.generate`` feeds the model, so
   greedy decoding gives the same tokens as ``model.generate`` with the same padding.
   After a row emits EOS it keeps emitting ``pad_token_id``, as ``generate`` does.
-* The cache holds ``chunk_size x cache_len`` positions, where ``cache_len`` is the longest
-  padded prompt of the call plus the new tokens, rounded up to ``cache_len_multiple`` so
-  that rollouts whose prompt lengths differ a little reuse one graph. A last chunk with
-  fewer prompts is filled up to ``chunk_size`` with copies of its first prompt; those
-  rows are decoded and dropped, and the graph is not captured again.
+* The cache holds ``chunk_size x cache_len`` positions. ``cache_len`` only grows, along a
+  ladder of lengths (``cache_len_ladder``: 256, 384, 512, 768, 1024, 1536, ...): a call whose
+  longest padded prompt plus new tokens fits the cache in hand reuses it and its graph, and
+  one that does not moves up to the smallest rung that fits. On real data every rollout has
+  another prompt length; keyed by the exact length, each would compile and capture anew
+  (20-30 s each). Along the ladder a run compiles at most a handful of times, whatever its
+  prompt lengths (``num_compiles``, ``num_captures``). Positions past a chunk's own length are
+  masked by causality, so a larger cache changes no token. A last chunk with fewer prompts is
+  filled up to ``chunk_size`` with copies of its first prompt; those rows are decoded and
+  dropped, and the graph is not captured again.
 * Sampling stays on the device: repetition penalty, ``min_new_tokens``/``min_length``,
   temperature, top-k, top-p and min-p are applied to float32 logits as the matching
   ``transformers`` logits processors do (in place, to keep the step's peak memory low),
@@ -42,8 +47,8 @@ graph cannot follow is a parameter that moved to another address (ZeRO-3 gathers
 fresh buffers, a module or parameter replaced, ``model.to(...)``) or a change of the
 Python path of the forward (PEFT ``merge_adapter``/``unmerge_adapter`` and
 ``disable_adapter`` flip flags that decide whether the LoRA branch runs, ``train``/``eval``).
-So captured graphs are kept per (model, chunk size, cache length, dtype, sampling
-settings) and each entry remembers the ``data_ptr`` of every parameter and buffer and
+So captured graphs are kept per (model, chunk size, dtype, sampling settings), each with
+the cache length it was captured for, and each entry remembers the ``data_ptr`` of every parameter and buffer and
 those flags; when any of them differs at the next call, the entry is dropped and the step
 is captured again (about as long as one prefill plus a few decode steps).
 
@@ -287,6 +292,22 @@ class _Sampling:
         )
 
 
+def cache_len_ladder(need: int, minimum: int = 256) -> int:
+    """The smallest rung of ``minimum x {1, 1.5} x 2^k`` that holds ``need`` positions.
+
+    Rungs 1.5x or 4/3x apart bound the compiles of a run to about 2 log2(longest / minimum) while
+    wasting at most a third of the cache on attention over masked positions.
+    """
+    if need < 1 or minimum < 1:
+        raise ValueError(f"cache lengths must be positive, got need={need}, minimum={minimum}")
+    rung = minimum
+    while True:
+        for candidate in (rung, rung * 3 // 2):
+            if need <= candidate:
+                return candidate
+        rung *= 2
+
+
 def _weights_signature(model: torch.nn.Module) -> tuple:
     """What a captured graph depends on besides shapes: tensor addresses and forward-path flags.
 
@@ -333,8 +354,8 @@ class CudaGraphBackend(GenerationBackend):
     Args:
         check_every: how many decode steps run between two host reads of "has every row
             finished" (the early exit).
-        cache_len_multiple: the cache length is rounded up to this, so that rollouts with
-            slightly different prompt lengths share one captured graph.
+        min_cache_len: the first rung of the cache-length ladder (see ``cache_len_ladder``): the
+            cache is never shorter, and grows only to the next rung that fits a call.
         max_cached_graphs: graphs (and their KV caches) kept alive; the least recently used
             beyond this are freed.
         use_cuda_graph: False runs the same step eagerly (for debugging, and on CPU).
@@ -355,7 +376,7 @@ class CudaGraphBackend(GenerationBackend):
         self,
         *,
         check_every: int = 16,
-        cache_len_multiple: int = 64,
+        min_cache_len: int = 256,
         max_cached_graphs: int = 2,
         use_cuda_graph: bool = True,
         compile: bool | None = None,
@@ -364,7 +385,9 @@ class CudaGraphBackend(GenerationBackend):
         if check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {check_every}")
         self.check_every = check_every
-        self.cache_len_multiple = max(1, cache_len_multiple)
+        if min_cache_len < 1:
+            raise ValueError(f"min_cache_len must be >= 1, got {min_cache_len}")
+        self.min_cache_len = min_cache_len
         self.max_cached_graphs = max(1, max_cached_graphs)
         self.use_cuda_graph = use_cuda_graph
         if compile is None:
@@ -379,6 +402,8 @@ class CudaGraphBackend(GenerationBackend):
         self._fallback = HFGenerateBackend()
         self._warned: set[str] = set()
         self.num_captures = 0  # how many times a decode step was captured (tests and logs read it)
+        self.num_compiles = 0  # how many decode shapes (batch, cache length, dtype) were compiled
+        self._compiled_shapes: set[tuple] = set()
 
     # ------------------------------------------------------------------ support checks
     def unsupported_reason(self, model: torch.nn.Module) -> str | None:
@@ -465,7 +490,7 @@ class CudaGraphBackend(GenerationBackend):
             steps = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 20) - p
             plan.append((chunk, p, max(0, int(steps))))
         need = max(p + s for _, p, s in plan)
-        cache_len = -(-need // self.cache_len_multiple) * self.cache_len_multiple
+        cache_len = cache_len_ladder(need, self.min_cache_len)
         reason = self._call_reason(model, gc, cache_len)
         if reason is not None:
             if reason not in self._warned:
@@ -484,7 +509,7 @@ class CudaGraphBackend(GenerationBackend):
         sampling = _Sampling.from_config(gc, eos_token_ids, pad_token_id)
         completions: list[list[int]] = []
         with torch.no_grad():
-            entry = self._get_entry(model, batch, cache_len, sampling)
+            entry = self._get_entry(model, batch, need, sampling)
             for chunk, _, steps in plan:
                 n_real = len(chunk)
                 rows = list(chunk) + [chunk[0]] * (batch - n_real)  # dummy rows, dropped below
@@ -499,12 +524,34 @@ class CudaGraphBackend(GenerationBackend):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    def cache_bytes(self) -> int:
+        """Device memory held by the KV caches and static buffers of the kept graphs."""
+        total = 0
+        for entry in self._entries.values():
+            for layer in getattr(entry.cache, "layers", []):
+                for name in ("keys", "values"):
+                    tensor = getattr(layer, name, None)
+                    if isinstance(tensor, torch.Tensor):
+                        total += tensor.numel() * tensor.element_size()
+            for tensor in (entry.tok, entry.pos, entry.mask2d, entry.out, entry.seen):
+                if tensor is not None:
+                    total += tensor.numel() * tensor.element_size()
+        return total
+
     # ------------------------------------------------------------------ entries and capture
-    def _get_entry(self, model: torch.nn.Module, batch: int, cache_len: int, sampling: _Sampling) -> _Entry:
+    def _get_entry(self, model: torch.nn.Module, batch: int, need: int, sampling: _Sampling) -> _Entry:
+        """The kept entry for this key if its cache holds ``need`` positions, else a new one a rung up."""
         dtype = next(model.parameters()).dtype
-        key = (id(model), batch, cache_len, dtype, sampling)
+        key = (id(model), batch, dtype, sampling)
         signature = _weights_signature(model)
         entry = self._entries.get(key)
+        cache_len = cache_len_ladder(need, self.min_cache_len)
+        if entry is not None and entry.cache_len < need:
+            # Grow, never shrink: the next shorter call reuses this larger cache and its graph.
+            del self._entries[key]
+            entry = None
+        elif entry is not None:
+            cache_len = entry.cache_len
         if entry is not None and (entry.model_ref() is not model or entry.signature != signature):
             # The model object was replaced (same id), a tensor moved, or the forward path changed:
             # the captured graph would read stale memory or run the wrong branch. Capture again.
@@ -538,13 +585,30 @@ class CudaGraphBackend(GenerationBackend):
         # transformers 5.24 names the cache argument `cache` (`past_key_values` is deprecated).
         if self.compile and self.use_cuda_graph and self.compile_error is None:
             if self._compiled_fn is None:
-                # Shapes are fixed per entry (batch, cache length), so no dynamic shapes.
+                # Shapes are fixed per entry (batch, cache length), so no dynamic shapes; the ladder
+                # keeps the number of shapes, and so of recompiles, small.
                 self._compiled_fn = torch.compile(_last_logits, dynamic=False)
             entry.extra["compiled"] = self._compiled_fn
+            shape = (batch, cache_len, next(model.parameters()).dtype)
+            if shape not in self._compiled_shapes:
+                self._compiled_shapes.add(shape)
+                self.num_compiles += 1
+                self._warn_past_recompile_limit()
         params = inspect.signature(_base_model(model).forward).parameters
         entry.extra["cache_kw"] = "past_key_values" if "past_key_values" in params and "cache" not in params else "cache"
         entry.extra["logits_to_keep"] = "logits_to_keep" in params
         return entry
+
+    def _warn_past_recompile_limit(self) -> None:
+        # Past dynamo's limit the decode step silently runs uncompiled (still captured, ~2x slower).
+        limit = getattr(torch._dynamo.config, "recompile_limit", None) or getattr(
+            torch._dynamo.config, "cache_size_limit", None)
+        if limit is not None and self.num_compiles > limit and "recompile_limit" not in self._warned:
+            self._warned.add("recompile_limit")
+            logger.warning(
+                "cuda_graph backend: %d decode shapes compiled, past torch._dynamo's recompile limit (%d): "
+                "new shapes now run uncompiled, about 2x slower per token. Use fewer chunk sizes, or raise "
+                "torch._dynamo.config.recompile_limit.", self.num_compiles, limit)
 
     def _forward(self, model: torch.nn.Module, entry: _Entry, input_ids, position_ids, *, decode: bool = False):
         """Last-position logits as float32 [B, V]; the one-token decode forward may be compiled."""

@@ -17,7 +17,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from hf_grpo.generation import HFGenerateBackend, resolve_backend
-from hf_grpo.generation.cuda_graph import CudaGraphBackend
+from hf_grpo.generation.cuda_graph import CudaGraphBackend, cache_len_ladder
 from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -154,6 +154,36 @@ def test_eager_step_matches_generate_with_penalty_and_min_tokens_on_cpu(tokenize
     assert got == expected
 
 
+def test_cache_len_ladder_rungs_and_bad_input():
+    assert [cache_len_ladder(n) for n in (1, 256, 257, 385, 513, 769, 1025, 1537, 3073)] == [
+        256, 256, 384, 512, 768, 1024, 1536, 2048, 4096]
+    assert cache_len_ladder(100, minimum=64) == 128
+    with pytest.raises(ValueError, match="need=0"):
+        cache_len_ladder(0)
+
+
+def test_varied_prompt_lengths_reuse_one_cache_that_only_grows(tokenizer, monkeypatch):
+    """Real data: every rollout another prompt length. The cache follows the ladder, never one per length."""
+    model = build_tiny_model(tokenizer).eval()
+    backend = CudaGraphBackend(use_cuda_graph=False, min_cache_len=32)
+    made = []
+    new_entry = backend._new_entry
+    monkeypatch.setattr(backend, "_new_entry", lambda *a: made.append(a[2]) or new_entry(*a))
+    gc = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    rng = random.Random(0)
+    for length in [5, 30, 12, 41, 3, 60, 20, 33, 7, 59]:  # longest prompt + 8 new tokens: 13 .. 68
+        prompts = [[rng.randrange(2, len(tokenizer)) for _ in range(rng.randint(1, length))] for _ in range(3)]
+        prompts[0] = [rng.randrange(2, len(tokenizer)) for _ in range(length)]
+        got = backend.generate(model, prompts, generation_config=gc, chunk_size=4, pad_token_id=PAD,
+                               eos_token_ids=[EOS])
+        assert got == HFGenerateBackend().generate(model, prompts, generation_config=gc, chunk_size=4,
+                                                   pad_token_id=PAD, eos_token_ids=[EOS])
+    # 10 distinct lengths, four caches: 32 (13 positions), 48 (38), 64 (49), 96 (68); the shorter
+    # calls in between reuse the cache in hand
+    assert made == [32, 48, 64, 96]
+    assert len(backend._entries) == 1 and backend.cache_bytes() > 0
+
+
 # ---------------------------------------------------------------------------------------- GPU
 
 
@@ -181,6 +211,20 @@ def test_greedy_identical_to_generate(tokenizer, family, compile, attention):
     expected2, got2 = _greedy_case(model, list(reversed(prompts)), chunk_size=4, backend=backend)
     assert got2 == expected2
     assert backend.num_captures == 1
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_compiles_and_captures_stay_bounded_over_varied_prompt_lengths(tokenizer):
+    model = build_tiny_model(tokenizer).cuda().eval()
+    backend = CudaGraphBackend(compile=True, min_cache_len=32)
+    rng = random.Random(1)
+    for _ in range(12):
+        prompts = [[rng.randrange(2, len(tokenizer)) for _ in range(rng.randint(2, 60))] for _ in range(4)]
+        expected, got = _greedy_case(model, prompts, chunk_size=4, backend=backend, max_new_tokens=8)
+        assert got == expected
+    # needs of 10..68 positions: rungs 32, 48, 64, 96 at most, whatever the order
+    assert backend.num_compiles <= 4 and backend.num_captures <= 4, (backend.num_compiles, backend.num_captures)
 
 
 @pytest.mark.gpu
