@@ -35,6 +35,11 @@ from .stats import PerformanceStats
 logger = logging.getLogger("hf_grpo")
 
 
+def backend_counts(backend: GenerationBackend) -> dict[str, int]:
+    """The cuda_graph backend's compile and capture counters (zeros for backends without them)."""
+    return {"decode_compiles": getattr(backend, "num_compiles", 0), "graph_captures": getattr(backend, "num_captures", 0)}
+
+
 class _RunCallbacks(TrainerCallback):
     """Logs the batch plan at train start; times whole optimizer steps and the optimizer itself."""
 
@@ -104,8 +109,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         return self.args.batch_plan(world_size=self.accelerator.num_processes)
 
     def get_performance_stats(self) -> dict[str, Any]:
-        """Peak memory, seconds per optimizer step by phase, tokens/s, and the batch plan, over the run."""
-        return {**self.perf.summary(), "batch_plan": self.batch_plan().to_dict()}
+        """Peak memory, seconds per optimizer step by phase, tokens/s, decoder compiles and captures, the
+        memory the generation backend keeps between rollouts, and the batch plan, over the run."""
+        cache = getattr(self._backend, "cache_bytes", lambda: 0)()
+        return {**self.perf.summary(), "generation_cache_gib": cache / 2**30, "batch_plan": self.batch_plan().to_dict()}
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         inner_before = self.perf.total("generation_s") + self.perf.total("reward_s")
@@ -150,7 +157,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             torch.no_grad(),
             self._dist.summon_full_params(self.model_wrapped, recurse=False),
         ):
-            completion_ids = self._generation_backend(unwrapped_model).generate(
+            backend = self._generation_backend(unwrapped_model)
+            counts_before = backend_counts(backend)
+            completion_ids = backend.generate(
                 unwrapped_model,
                 prompt_ids,
                 generation_config=self.generation_config,
@@ -160,6 +169,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                 pad_to_multiple_of=self.pad_to_multiple_of,
             )
         self.perf.add("generated_tokens", float(sum(len(ids) for ids in completion_ids)))
+        for key, after in backend_counts(backend).items():
+            self.perf.add(key, float(after - counts_before[key]))
         return completion_ids, None
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):

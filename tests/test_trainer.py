@@ -233,3 +233,21 @@ def test_generate_on_the_patched_model_still_receives_logits_to_keep(tmp_path):
     prompt = TOKENIZER(["abcdefgh>"], return_tensors="pt")
     model.generate(**prompt, max_new_tokens=3, do_sample=False)
     assert seen[0] == 1, f"the prefill projected {seen[0]} positions through the LM head, not 1"
+
+
+def test_decoder_compiles_and_captures_are_counted_per_window(tmp_path):
+    class CountingBackend(FixedBackend):
+        num_compiles = num_captures = 0
+
+        def generate(self, model, prompt_ids, **kwargs):
+            self.num_compiles += 1  # as a decoder that meets a new shape every rollout would
+            self.num_captures += 2
+            return super().generate(model, prompt_ids, **kwargs)
+
+    trainer = make_trainer(tmp_path, max_steps=3)
+    trainer._backend = CountingBackend()
+    trainer.train()
+    stats = trainer.get_performance_stats()
+    assert (stats["decode_compiles"], stats["graph_captures"]) == (3, 6)
+    assert [row["perf/decode_compiles"] for row in trainer.state.log_history if "loss" in row] == [1, 1, 1]
+    assert stats["generation_cache_gib"] == 0  # this backend keeps nothing between rollouts
