@@ -84,7 +84,8 @@ def build_byte_level_tokenizer(alphabet: str = string.printable) -> PreTrainedTo
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, byte_fallback=False))
     backend.pre_tokenizer = byte_level
     backend.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS)
+    # unk named too: Qwen2Tokenizer would otherwise add its default "<|endoftext|>" past the vocabulary
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=PAD, eos_token=EOS, unk_token=PAD)
     tokenizer.padding_side = "left"
     return tokenizer
 

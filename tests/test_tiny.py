@@ -1,0 +1,20 @@
+"""The tiny checkpoint stands in for a hub download: it must reload as one would."""
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_grpo.tiny import save_tiny_checkpoint
+
+
+def test_saved_checkpoint_reloads_with_a_matching_tokenizer_and_chat_template(tmp_path):
+    path = save_tiny_checkpoint(tmp_path / "ckpt")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert len(tokenizer) == model.config.vocab_size  # no special token past the embeddings
+    text = "Use 3 5 12 to make 24!\n(a+b)*c = ?"
+    ids = tokenizer(text).input_ids
+    assert len(ids) == len(text) and max(ids) < model.config.vocab_size  # one token per character
+    assert tokenizer.decode(ids) == text
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "2+2"}], tokenize=False,
+                                           add_generation_prompt=True)
+    assert prompt == "2+2> "
+    assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (0, 1)
