@@ -1,0 +1,559 @@
+"""Every command in README.md's (and docs/multi_node.md's) ```bash blocks, run as a user runs it, on this CPU.
+
+``REGISTRY`` maps each documented command (its exact text, whitespace-normalised, ``\\`` continuations
+joined, a trailing ``# comment`` dropped) to what the test does with it:
+
+- ``Run``: the command itself, through ``bash -c`` from the repository root with this virtualenv's
+  ``bin`` first on PATH (what ``. .venv/bin/activate`` does), after the listed substitutions
+  (placeholders the user fills in, CPU stand-ins, each with its reason) and with flags appended that
+  only keep it short (``--max_steps 2``, an ``--output_dir`` in tmp). ``offline`` says why the command
+  as written cannot run here; the test then runs this closest offline variant.
+- ``NotRun``: why it is not run, and ``check``: what is verified instead.
+
+The set of documented commands must equal the registry's keys (``test_every_documented_command_is_registered``):
+a command added to the docs fails that test until a registry line says how to run it.
+
+Nothing here passes ``--use_cpu true`` or ``--mixed_precision no``: the recipes pick the CPU by themselves
+when there is no GPU, and the test checks what the user's command does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BIN = pathlib.Path(sys.executable).parent  # the virtualenv's bin: accelerate, hf-grpo, python
+DOCS = ("README.md", "docs/multi_node.md")
+# ~20 s warm; a DeepSpeed launch JIT-builds its CPU comm op (~1.5 min) when the build cache is cold
+LAUNCH_TIMEOUT_S = 600
+
+# What a user passes to keep a run short. Everything else stays as documented.
+SHORT = "--max_steps 2 --logging_steps 1 --disable_tqdm true --output_dir {tmp}/out"
+
+
+# ---- reading the docs ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Documented:
+    command: str  # whitespace-normalised; a heredoc keeps its body lines after "\n"
+    shown_block: str | None = None  # a plain ``` block right after the bash block: the output it prints
+    shown_comment: str | None = None  # comment lines right after the command in its block: its output's start
+
+
+def _strip_comment(line: str) -> str:
+    """Drop an unquoted ``# ...`` that starts a word (a shell comment)."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.split())
+
+
+def documented_commands(markdown: str) -> list[Documented]:
+    """Commands of the ```bash blocks, in order: one a line, ``\\`` continues, blank lines and comments skipped."""
+    lines = markdown.splitlines()
+    found: list[Documented] = []
+    i = 0
+    while i < len(lines):
+        fence = lines[i].strip()
+        if not fence.startswith("```"):
+            i += 1
+            continue
+        language = fence[3:].strip()
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip().startswith("```"))
+        if language == "bash":
+            block = _bash_block(lines[i + 1:end])
+            # a plain ``` block after only blank lines shows what the block's last command prints
+            following = end + 1
+            while following < len(lines) and not lines[following].strip():
+                following += 1
+            if block and following < len(lines) and lines[following].strip() == "```":
+                shown_end = next(j for j in range(following + 1, len(lines)) if lines[j].strip().startswith("```"))
+                shown = "\n".join(lines[following + 1:shown_end]) + "\n"
+                block[-1] = Documented(block[-1].command, shown_block=shown, shown_comment=block[-1].shown_comment)
+            found += block
+        i = end + 1
+    return found
+
+
+def _bash_block(lines: list[str]) -> list[Documented]:
+    commands: list[Documented] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        i += 1
+        if not line.strip() or line.strip().startswith("#"):
+            continue
+        while line.rstrip().endswith("\\") and i < len(lines):
+            line = line.rstrip()[:-1] + " " + lines[i]
+            i += 1
+        command = _normalise(_strip_comment(line))
+        heredoc = re.search(r"<<-?\s*(['\"]?)(\w+)\1", command)
+        if heredoc:
+            body = []
+            while i < len(lines) and lines[i].strip() != heredoc.group(2):
+                body.append(lines[i].rstrip())
+                i += 1
+            i += 1
+            command = "\n".join([command, *body, heredoc.group(2)])
+        comment = []
+        while i < len(lines) and lines[i].strip().startswith("#"):
+            comment.append(lines[i].strip().lstrip("#").strip())
+            i += 1
+        commands.append(Documented(command, shown_comment="\n".join(comment) or None))
+    return commands
+
+
+DOCUMENTED = {doc: documented_commands((ROOT / doc).read_text()) for doc in DOCS}
+
+
+# ---- running a command -----------------------------------------------------------------------------
+
+@dataclass
+class Ran:
+    command: str  # what ran, after substitutions
+    tmp: pathlib.Path
+    documented: Documented
+    stdout: str = ""  # node 0's for a two-node run
+    stderr: str = ""
+    other_stderr: str = ""  # node 1's
+
+
+@dataclass(frozen=True)
+class Sub:
+    old: str
+    new: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Run:
+    check: Callable[[Ran], None]
+    append: str = ""
+    replace: tuple[Sub, ...] = ()
+    offline: str = ""  # why the command as written cannot run here: what runs is the closest offline variant
+    nodes: int = 1  # 2: two processes side by side, NODE_RANK=0 and 1, MAIN_IP=127.0.0.1
+    cwd: str = "root"  # or "tmp": a command that writes into its working directory
+    setup: Callable[[pathlib.Path], None] | None = None
+    slow: bool = True
+    timeout: int = LAUNCH_TIMEOUT_S
+
+
+@dataclass(frozen=True)
+class NotRun:
+    why: str
+    check: Callable[[Documented, pathlib.Path], None]  # what is verified instead
+
+
+def clean_env(tmp: pathlib.Path) -> dict[str, str]:
+    """This virtualenv activated; no launcher or DIFFU_* variables of the caller's; a fresh user's HF home."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_", "ACCELERATE_"))}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["VIRTUAL_ENV"] = sys.prefix
+    # No ~/.cache/huggingface/accelerate/default_config.yaml (a bare `accelerate launch` reads it) and no hub
+    # cache: what a user who has just installed gets. Offline: a hub access fails at once instead of retrying.
+    env["HF_HOME"] = str(tmp / "hf_home")
+    env["HF_HUB_OFFLINE"] = "1"
+    _own_extension_cache_per_ninja(env)
+    return env
+
+
+def _own_extension_cache_per_ninja(env: dict[str, str]) -> None:
+    """DeepSpeed JIT-builds its CPU comm op with whichever ``ninja`` is first on PATH (~80 s). The virtualenv ships
+    one (pip's ninja 1.13) and a machine may have another (e.g. /usr/bin/ninja 1.11): each rebuilds what the other
+    built. When this pytest was started without the virtualenv activated, the other tests' launches use the
+    machine's ninja while these (activated, as the README says) use the virtualenv's: give them their own build
+    cache so the two do not rebuild each other's op on every switch. Activated (as in .ci/run), nothing changes."""
+    import shutil
+
+    ninja = shutil.which("ninja", path=env["PATH"])
+    if "TORCH_EXTENSIONS_DIR" in os.environ or ninja is None or ninja == shutil.which("ninja"):
+        return
+    from torch.utils.cpp_extension import get_default_build_root
+
+    env["TORCH_EXTENSIONS_DIR"] = os.path.join(get_default_build_root(), "ninja-" + re.sub(r"\W+", "_", ninja))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """End a launcher and everything it started (its own process group)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if process.poll() is not None:
+            return
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(text: str, chars: int = 6000) -> str:
+    return text[-chars:] if text else "<empty>"
+
+
+def run_documented(doc: Documented, run: Run, tmp: pathlib.Path) -> Ran:
+    values = {"tmp": str(tmp), "port": str(free_port())}
+    command = doc.command
+    for sub in run.replace:
+        assert sub.old in command, f"substitution {sub.old!r} no longer matches the documented command {command!r}"
+        command = command.replace(sub.old, sub.new.format(**values))
+    if run.append:
+        command += " " + run.append.format(**values)
+    cwd = tmp if run.cwd == "tmp" else ROOT
+    if run.setup:
+        run.setup(tmp)
+    env = clean_env(tmp)
+    if run.nodes > 1:
+        env.update(MAIN_IP="127.0.0.1", OMP_NUM_THREADS="1")  # two single-process "nodes" share this machine
+        if sys.platform.startswith("linux"):
+            # gloo picks its interface from the hostname, which may not be reachable in a container
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+    processes = []
+    for rank in range(run.nodes):
+        node_env = {**env, "NODE_RANK": str(rank)} if run.nodes > 1 else env
+        out, err = tmp / f"node{rank}.out", tmp / f"node{rank}.err"
+        with open(out, "w") as stdout, open(err, "w") as stderr:  # files, not pipes: a full pipe stalls a run
+            processes.append(subprocess.Popen(["bash", "-c", command], cwd=cwd, env=node_env, stdout=stdout,
+                                              stderr=stderr, start_new_session=True))
+    deadline, problem = time.monotonic() + run.timeout, None
+    try:
+        while problem is None and any(p.poll() is None for p in processes):
+            failed = [rank for rank, p in enumerate(processes) if p.poll() not in (None, 0)]
+            if failed:  # the other node would wait for its peer until the rendezvous times out
+                problem = f"node {failed[0]} exited {processes[failed[0]].returncode}"
+            elif time.monotonic() > deadline:
+                problem = f"timed out after {run.timeout} s"
+            else:
+                time.sleep(0.2)
+    finally:
+        for process in processes:
+            _stop(process)
+    outputs = [((tmp / f"node{r}.out").read_text(errors="replace"), (tmp / f"node{r}.err").read_text(errors="replace"))
+               for r in range(run.nodes)]
+    if problem is None and any(p.returncode != 0 for p in processes):
+        problem = "exit codes " + str([p.returncode for p in processes])
+    if problem is not None:
+        variant = f" (the closest offline variant: the command as written {run.offline})" if run.offline else ""
+        pytest.fail(f"{command!r}{variant}: {problem}" + "".join(
+            f"\n--- process {r} (exit {p.returncode}) stdout tail:\n{_tail(o, 2000)}\n--- stderr tail:\n{_tail(e)}"
+            for r, (p, (o, e)) in enumerate(zip(processes, outputs))))
+    return Ran(command, tmp, doc, stdout=outputs[0][0], stderr=outputs[0][1],
+               other_stderr=outputs[1][1] if run.nodes > 1 else "")
+
+
+# ---- what a run must show --------------------------------------------------------------------------
+
+def _metrics(directory: pathlib.Path) -> list[dict]:
+    path = directory / "metrics.jsonl"
+    assert path.exists(), f"no {path}"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+FP32 = "no CUDA device: training in fp32, not the launch config's mixed_precision=bf16"
+
+
+def trained(world: int, *keys: str, output: str = "out", final: str = "model.safetensors", bf16_config=False):
+    """Two logged optimizer steps with finite losses, the batch plan of this world size, the files the README lists.
+    ``bf16_config``: a shipped config says bf16; "on a machine without a GPU the recipes train in fp32 on the CPU
+    and say so once" (README, Launch anywhere)."""
+
+    def check(ran: Ran) -> None:
+        assert f"hf-grpo batch plan (world size {world})" in ran.stderr, _tail(ran.stderr)
+        if bf16_config:
+            assert ran.stderr.count(FP32) == 1, _tail(ran.stderr)
+        directory = ran.tmp / output
+        rows = _metrics(directory)
+        assert [row["step"] for row in rows] == [1, 2], rows
+        assert all(math.isfinite(row["loss"]) for row in rows), rows
+        assert all(0.0 <= row["reward"] <= 1.0 for row in rows), rows
+        for key in keys:
+            assert all(key in row for row in rows), (key, sorted(rows[0]))
+        assert (directory / "reward_loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        per_rank = json.loads((directory / "performance.json").read_text())["per_rank"]
+        assert len(per_rank) == world and all(rank["peak_memory_gib"] > 0 for rank in per_rank), per_rank
+        assert (directory / final).exists(), sorted(p.name for p in directory.iterdir())
+
+    return check
+
+
+def quickstart_as_the_readme_describes(ran: Ran) -> None:
+    """`What the main command shows`: the plan first, then metrics.jsonl, the plot, performance.json,
+    a checkpoint and the final model (here after 2 steps instead of 100)."""
+    trained(1)(ran)
+    assert ran.stderr.index("hf-grpo batch plan") < ran.stderr.index("metrics:")
+    assert (ran.tmp / "out" / "checkpoint-2").is_dir()  # saved at the last step
+
+
+def two_nodes_as_one_world(ran: Ran) -> None:
+    """Ranks are global: node 0 holds rank 0 of a 2-process world and alone writes the metrics."""
+    trained(2, output="node0", bf16_config=True)(ran)
+    assert "(64 per device x 2 devices)" in ran.stderr
+    assert "hf-grpo batch plan" not in ran.other_stderr
+    assert not (ran.tmp / "node1" / "metrics.jsonl").exists()
+
+
+def wrote_the_hostfile(ran: Ran) -> None:
+    assert (ran.tmp / "hostfile").read_text() == "node0 slots=8\nnode1 slots=8\n"
+
+
+def prints_the_plan(ran: Ran) -> None:
+    """`hf-grpo plan` exits 0 and prints the tree; where the docs show the output, it is exactly that."""
+    assert ran.stdout.startswith("rollout: "), ran.stdout
+    assert "└── log-softmax in chunks of" in ran.stdout
+    if ran.documented.shown_block is not None:
+        assert ran.stdout == ran.documented.shown_block
+    if ran.documented.shown_comment is not None:
+        assert ran.stdout.splitlines()[0] == ran.documented.shown_comment
+
+
+# ---- checks for what is not run --------------------------------------------------------------------
+
+README_INSTALL = 'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[deepspeed,dev]"'
+
+
+def _ci_commands() -> list[str]:
+    lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    return [_normalise(line) for line in lines if line.strip() and not line.lstrip().startswith("#")]
+
+
+def the_ci_runs_it(doc: Documented, tmp: pathlib.Path) -> None:
+    """.ci/run is the README's command, one `&&` part a line: its set-up (pip's -q aside), and last, the tests."""
+    parts = [part.strip() for part in doc.command.split("&&")]
+    ci = _ci_commands()
+    assert ci[-1] == parts[-1], (ci[-1], parts[-1])
+    quiet = [re.sub(r"^pip install -q ", "pip install ", line) for line in ci]
+    for part in parts[:-1]:
+        assert part in quiet, (part, ci)
+
+
+def the_pdsh_launch_reaches_deepspeeds_runner(doc: Documented, tmp: pathlib.Path) -> None:
+    """Needs pdsh and passwordless ssh to hosts node0 and node1. Instead: the same command, from a directory holding
+    the hostfile (as the docs' block writes it) and the repository's configs and recipes, with a stand-in
+    `deepspeed` on PATH that records how accelerate calls it. It must get the hostfile and the pdsh launcher,
+    and ./.deepspeed_env must carry node 0's NCCL_* settings, as the docs say."""
+    (tmp / "hostfile").write_text("node0 slots=8\nnode1 slots=8\n")
+    for name in ("accelerate_configs", "recipes"):
+        (tmp / name).symlink_to(ROOT / name)
+    stub = tmp / "stub"
+    stub.mkdir()
+    (stub / "deepspeed").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp}/deepspeed_argv\n')
+    (stub / "deepspeed").chmod(0o755)
+    env = clean_env(tmp)
+    env.update(PATH=f"{stub}{os.pathsep}{env['PATH']}", MAIN_IP="127.0.0.1", NCCL_DEBUG="INFO")
+    result = subprocess.run(["bash", "-c", doc.command], cwd=tmp, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, _tail(result.stderr)
+    argv = (tmp / "deepspeed_argv").read_text().splitlines()
+    assert argv[:5] == ["--hostfile", "hostfile", "--no_local_rank", "--launcher", "pdsh"], argv
+    assert argv[argv.index("--master_addr") + 1] == "127.0.0.1" and "recipes/quickstart.py" in argv, argv
+    assert "NCCL_DEBUG=INFO" in (tmp / ".deepspeed_env").read_text().splitlines()
+
+
+def sets_a_variable_for_the_launch(doc: Documented, tmp: pathlib.Path) -> None:
+    name, value = doc.command.removeprefix("export ").split("=", 1)
+    result = subprocess.run(["bash", "-c", f"{doc.command} && printenv {name}"], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == value, result
+
+
+# ---- the registry ----------------------------------------------------------------------------------
+
+def _gsm8k_jsonl(tmp: pathlib.Path) -> None:
+    rows = [{"question": f"What is {a} + {a}?", "answer": f"{a}+{a}={2 * a}\n#### {2 * a}"} for a in range(8)]
+    (tmp / "gsm8k.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+
+
+def _checkpoint(tmp: pathlib.Path) -> None:
+    from hf_grpo.tiny import save_tiny_checkpoint
+
+    save_tiny_checkpoint(tmp / "my-checkpoint")
+
+
+def _checkpoint_and_gsm8k(tmp: pathlib.Path) -> None:
+    _checkpoint(tmp)
+    _gsm8k_jsonl(tmp)
+
+
+NO_INSTALL = Sub(README_INSTALL + " && ", "",
+                 "creating .venv and pip-installing is not repeated here (minutes, network): the test runs in the "
+                 "virtualenv that line builds (test_this_virtualenv_is_what_the_install_line_builds)")
+# The yaml says 16 processes over 2 machines (8 GPUs each); here each "node" is one CPU process.
+ONE_PROCESS_PER_NODE = Sub("recipes/quickstart.py", "--num_processes 2 recipes/quickstart.py",
+                           "16 processes (2 machines x 8 GPUs) -> 2: one CPU process per node")
+# Node 0's port is the user's choice; 29500 may be taken on this machine by another launch (torch's default).
+FREE_PORT = Sub("--main_process_port 29500", "--main_process_port {port}", "a free port instead of 29500")
+NODE_OUTPUT = "--max_steps 2 --logging_steps 1 --disable_tqdm true --save_strategy no --output_dir {tmp}/node$NODE_RANK"
+MULTI_NODE_CONFIG = ("accelerate launch --config_file accelerate_configs/multi_node_zero2.yaml "
+                     "--machine_rank $NODE_RANK --main_process_ip $MAIN_IP --main_process_port 29500 recipes/quickstart.py")
+
+REGISTRY: dict[str, dict[str, Run | NotRun]] = {
+    "README.md": {
+        # "The two commands", 1: the part after the install, as written, from the repository root
+        README_INSTALL + " && accelerate launch recipes/quickstart.py":
+            Run(quickstart_as_the_readme_describes, append=SHORT, replace=(NO_INSTALL,)),
+        # "The two commands", 2: running the test suite from inside it would recurse
+        README_INSTALL + " && python -m pytest tests -q":
+            NotRun("runs this test suite (it would recurse); .ci/run runs exactly this, one part a line",
+                   the_ci_runs_it),
+        "python -m pytest tests -q":
+            NotRun("runs this test suite (it would recurse); it is .ci/run's last command", the_ci_runs_it),
+        "python recipes/countdown.py --model_name_or_path ./my-checkpoint --use_peft true --lora_r 16 --lora_alpha 32 "
+        "--beta 0.04":
+            Run(trained(1, "kl", "rewards/countdown_reward/mean", final="adapter_model.safetensors"),
+                setup=_checkpoint,
+                replace=(Sub("./my-checkpoint", "{tmp}/my-checkpoint",
+                             "a checkpoint directory written by hf_grpo.tiny.save_tiny_checkpoint"),),
+                append=SHORT + " --max_completion_length 12 --num_train_samples 64"),
+        "accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes 8 recipes/gsm8k.py "
+        "--config recipes/gsm8k.yaml":
+            Run(trained(2, "kl", "rewards/gsm8k_format_reward/mean", "rewards/gsm8k_correctness_reward/mean",
+                        bf16_config=True),
+                offline="needs the hub (model Qwen/Qwen2.5-0.5B-Instruct, dataset openai/gsm8k) and 8 GPUs",
+                setup=_checkpoint_and_gsm8k,
+                replace=(Sub("--num_processes 8", "--num_processes 2", "2 CPU processes over gloo"),),
+                # a saved checkpoint, not --tiny: gsm8k.yaml's beta 0.04 needs a reference model loaded from a path
+                append=SHORT + " --model_name_or_path {tmp}/my-checkpoint --dataset_name {tmp}/gsm8k.jsonl"
+                               " --max_completion_length 12 --save_strategy no"),
+        MULTI_NODE_CONFIG:
+            Run(two_nodes_as_one_world, nodes=2, replace=(FREE_PORT, ONE_PROCESS_PER_NODE), append=NODE_OUTPUT,
+                offline="needs 2 machines x 8 GPUs; run as 2 one-process 'nodes' on 127.0.0.1 "
+                        "(NODE_RANK=0/1 side by side, MAIN_IP=127.0.0.1)"),
+        "hf-grpo plan --per_device_train_batch_size 16 --num_generations 8 --gradient_accumulation_steps 4 "
+        "--steps_per_generation 4 --per_device_generation_batch_size 8 --num_processes 8":
+            Run(prints_the_plan, slow=False, timeout=120),
+    },
+    "docs/multi_node.md": {
+        "export MAIN_IP=10.0.0.1":
+            NotRun("node 0's address for the launch below it (10.0.0.1 is a placeholder); the two-node run here "
+                   "sets MAIN_IP=127.0.0.1. Checked: the line sets it", sets_a_variable_for_the_launch),
+        MULTI_NODE_CONFIG + " --config recipes/quickstart.yaml":
+            Run(two_nodes_as_one_world, nodes=2, replace=(FREE_PORT, ONE_PROCESS_PER_NODE), append=NODE_OUTPUT,
+                offline="needs 2 machines x 8 GPUs; run as 2 one-process 'nodes' on 127.0.0.1"),
+        "export NCCL_SOCKET_IFNAME=eth0":
+            NotRun("NCCL network setting for a GPU cluster (no NCCL here)", sets_a_variable_for_the_launch),
+        "export GLOO_SOCKET_IFNAME=eth0":
+            NotRun("this machine's interface is not eth0; the two-node runs here set GLOO_SOCKET_IFNAME=lo",
+                   sets_a_variable_for_the_launch),
+        "export NCCL_DEBUG=INFO":
+            NotRun("NCCL logging (no NCCL here)", sets_a_variable_for_the_launch),
+        "cat > hostfile <<EOF\nnode0 slots=8\nnode1 slots=8\nEOF":
+            Run(wrote_the_hostfile, cwd="tmp", slow=False, timeout=60),
+        "accelerate launch --config_file accelerate_configs/multi_node_zero2.yaml --deepspeed_multinode_launcher pdsh "
+        "--deepspeed_hostfile hostfile --main_process_ip $MAIN_IP --main_process_port 29500 recipes/quickstart.py":
+            NotRun("needs pdsh, passwordless ssh to hosts node0 and node1, and GPUs",
+                   the_pdsh_launch_reaches_deepspeeds_runner),
+        "hf-grpo plan --config recipes/quickstart.yaml --num_processes 16 --per_device_train_batch_size 32":
+            Run(prints_the_plan, slow=False, timeout=120),
+    },
+}
+
+
+# ---- the tests -------------------------------------------------------------------------------------
+
+def test_every_documented_command_is_registered():
+    problems = []
+    for doc in DOCS:
+        documented = [d.command for d in DOCUMENTED[doc]]
+        missing = [c for c in documented if c not in REGISTRY[doc]]
+        stale = [c for c in REGISTRY[doc] if c not in documented]
+        problems += [f"{doc}: not in REGISTRY (add a line saying how the test runs it): {c!r}" for c in missing]
+        problems += [f"{doc}: REGISTRY key no longer documented: {c!r}" for c in stale]
+    assert not problems, "\n".join(problems)
+
+
+def _id(doc: str, index: int, command: str) -> str:
+    last = command.split("&&")[-1].split("\n")[0]
+    return f"{pathlib.Path(doc).stem}-{index}-" + re.sub(r"[^A-Za-z0-9._]+", "-", last).strip("-")[:60]
+
+
+def _cases():
+    for doc in DOCS:
+        for index, documented in enumerate(DOCUMENTED[doc]):
+            entry = REGISTRY[doc].get(documented.command)
+            if entry is None:
+                continue  # reported by test_every_documented_command_is_registered
+            slow = isinstance(entry, Run) and entry.slow
+            yield pytest.param(doc, documented, marks=[pytest.mark.slow] if slow else [],
+                               id=_id(doc, index, documented.command))
+
+
+@pytest.mark.parametrize("doc, documented", list(_cases()))
+def test_documented_command(doc, documented, tmp_path):
+    entry = REGISTRY[doc][documented.command]
+    if isinstance(entry, NotRun):
+        entry.check(documented, tmp_path)
+    else:
+        entry.check(run_documented(documented, entry, tmp_path))
+
+
+def test_this_virtualenv_is_what_the_install_line_builds():
+    """The set-up part of the README's two commands, not re-run: the virtualenv the tests run in must be what it
+    builds (the pinned torch where it is a CPU build, the project installed editable from this checkout with its
+    deepspeed and dev extras, the console scripts the README's commands call)."""
+    import importlib.metadata
+
+    import torch
+
+    import hf_grpo
+
+    pin = re.search(r"torch==(\S+)", README_INSTALL).group(1)
+    if torch.version.cuda is None:  # on a GPU machine the README says to install its CUDA build instead
+        assert torch.__version__.split("+")[0] == pin, torch.__version__
+    assert pathlib.Path(hf_grpo.__file__).resolve().parent == ROOT / "hf_grpo"
+    requires = importlib.metadata.requires("hf-grpo") or []
+    for extra in ("deepspeed", "dev"):
+        for requirement in (r for r in requires if f'extra == "{extra}"' in r):
+            name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0)
+            importlib.metadata.version(name)  # raises if the extra's package is missing
+    for script in ("accelerate", "hf-grpo", "python"):
+        assert (BIN / script).exists(), script
+
+
+def test_the_readme_install_line_is_parsed_as_documented():
+    """README_INSTALL is shared by two registry keys: it must still be the README's set-up prefix."""
+    two = [d.command for d in DOCUMENTED["README.md"] if "&&" in d.command]
+    assert two and all(c.startswith(README_INSTALL + " && ") for c in two), two
+
+
+def test_the_parser_reads_continuations_heredocs_comments_and_shown_output():
+    text = "\n".join([
+        "```bash", "# a comment", "", "export A=1   # trailing", "cmd --x 1 \\", "    --y '# kept' 2", "# out line",
+        "cat > f <<EOF", "a b", "EOF", "last", "```", "", "```", "printed", "```",
+    ])
+    assert documented_commands(text) == [
+        Documented("export A=1"),
+        Documented("cmd --x 1 --y '# kept' 2", shown_comment="out line"),
+        Documented("cat > f <<EOF\na b\nEOF"),
+        Documented("last", shown_block="printed\n"),
+    ]
+    assert shlex.split("cmd --y '# kept' 2")[2] == "# kept"
