@@ -45,6 +45,19 @@ def test_gsm8k_tiny_from_a_local_jsonl(tmp_path):
     assert {"rewards/gsm8k_format_reward/mean", "rewards/gsm8k_correctness_reward/mean"} <= set(rows[0])
 
 
+@pytest.mark.slow
+def test_gsm8k_tiny_with_its_yaml_builds_a_reference_model(tmp_path):
+    """gsm8k.yaml sets beta 0.04: TRL loads the reference from the policy's path, which --tiny must provide."""
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text("\n".join(json.dumps({"question": f"What is {a} * 3?", "answer": f"#### {3 * a}"})
+                              for a in range(8)))
+    trainer = run_recipe("gsm8k", "--config", ROOT / "recipes" / "gsm8k.yaml", "--dataset_name", data,
+                         "--output_dir", tmp_path / "out", "--num_generations", 4, "--dtype", "float32")
+    assert trainer.beta == 0.04 and trainer.ref_model is not None
+    rows = logged(tmp_path / "out")
+    assert [r["step"] for r in rows] == [1, 2] and all("kl" in r for r in rows)
+
+
 def test_prompts_become_chat_turns_only_for_tokenizers_with_a_template():
     from datasets import Dataset
 
