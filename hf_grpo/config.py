@@ -197,6 +197,9 @@ class GRPOConfig(trl.GRPOConfig):
         generation_backend (`str`, *optional*, defaults to `"auto"`):
             ``"hf"`` (chunked ``model.generate``), ``"cuda_graph"``, ``"vllm"`` (TRL's vLLM mode) or
             ``"auto"`` (``"cuda_graph"`` on CUDA where the model is supported, else ``"hf"``).
+        release_generation_memory (`bool`, *optional*, defaults to `True`):
+            Free the generation backend's KV cache and captured graph after each rollout (the
+            decode step's compile is kept), so they do not sit in memory through the backward.
     """
 
     per_device_generation_batch_size: int | None = field(
@@ -220,6 +223,14 @@ class GRPOConfig(trl.GRPOConfig):
     generation_backend: str = field(
         default="auto",
         metadata={"help": f"Generation backend, one of {BACKEND_NAMES}."},
+    )
+    release_generation_memory: bool = field(
+        default=True,
+        metadata={
+            "help": "Free the cuda_graph backend's KV cache and captured graph after each rollout, so the "
+            "training step gets that memory; the next rollout captures again (its compile is kept). False keeps "
+            "them between rollouts (no capture per rollout; perf stats report their size as generation_cache_gib)."
+        },
     )
 
     def __new__(cls, *args: Any, **kwargs: Any):

@@ -168,6 +168,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                 eos_token_ids=self.eos_token_ids,
                 pad_to_multiple_of=self.pad_to_multiple_of,
             )
+        if self.args.release_generation_memory:
+            backend.release(empty_cache=False)  # the training step reuses the blocks; the compile is kept
         self.perf.add("generated_tokens", float(sum(len(ids) for ids in completion_ids)))
         for key, after in backend_counts(backend).items():
             self.perf.add(key, float(after - counts_before[key]))

@@ -251,3 +251,17 @@ def test_decoder_compiles_and_captures_are_counted_per_window(tmp_path):
     assert (stats["decode_compiles"], stats["graph_captures"]) == (3, 6)
     assert [row["perf/decode_compiles"] for row in trainer.state.log_history if "loss" in row] == [1, 1, 1]
     assert stats["generation_cache_gib"] == 0  # this backend keeps nothing between rollouts
+
+
+@pytest.mark.parametrize("release", [True, False])
+def test_generation_memory_is_released_after_each_rollout_unless_kept(tmp_path, release):
+    class RecordingBackend(FixedBackend):
+        releases = 0
+
+        def release(self, empty_cache=True):
+            self.releases += 1
+
+    trainer = make_trainer(tmp_path, max_steps=3, release_generation_memory=release)
+    trainer._backend = RecordingBackend()
+    trainer.train()
+    assert trainer._backend.releases == (3 if release else 0)  # one rollout per step here

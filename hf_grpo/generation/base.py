@@ -42,6 +42,9 @@ class GenerationBackend(ABC):
         unwrapped policy; the caller has already entered ``torch.no_grad()``.
         """
 
+    def release(self, empty_cache: bool = True) -> None:
+        """Free what the backend keeps between calls (caches, captured graphs); nothing by default."""
+
 
 def iter_chunks(items: Sequence, size: int) -> Iterator[Sequence]:
     """Consecutive slices of ``size`` items; the last one may be shorter."""

@@ -518,10 +518,14 @@ class CudaGraphBackend(GenerationBackend):
                 completions.extend(cut_after_eos(generated[:n_real], sampling.eos_token_ids))
         return completions
 
-    def release(self) -> None:
-        """Free every captured graph and KV cache."""
+    def release(self, empty_cache: bool = True) -> None:
+        """Free every captured graph and KV cache (the compiled decode step is kept).
+
+        ``empty_cache=False`` leaves the freed blocks in torch's caching allocator, where the
+        training step that follows a rollout reuses them without a new cudaMalloc.
+        """
         self._entries.clear()
-        if torch.cuda.is_available():
+        if empty_cache and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def cache_bytes(self) -> int:
