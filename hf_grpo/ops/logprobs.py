@@ -1,8 +1,10 @@
 """Per-row log-probabilities (and entropies) through an LM head without materialising all ``(N, V)`` logits.
 
-The op projects ``chunk_rows`` rows at a time, reduces each chunk to one log-sum-exp per row, and throws the logits
-away. The backward recomputes each chunk's logits from the saved inputs (one extra GEMM per chunk) instead of keeping
-them, which is what bounds memory to one ``(chunk_rows, V)`` fp32 buffer at a time.
+The op projects ``chunk_rows`` rows at a time against ``_VOCAB_BLOCK`` vocabulary columns at a time, reduces each
+tile to running per-row statistics (an online log-sum-exp), and throws the logits away. The backward recomputes each
+tile from the saved inputs (one extra GEMM per tile) instead of keeping it, walking the vocabulary in the outer loop
+so that the weight gradient of one column block is finished (in fp32) before the next starts: scratch memory is one
+``(chunk_rows, _VOCAB_BLOCK)`` tile and one ``(_VOCAB_BLOCK, H)`` fp32 accumulator, never ``V`` wide.
 
 Targets are taken as given: row ``i`` is scored against ``targets[i]``, with no causal shift, so the same op serves
 next-token (shift done by the caller) and masked-diffusion objectives.
@@ -20,10 +22,10 @@ from torch.autograd.function import once_differentiable
 
 __all__ = ["chunked_logprobs"]
 
-# Column width of the temporaries used by the row reductions. The main `(chunk_rows, V)` logits buffer is reused in
-# place; everything else (exp of a slice, products for the entropy) lives in `(chunk_rows, _COL_BLOCK)` slices, so
-# those temporaries stay well below the size of the logits even for a 150k vocabulary.
-_COL_BLOCK = 16384
+# Vocabulary columns per logits tile. Each (rows, columns) tile of logits is made, reduced and dropped, forward and
+# backward, so the op's scratch memory is one (chunk_rows, _VOCAB_BLOCK) fp32 tile plus its gradient, whatever V is
+# (at V = 152k, a whole (1024, V) fp32 chunk would be 0.58 GiB; a tile is 0.125 GiB).
+_VOCAB_BLOCK = 32768
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -96,9 +98,9 @@ def _addmm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, a_acc: torch
     acc.addmm_(a.to(acc.dtype) if a_acc is None else a_acc, b.to(acc.dtype))
 
 
-def _col_slices(v: int):
-    for start in range(0, v, _COL_BLOCK):
-        yield slice(start, min(start + _COL_BLOCK, v))
+def _vocab_blocks(v: int):
+    for start in range(0, v, _VOCAB_BLOCK):
+        yield start, min(start + _VOCAB_BLOCK, v)
 
 
 def _dtypes(hidden: torch.Tensor, weight: torch.Tensor):
@@ -112,11 +114,35 @@ def _dtypes(hidden: torch.Tensor, weight: torch.Tensor):
     return compute, torch.promote_types(compute, torch.float32)
 
 
+def _tile_stats_torch(z, inv_t, want_entropy):
+    """Per-row log-sum-exp of a tile of scaled logits and E[z] under the tile's own softmax (torch path)."""
+    z.mul_(inv_t)
+    m = z.amax(dim=-1, keepdim=True)
+    e = (z - m).exp_()  # one tile-sized temporary besides z
+    sum_exp = e.sum(-1)
+    lse = m.squeeze(1) + sum_exp.log()
+    mean_z = (e.mul_(z).sum(-1) / sum_exp) if want_entropy else None
+    return lse, mean_z
+
+
+def _merge(lse_a, mean_a, lse_b, mean_b):
+    """Combine two column blocks' (log-sum-exp, softmax mean of z) into those of their union."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    if mean_a is None:
+        return lse, None
+    return lse, torch.exp(lse_a - lse) * mean_a + torch.exp(lse_b - lse) * mean_b
+
+
 def _forward(hidden, weight, targets, bias, chunk_rows: int, temperature: float, want_entropy: bool, dtypes):
-    """Returns (logp (N,), lse (N,), entropy (N,) or None), all in the accumulation dtype."""
+    """Returns (logp (N,), lse (N,), entropy (N,) or None), all in the accumulation dtype.
+
+    Each row's log-sum-exp (and the softmax mean of its logits, for the entropy H = lse - E_p[z]) is built block
+    by block; the target logit is picked from the block that holds it.
+    """
     compute, acc = dtypes
     n_rows, vocab = hidden.shape[0], weight.shape[0]
-    w_t = weight.to(compute).t()  # (H, V); a view unless a cast is needed
+    inv_t = 1.0 / temperature
+    w_c = weight.to(compute)  # (V, H); a view unless a cast is needed
     bias_acc = None if bias is None else bias.to(acc)
     logp = torch.empty(n_rows, device=hidden.device, dtype=acc)
     lse = torch.empty_like(logp)
@@ -124,38 +150,33 @@ def _forward(hidden, weight, targets, bias, chunk_rows: int, temperature: float,
 
     for start in range(0, n_rows, chunk_rows):
         end = min(start + chunk_rows, n_rows)
-        z = _mm_acc(hidden[start:end].to(compute), w_t, acc)  # (n, V) raw logits
-        kernels = _triton_rows(z)
-        if kernels is not None:  # one fused pass: bias, temperature, log-sum-exp, target, entropy
-            ent = entropy[start:end] if want_entropy else None
-            kernels.row_stats(z, bias_acc, targets[start:end], 1.0 / temperature, lse[start:end], logp[start:end], ent)
+        h_c = hidden[start:end].to(compute)
+        rows_t = targets[start:end]
+        run_lse = run_mean = None
+        target_z = torch.zeros(end - start, device=hidden.device, dtype=acc)
+        for c0, c1 in _vocab_blocks(vocab):
+            z = _mm_acc(h_c, w_c[c0:c1].t(), acc)  # (n, block) raw logits
+            b_blk = None if bias_acc is None else bias_acc[c0:c1]
+            local = rows_t - c0
+            inside = (local >= 0) & (local < c1 - c0)
+            kernels = _triton_rows(z)
+            if kernels is not None:  # one fused pass: bias, temperature, log-sum-exp, softmax mean, target logit
+                blk_lse, blk_mean, blk_target = kernels.tile_stats(z, b_blk, local, inv_t, want_entropy)
+            else:
+                if b_blk is not None:
+                    z.add_(b_blk)
+                blk_target = z.gather(1, local.clamp(0, c1 - c0 - 1)[:, None]).squeeze(1) * inv_t
+                blk_lse, blk_mean = _tile_stats_torch(z, inv_t, want_entropy)
             del z
-            continue
-        if bias_acc is not None:
-            z.add_(bias_acc)
-        if temperature != 1.0:
-            z.div_(temperature)
-        m = z.amax(dim=-1, keepdim=True)  # (n, 1), for a stable exp
-        target_z = z.gather(1, targets[start:end, None]).squeeze(1)  # (n,)
-        z.sub_(m)
-        sum_exp = torch.zeros(end - start, device=z.device, dtype=acc)
-        # sum_j e^{z_j - m} (z_j - m), only for the entropy
-        sum_ez = torch.zeros_like(sum_exp) if want_entropy else None
-        for cols in _col_slices(vocab):
-            zc = z[:, cols]
-            e = torch.exp(zc)
-            sum_exp += e.sum(-1)
-            if want_entropy:
-                sum_ez += e.mul_(zc).sum(-1)
-            del e, zc  # otherwise the last slice outlives `z` into the next chunk's GEMM
-        log_sum = sum_exp.log()
-        m = m.squeeze(1)
-        lse[start:end] = m + log_sum
-        logp[start:end] = target_z - m - log_sum
+            target_z += torch.where(inside, blk_target, torch.zeros_like(blk_target))
+            if run_lse is None:
+                run_lse, run_mean = blk_lse, blk_mean
+            else:
+                run_lse, run_mean = _merge(run_lse, run_mean, blk_lse, blk_mean)
+        lse[start:end] = run_lse
+        logp[start:end] = target_z - run_lse
         if want_entropy:
-            # H = -sum p log p with p = e/s, log p = (z - m) - log s  =>  H = log s - sum(e (z - m)) / s
-            entropy[start:end] = log_sum - sum_ez / sum_exp
-        del z
+            entropy[start:end] = run_lse - run_mean
     return logp, lse, entropy
 
 
@@ -171,8 +192,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             logp, lse, entropy = _forward(
                 hidden, weight, targets, bias, chunk_rows, temperature, want_entropy, ctx.dtypes
             )
-        # Only the inputs (references, no copies) and one log-sum-exp per row are kept; logits are recomputed.
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        # Only the inputs (references, no copies) and per-row statistics are kept; logits are recomputed.
+        # The entropy is kept too (N floats): its gradient needs H, which the backward then need not recompute.
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.chunk_rows = chunk_rows
         ctx.device_type = hidden.device.type
         ctx.temperature = temperature
@@ -189,42 +211,31 @@ class _ChunkedLogprobs(torch.autograd.Function):
             return (*_backward(ctx, grad_logp, grad_entropy), None)
 
 
-def _logits_grad_torch(z, bias_acc, temperature, lse, targets, gl, gh):
-    """dL/d(raw logits) for one chunk, in place in ``z`` (fp32): the torch path of the backward.
+def _tile_grad_torch(z, bias_blk, inv_t, lse, local, inside, gl, coef, gh):
+    """dL/d(raw logits) for one tile, in place in ``z`` (fp32): the torch path of the backward.
 
-    gl, gh: (n, 1) upstream gradients of log p_target and of the entropy, or None.
+    With p = softmax over the whole row (``lse``), H its entropy and gl, gh the upstream gradients of log p_target
+    and of H: dL/dz_j = inv_t * (gl 1[j = target] - p_j (coef + gh log p_j)), where coef = gl + gh H.
+    gl, coef, gh: (n, 1) or None.
     """
-    inv_t = 1.0 / temperature
-    if bias_acc is not None:
-        z.add_(bias_acc)
-    if temperature != 1.0:
-        z.div_(temperature)
-    z.sub_(lse[:, None])  # z is now log p
+    if bias_blk is not None:
+        z.add_(bias_blk)
+    z.mul_(inv_t).sub_(lse[:, None])  # log p
     if gh is None:
-        # d logp_t / dz_j = 1[j = t] - p_j
-        z.exp_().mul_(-gl * inv_t)
+        z.exp_().mul_(-coef * inv_t)
     else:
-        # d H / dz_j = -p_j (log p_j + H) with H = -sum_k p_k log p_k (recomputed: one row is whole here).
-        # Total: dL/dz_j = gl (1[j=t] - p_j) - gh p_j (log p_j + H)
-        #              = 1[j=t] gl - p_j (gh log p_j + gh H + gl)
-        neg_ent = torch.zeros(z.shape[0], 1, device=z.device, dtype=z.dtype)  # sum p log p = -H
-        for cols in _col_slices(z.shape[1]):
-            zc = z[:, cols]
-            neg_ent += torch.exp(zc).mul_(zc).sum(-1, keepdim=True)
-            del zc
-        shift = -gh * neg_ent if gl is None else gl - gh * neg_ent  # gl + gh H
-        for cols in _col_slices(z.shape[1]):
-            zc = z[:, cols]
-            p = torch.exp(zc)
-            zc.mul_(-gh * inv_t).sub_(shift * inv_t).mul_(p)
-            del p, zc
+        p = torch.exp(z)
+        z.mul_(gh).add_(coef).mul_(p).mul_(-inv_t)
+        del p
     if gl is not None:
-        z.scatter_add_(1, targets[:, None], gl * inv_t)
+        # rows whose target lies in another block add 0 at a clamped (valid) index: no host sync to find them
+        width = z.shape[1]
+        z.scatter_add_(1, local.clamp(0, width - 1)[:, None], gl * inv_t * inside[:, None])
     return z
 
 
 def _backward(ctx, grad_logp, grad_entropy):
-    hidden, weight, bias, targets, lse = ctx.saved_tensors
+    hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     if (grad_logp is None and grad_entropy is None) or not (need_h or need_w or need_b):
         return None, None, None, None, None, None, None
@@ -235,51 +246,62 @@ def _backward(ctx, grad_logp, grad_entropy):
     single_chunk = n_rows <= chunk_rows
 
     w_c = weight.to(compute)  # (V, H)
-    w_t = w_c.t()
     bias_acc = None if bias is None else bias.to(acc)
     g_lp = None if grad_logp is None else grad_logp.to(acc)
     g_h = None if grad_entropy is None else grad_entropy.to(acc)
+    # coef = gl + gh H per row (see _tile_grad_torch), with H saved by the forward
+    if g_h is None:
+        coef = g_lp
+    else:
+        coef = g_h * entropy.to(acc) if g_lp is None else g_lp + g_h * entropy.to(acc)
 
-    grad_hidden = torch.empty_like(hidden) if need_h else None
-    # Accumulated over chunks in fp32 (one V x H buffer); with a single chunk the GEMM output is used directly.
-    grad_w_acc = (
-        torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_w and not single_chunk else None
-    )
-    grad_weight = None
+    # grad_hidden sums over vocabulary blocks in fp32 ((N, H): small); grad_weight is finished block by block.
+    grad_h_acc = torch.zeros(hidden.shape, device=hidden.device, dtype=acc) if need_h else None
+    grad_weight = torch.empty_like(weight) if need_w else None
     grad_b_acc = torch.zeros(vocab, device=weight.device, dtype=acc) if need_b else None
+    if need_w and n_rows == 0:
+        grad_weight.zero_()
 
-    for start in range(0, n_rows, chunk_rows):
-        end = min(start + chunk_rows, n_rows)
-        h_c = hidden[start:end].to(compute)
-        z = _mm_acc(h_c, w_t, acc)  # (n, V) raw logits, recomputed
-        kernels = _triton_rows(z)
-        if kernels is not None:  # one fused pass writes dL/dz straight in the GEMM dtype
+    for c0, c1 in _vocab_blocks(vocab):
+        w_blk = w_c[c0:c1]  # (block, H)
+        b_blk = None if bias_acc is None else bias_acc[c0:c1]
+        # one rounding of the block's weight gradient, after every row chunk is summed in fp32
+        w_acc = torch.zeros((c1 - c0, weight.shape[1]), device=weight.device, dtype=acc) \
+            if need_w and not single_chunk else None
+        for start in range(0, n_rows, chunk_rows):
+            end = min(start + chunk_rows, n_rows)
+            h_c = hidden[start:end].to(compute)
+            local = targets[start:end] - c0
+            inside = (local >= 0) & (local < c1 - c0)
+            z = _mm_acc(h_c, w_blk.t(), acc)  # (n, block) raw logits, recomputed
             gl_c = None if g_lp is None else g_lp[start:end].contiguous()
             gh_c = None if g_h is None else g_h[start:end].contiguous()
-            g_c = kernels.row_grad(z, bias_acc, targets[start:end], lse[start:end], gl_c, gh_c, inv_t, compute)
-            g = None  # the fp32 gradient is never materialised
-        else:
-            g = _logits_grad_torch(z, bias_acc, temperature, lse[start:end], targets[start:end],
-                                   None if g_lp is None else g_lp[start:end, None],
-                                   None if g_h is None else g_h[start:end, None])
-            g_c = g.to(compute)  # no copy unless the GEMMs run in half precision
-        del z
-        if need_b:
-            grad_b_acc += g.sum(0) if g is not None else g_c.sum(0, dtype=acc)
-        if need_h:
-            grad_hidden[start:end] = torch.mm(g_c, w_c)  # (n, V) @ (V, H)
-        if need_w:
-            if single_chunk:
-                grad_weight = torch.mm(g_c.t(), h_c).to(weight.dtype)  # (V, n) @ (n, H)
+            kernels = _triton_rows(z)
+            if kernels is not None:  # one fused pass writes dL/dz straight in the GEMM dtype
+                g_c = kernels.tile_grad(z, b_blk, local, lse[start:end], gl_c, coef[start:end].contiguous(), gh_c,
+                                        inv_t, compute)
+                g = None  # the fp32 gradient is never materialised
             else:
-                _addmm_acc(grad_w_acc, g_c.t(), h_c, None if g is None else g.t())
-        del g, g_c
+                g = _tile_grad_torch(z, b_blk, inv_t, lse[start:end], local, inside,
+                                     None if gl_c is None else gl_c[:, None], coef[start:end, None],
+                                     None if gh_c is None else gh_c[:, None])
+                g_c = g.to(compute)  # no copy unless the GEMMs run in half precision
+            del z
+            if need_b:
+                grad_b_acc[c0:c1] += g.sum(0) if g is not None else g_c.sum(0, dtype=acc)
+            if need_h:
+                _addmm_acc(grad_h_acc[start:end], g_c, w_blk, g)  # (n, block) @ (block, H)
+            if need_w:
+                if single_chunk:
+                    grad_weight[c0:c1] = torch.mm(g_c.t(), h_c).to(weight.dtype)  # (block, n) @ (n, H)
+                else:
+                    _addmm_acc(w_acc, g_c.t(), h_c, None if g is None else g.t())
+            del g, g_c
+        if w_acc is not None:
+            grad_weight[c0:c1] = w_acc.to(weight.dtype)
+            del w_acc
 
-    if need_w and grad_weight is None:
-        if grad_w_acc is None:  # zero rows
-            grad_weight = torch.zeros_like(weight)
-        else:
-            grad_weight = grad_w_acc.to(weight.dtype)
+    grad_hidden = None if grad_h_acc is None else grad_h_acc.to(hidden.dtype)
     grad_bias = None if grad_b_acc is None else grad_b_acc.to(bias.dtype)
     return grad_hidden, grad_weight, grad_bias, None, None, None, None
 

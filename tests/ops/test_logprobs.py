@@ -118,11 +118,11 @@ def test_single_output_gradients(chunk_rows):
 
 @pytest.mark.parametrize("col_block", [1, 8])
 def test_column_blocked_reductions(monkeypatch, col_block):
-    """The row reductions walk the vocabulary in column slices (16384 wide by default, wider than V here); shrink the
-    slice so the multi-slice path, including the entropy gradient, is compared with the reference too."""
+    """The op walks the vocabulary in tiles (32768 columns by default, wider than V here); shrink them so the
+    multi-tile path (online log-sum-exp, targets in another tile, the entropy gradient) meets the reference too."""
     import hf_grpo.ops.logprobs as mod
 
-    monkeypatch.setattr(mod, "_COL_BLOCK", col_block)
+    monkeypatch.setattr(mod, "_VOCAB_BLOCK", col_block)
     hidden, weight, bias, targets, g_lp, g_ent = _inputs(torch.float64)
     params = _params(hidden, weight, bias)
     outs = chunked_logprobs(hidden, weight, targets, chunk_rows=7, temperature=0.7, bias=bias, return_entropy=True)
@@ -343,11 +343,14 @@ def test_memory_bound(return_entropy):
         loss = logp.sum() + (outs[1].sum() if return_entropy else 0)
         loss.backward()
 
-    # Saved for backward: exactly the inputs plus one size-N vector (the log-sum-exp), no logits
+    # Saved for backward: exactly the inputs plus size-N vectors (the log-sum-exp, and the entropy when it is an
+    # output: its gradient needs it), no logits
     assert all(t.numel() != n * v for t in saved)
     inputs = {(t.data_ptr(), tuple(t.shape)) for t in (hidden, weight, bias, targets)}
     extra = [t for t in saved if (t.data_ptr(), tuple(t.shape)) not in inputs]
-    assert len(saved) == 5 and len(extra) == 1 and extra[0].shape == (n,), [tuple(t.shape) for t in saved]
+    vectors = 2 if return_entropy else 1
+    assert len(saved) == 4 + vectors and len(extra) == vectors, [tuple(t.shape) for t in saved]
+    assert all(t.shape == (n,) for t in extra)
     # and no tensor hidden on the autograd node itself
     assert not any(isinstance(x, torch.Tensor) for x in vars(logp.grad_fn).values())
 
