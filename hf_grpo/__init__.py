@@ -18,11 +18,21 @@ def __getattr__(name):
         from .trainer import GRPOTrainer
 
         return GRPOTrainer
+    if name in _DIFFUSION:  # masked-diffusion LMs (LLaDA, Dream): hf_grpo.diffusion
+        from . import diffusion
+
+        return getattr(diffusion, name)
     raise AttributeError(f"module 'hf_grpo' has no attribute {name!r}")
 
 
+_DIFFUSION = ("DiffuGRPOConfig", "DiffuGRPOTrainer", "ImprovedDiffuGRPOConfig", "ImprovedDiffuGRPOTrainer")
+
 __all__ = [
     "BatchPlan",
+    "DiffuGRPOConfig",
+    "DiffuGRPOTrainer",
+    "ImprovedDiffuGRPOConfig",
+    "ImprovedDiffuGRPOTrainer",
     "GRPOConfig",
     "GRPOTrainer",
     "close_distributed",

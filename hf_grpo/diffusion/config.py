@@ -1,0 +1,342 @@
+"""DiffuGRPOConfig: hf_grpo's GRPOConfig plus the masked-diffusion sampler and log-prob estimator settings.
+
+It also carries the API of the batch-size guide this project grew from ("Batch Size Configuration Guide
+for DeepSpeed Training"): ``config.optimization.<field>`` reads and writes the flat fields, under the
+guide's names:
+
+=================================  ===================================================================
+``config.optimization.``            flat field
+=================================  ===================================================================
+``per_device_train_batch_size``     ``per_device_train_batch_size``
+``generation_batch_size``           ``per_device_generation_batch_size`` (the per-device chunk, as in the
+                                    guide; **not** TRL's ``config.generation_batch_size``, which is the
+                                    global rollout, P x W x S, and keeps TRL's meaning)
+``tensor_batch_size``               ``tensor_batch_size``
+``enable_gradient_checkpointing``   ``gradient_checkpointing`` (``activation_checkpointing`` in transformers 5)
+``enable_mixed_precision``          ``bf16`` (True turns bf16 on where the GPU has it, else stays fp32 and says so)
+``enable_profiling``                ``enable_profiling`` (per-phase peak memory in ``memory_manager_stats``)
+=================================  ===================================================================
+
+A write checks its own value at once (a positive integer, a bool); rules that tie several fields
+together (whole prompt groups, ``g <= R``, ...) are checked again when a trainer is built from the
+config (``revalidate``), since the guide sets the fields one at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import (
+    BATCH_FIELDS,
+    CHECKPOINTING,
+    GRPOConfig,
+    _bf16_available,
+    current_world_size,
+    resolve_batch_fields,
+)
+
+logger = logging.getLogger("hf_grpo")
+
+REMASKING = ("low_confidence", "random")
+ESTIMATORS = ("mean_field", "coupled")
+LOGITS_SHIFT = ("auto", True, False)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _closest(values: list[int], target: int, count: int = 3) -> list[int]:
+    return sorted(sorted(values, key=lambda v: (abs(v - target), v))[:count])
+
+
+@dataclass
+class DiffuGRPOConfig(GRPOConfig):
+    r"""
+    ``hf_grpo.GRPOConfig`` for masked-diffusion LMs (LLaDA, Dream): diffu-GRPO (d1) on TRL.
+
+    Every batch field keeps its per-device meaning (see ``GRPOConfig``); the rollout is generated
+    ``per_device_generation_batch_size`` prompts at a time by the diffusion sampler, and the log-prob
+    estimate runs ``per_device_train_batch_size`` rows and ``tensor_batch_size`` token rows at a time.
+
+    Parameters:
+        block_length (`int`, defaults to `32`):
+            Tokens per semi-autoregressive block; ``max_completion_length`` must be a multiple of it.
+        diffusion_steps (`int`, defaults to `128`):
+            Denoising steps for the whole completion, split evenly over the blocks (a multiple of the
+            number of blocks, at most ``block_length`` steps per block).
+        remasking (`str`, defaults to `"low_confidence"`):
+            Which masked positions of the block a step commits: the most confident ones
+            (``"low_confidence"``: the least confident stay masked) or uniformly random ones (``"random"``).
+        cfg_scale (`float`, defaults to `0.0`):
+            Classifier-free guidance weight w: logits ``l_u + (w + 1)(l_c - l_u)``, ``l_u`` with the prompt
+            masked. 0 turns it off (and halves the sampler's work).
+        p_mask_prompt (`float`, defaults to `0.15`):
+            Probability of masking each prompt token in the log-prob estimate (d1), in [0, 1).
+        mask_token_id (`int`, *optional*):
+            The mask token. None: taken from the model config, the tokenizer or the model family.
+        logits_shift (`str` or `bool`, defaults to `"auto"`):
+            True if position i predicts token i + 1 (Dream), False if it predicts token i (LLaDA);
+            ``"auto"`` decides from the model type (others: False).
+        logprob_estimator (`str`, defaults to `"mean_field"`):
+            ``"mean_field"`` (d1: one forward, every completion token masked) or ``"coupled"``
+            (two forwards with complementary completion masks; lower variance).
+        enable_profiling (`bool`, defaults to `False`):
+            Record peak memory per phase (generation, log-prob, training) in ``memory_manager_stats``.
+        log_memory_usage (`bool`, defaults to `False`):
+            Log the memory figures (``mem/...``) at every logging step.
+    """
+
+    max_completion_length: int | None = field(
+        default=256, metadata={"help": "Completion length L: the number of mask tokens the sampler fills."}
+    )
+    block_length: int = field(default=32, metadata={"help": "Tokens per semi-autoregressive block."})
+    diffusion_steps: int = field(default=128, metadata={"help": "Denoising steps for the whole completion."})
+    remasking: str = field(default="low_confidence", metadata={"help": f"One of {REMASKING}."})
+    cfg_scale: float = field(default=0.0, metadata={"help": "Classifier-free guidance weight (0: off)."})
+    p_mask_prompt: float = field(
+        default=0.15, metadata={"help": "Probability of masking each prompt token in the log-prob estimate."}
+    )
+    mask_token_id: int | None = field(
+        default=None, metadata={"help": "Mask token id; None: from the model config, tokenizer or model family."}
+    )
+    logits_shift: str = field(
+        default="auto",
+        metadata={"help": "auto, true (Dream: position i predicts token i+1) or false (LLaDA: predicts token i)."},
+    )
+    logprob_estimator: str = field(default="mean_field", metadata={"help": f"One of {ESTIMATORS}."})
+    enable_profiling: bool = field(
+        default=False, metadata={"help": "Record peak memory per phase in get_performance_stats()."}
+    )
+    log_memory_usage: bool = field(default=False, metadata={"help": "Log memory figures at each logging step."})
+
+    def __post_init__(self):
+        self._validate_diffusion()
+        if self.generation_backend in ("cuda_graph", "vllm") or self.use_vllm:
+            raise ValueError(
+                f"generation_backend={self.generation_backend!r} (use_vllm={self.use_vllm}) cannot serve a "
+                f"masked-diffusion model: DiffuGRPOTrainer generates with its diffusion sampler; leave "
+                f"generation_backend at 'auto' (or 'hf')"
+            )
+        if self.use_transformers_continuous_batching:
+            raise ValueError("use_transformers_continuous_batching=True decodes autoregressively; it cannot serve a "
+                             "masked-diffusion model: set it to False")
+        if self.bf16 is None and not self.fp16 and "bf16" not in self._explicit_fields:
+            # TRL defaults bf16 to True, which fails on machines without a bf16 GPU; take it where it exists.
+            self.bf16 = _bf16_available()
+        super().__post_init__()
+
+    def _validate_diffusion(self) -> None:
+        L, block, steps = self.max_completion_length, self.block_length, self.diffusion_steps
+        for name, value in (("max_completion_length", L), ("block_length", block), ("diffusion_steps", steps)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1 (the diffusion sampler fills a fixed number of "
+                                 f"slots), got {value!r}")
+        if L % block:
+            raise ValueError(
+                f"max_completion_length ({L}) must be a multiple of block_length ({block}): the completion is "
+                f"decoded in whole blocks. Valid block_length values for {L} include "
+                f"{_closest(_divisors(L), block)}; or set max_completion_length to "
+                f"{_closest([block * m for m in range(1, L // block + 2)], L, 2)}"
+            )
+        blocks = L // block
+        if steps % blocks:
+            lower = steps // blocks * blocks
+            options = [v for v in (lower, lower + blocks) if v >= blocks]
+            raise ValueError(
+                f"diffusion_steps ({steps}) must be a multiple of the number of blocks (max_completion_length / "
+                f"block_length = {L} / {block} = {blocks}), so every block gets the same number of steps: "
+                f"e.g. diffusion_steps={' or '.join(map(str, options))}"
+            )
+        if steps // blocks > block:
+            raise ValueError(
+                f"diffusion_steps ({steps}) gives {steps // blocks} steps per block of {block} tokens; a step "
+                f"beyond one token per step commits nothing: use diffusion_steps <= {blocks * block} "
+                f"(one token per step)"
+            )
+        if self.remasking not in REMASKING:
+            raise ValueError(f"remasking must be one of {REMASKING}, got {self.remasking!r}")
+        if isinstance(self.cfg_scale, bool) or not isinstance(self.cfg_scale, (int, float)) or not (
+            math.isfinite(self.cfg_scale) and self.cfg_scale >= 0
+        ):
+            raise ValueError(f"cfg_scale must be a finite number >= 0 (0 turns guidance off), got {self.cfg_scale!r}")
+        p = self.p_mask_prompt
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 <= p < 1):
+            raise ValueError(f"p_mask_prompt must be in [0, 1) (d1 uses 0.15; 0 masks no prompt token), got {p!r}")
+        if self.mask_token_id is not None and (
+            isinstance(self.mask_token_id, bool) or not isinstance(self.mask_token_id, int) or self.mask_token_id < 0
+        ):
+            raise ValueError(f"mask_token_id must be a token id >= 0 or None (from the model/tokenizer), "
+                             f"got {self.mask_token_id!r}")
+        shift = self.logits_shift
+        if isinstance(shift, str):
+            shift = {"auto": "auto", "true": True, "false": False}.get(shift.strip().lower(), shift)
+        if shift not in LOGITS_SHIFT or (not isinstance(shift, bool) and shift != "auto"):
+            raise ValueError(f"logits_shift must be 'auto', True (Dream: shifted) or False (LLaDA: unshifted), "
+                             f"got {self.logits_shift!r}")
+        self.logits_shift = shift
+        if self.logprob_estimator not in ESTIMATORS:
+            raise ValueError(f"logprob_estimator must be one of {ESTIMATORS}, got {self.logprob_estimator!r}")
+
+    # ---- the guide's API -----------------------------------------------------------------------
+    @property
+    def optimization(self) -> OptimizationView:
+        """The guide's ``config.optimization.<field>`` view onto the flat fields (reads and writes them)."""
+        return OptimizationView(self)
+
+    def revalidate(self, world_size: int | None = None) -> None:
+        """Re-derive and re-check the batch fields after writes through ``optimization`` (the trainer calls it)."""
+        world_size = current_world_size() if world_size is None else world_size
+        values = {name: getattr(self, name) for name in BATCH_FIELDS}
+        values.update(preset=None, generation_batch_size=None)  # S stays; TRL's global rollout is re-derived
+        resolved = resolve_batch_fields(values, set(BATCH_FIELDS), world_size)
+        for name, value in resolved.items():
+            if name not in ("preset", "generation_batch_size"):
+                setattr(self, name, value)
+        # TRL's meaning: the global rollout, per_device_train_batch_size x world size x steps_per_generation
+        self.generation_batch_size = self.per_device_train_batch_size * world_size * self.steps_per_generation
+        self._validate_diffusion()
+        self._batch_fields_changed = False
+
+    def diffusion_plan(self, world_size: int | None = None) -> str:
+        """The sampler and estimator settings with their derived figures, as the trainer logs them."""
+        plan = self.batch_plan(world_size)
+        L, block, steps = self.max_completion_length, self.block_length, self.diffusion_steps
+        blocks = L // block
+        per_block = steps // blocks
+        per_step = f"{block // per_block}" + (f"-{block // per_block + 1}" if block % per_block else "")
+        guidance = f"cfg_scale {self.cfg_scale} (2 x rows per forward)" if self.cfg_scale > 0 else "no guidance"
+        forwards = steps * plan.generation_chunks
+        chunks = plan.generation_chunks
+        shift = self.logits_shift if isinstance(self.logits_shift, bool) else "auto"
+        views = 2 if self.logprob_estimator == "coupled" else 1
+        mu = self.num_iterations
+        needs_old = self.gradient_accumulation_steps % (self.steps_per_generation * mu) != 0  # as TRL decides
+        seeds = f"{mu} seed{'s' if mu > 1 else ''}"
+        parts = ([f"old log-probs for {seeds}"] if needs_old else []) + (
+            [f"reference log-probs for {seeds}"] if self.beta else [])
+        seed_free = self.logprob_estimator == "mean_field" and self.p_mask_prompt == 0  # every seed, the same masks
+        if parts:
+            rows = plan.rollout_per_device * views * (1 if seed_free else mu) * len(parts)
+            extra = (f"{' and '.join(parts)}: {rows} row-forwards per device"
+                     f"{' (p_mask_prompt 0: one forward serves every seed)' if seed_free and mu > 1 else ''}, "
+                     f"{self.per_device_train_batch_size} rows at a time")
+        else:
+            extra = "nothing extra (the loss's own log-probs, detached, are the old ones)"
+        lines = [
+            f"diffusion: {L} tokens in {blocks} blocks of {block}, {steps} steps ({per_block} per block, "
+            f"{per_step} tokens per step), {self.remasking} remasking, {guidance}",
+            f"├── sampler: {forwards} forwards per rollout per device ({steps} per chunk x {chunks} "
+            f"chunk{'s' if chunks > 1 else ''} of <= {self.per_device_generation_batch_size})",
+            f"├── log-prob estimate: {self.logprob_estimator} ({views} forward{'s' if views > 1 else ''} per row), "
+            f"prompt tokens masked with p={self.p_mask_prompt}, logits_shift={shift}",
+            f"├── mask seeds: one per row and iteration ({mu}, num_iterations); iteration k = rollout pass",
+            f"└── at rollout time: {extra}",
+        ]
+        return "\n".join(lines)
+
+
+# The guide's names for the flat fields.
+OPTIMIZATION_FIELDS = {
+    "per_device_train_batch_size": "per_device_train_batch_size",
+    "generation_batch_size": "per_device_generation_batch_size",
+    "tensor_batch_size": "tensor_batch_size",
+    "enable_gradient_checkpointing": CHECKPOINTING,
+    "enable_mixed_precision": "bf16",
+    "enable_profiling": "enable_profiling",
+}
+
+
+class OptimizationView:
+    """``config.optimization``: the guide's names for the flat fields of a ``DiffuGRPOConfig``."""
+
+    __slots__ = ("_config",)
+
+    def __init__(self, config: DiffuGRPOConfig):
+        object.__setattr__(self, "_config", config)
+
+    def __dir__(self):
+        return sorted(OPTIMIZATION_FIELDS)
+
+    def __repr__(self):
+        return "OptimizationView(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in OPTIMIZATION_FIELDS) + ")"
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in OPTIMIZATION_FIELDS:
+            raise AttributeError(f"config.optimization has no field {name!r}; it has {sorted(OPTIMIZATION_FIELDS)}")
+        config = object.__getattribute__(self, "_config")
+        if name == "enable_mixed_precision":
+            return bool(config.bf16 or config.fp16)
+        return getattr(config, OPTIMIZATION_FIELDS[name])
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in OPTIMIZATION_FIELDS:
+            raise AttributeError(f"config.optimization has no field {name!r}; it has {sorted(OPTIMIZATION_FIELDS)}")
+        config = object.__getattribute__(self, "_config")
+        flat = OPTIMIZATION_FIELDS[name]
+        if name.startswith("enable_"):
+            if not isinstance(value, bool):
+                raise ValueError(f"config.optimization.{name} must be True or False, got {value!r}")
+            if name == "enable_mixed_precision":
+                if value and not _bf16_available():
+                    logger.warning("enable_mixed_precision=True: no bf16-capable GPU here, training stays in fp32")
+                config.bf16 = bool(value and _bf16_available())
+                if not value:
+                    config.fp16 = False
+                return
+            if name == "enable_gradient_checkpointing":
+                set_checkpointing(config, value)
+                return
+            setattr(config, flat, value)
+            return
+        allow_none = name == "tensor_batch_size"
+        if (value is None and not allow_none) or (value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1)):
+            none = " or None (no chunking)" if allow_none else ""
+            raise ValueError(f"config.optimization.{name} ({flat}) must be a positive integer{none}, got {value!r}")
+        setattr(config, flat, value)
+        config._batch_fields_changed = True
+
+
+def set_checkpointing(config, value: bool) -> None:
+    """Set activation checkpointing after construction: transformers 5 reads ``activation_checkpointing``, TRL
+    reads its deprecated alias ``gradient_checkpointing``; ``__post_init__`` mirrors them once, so set both."""
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        if hasattr(config, name):
+            setattr(config, name, value)
+
+
+def _preset_config(preset: str, overrides: dict[str, Any]) -> DiffuGRPOConfig:
+    return DiffuGRPOConfig(**overrides, preset=preset)
+
+
+def create_memory_optimized_config(**overrides: Any) -> DiffuGRPOConfig:
+    """A DiffuGRPOConfig with the memory preset: checkpointing on, generation chunks of 2, log-softmax chunks of 512."""
+    return _preset_config("memory", overrides)
+
+
+def create_balanced_config(**overrides: Any) -> DiffuGRPOConfig:
+    """A DiffuGRPOConfig with the balanced preset: generation chunks of 4, log-softmax chunks of 1024."""
+    return _preset_config("balanced", overrides)
+
+
+def create_speed_optimized_config(**overrides: Any) -> DiffuGRPOConfig:
+    """A DiffuGRPOConfig with the speed preset: no checkpointing, generation chunks of 8, log-softmax chunks of 2048."""
+    return _preset_config("speed", overrides)
+
+
+# The names of the batch-size guide: the same classes.
+ImprovedDiffuGRPOConfig = DiffuGRPOConfig
+
+__all__ = [
+    "DiffuGRPOConfig",
+    "ImprovedDiffuGRPOConfig",
+    "OptimizationView",
+    "create_balanced_config",
+    "create_memory_optimized_config",
+    "create_speed_optimized_config",
+]
+

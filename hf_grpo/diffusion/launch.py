@@ -1,0 +1,61 @@
+"""What the diffusion recipes share: parse into a DiffuGRPOConfig, build the model, train, finish cleanly.
+
+The same flow as ``hf_grpo.launch.run_recipe`` (its argument precedence, presets, YAML, CPU handling and
+checkpoint loader are reused), with three differences: the parser knows the diffusion fields, ``--tiny``
+builds a tiny *bidirectional* model with a mask token, and a checkpoint whose ``auto_map`` registers
+only ``AutoModel`` (Dream) loads through ``AutoModel``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trl import ModelConfig
+
+from ..launch import parse_recipe_args, pretrained_init_kwargs, run_recipe
+from .config import DiffuGRPOConfig
+from .tiny import DEFAULT_ALPHABET, build_diffusion_tokenizer, build_tiny_diffusion_model
+
+
+
+def parse_diffu_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None):
+    """(DiffuGRPOConfig, RecipeArguments, ModelConfig): flags > ``--config`` YAML > ``defaults`` > dataclass defaults."""
+    return parse_recipe_args(defaults, argv, DiffuGRPOConfig)
+
+
+def load_pretrained_diffusion(model_args: ModelConfig, training_args: DiffuGRPOConfig):
+    """A masked-diffusion checkpoint and its tokenizer (hub id or directory; remote code with --trust_remote_code)."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    name = model_args.model_name_or_path
+    kwargs = pretrained_init_kwargs(model_args, training_args)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except ValueError as err:  # Dream's auto_map registers AutoModel only
+        if "Unrecognized configuration class" not in str(err):
+            raise
+        model = AutoModel.from_pretrained(name, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(name, revision=model_args.model_revision, padding_side="left",
+                                              trust_remote_code=training_args.trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def load_diffusion_model_and_tokenizer(model_args, recipe_args, training_args, alphabet: str | None = None):
+    """The tiny bidirectional model built in code (``--tiny`` or no model name), else a checkpoint."""
+    if recipe_args.tiny or model_args.model_name_or_path is None:
+        tokenizer = build_diffusion_tokenizer(alphabet or DEFAULT_ALPHABET)
+        model = build_tiny_diffusion_model(tokenizer, shape=recipe_args.tiny_shape, seed=training_args.seed)
+        return model, tokenizer
+    return load_pretrained_diffusion(model_args, training_args)
+
+
+def run_diffu_recipe(defaults: dict[str, Any], reward_funcs, build_dataset, argv: list[str] | None = None,
+                     alphabet: str | None = None):
+    """Parse, build the model, train (resuming when asked), finish. Returns the trainer."""
+    from .trainer import DiffuGRPOTrainer
+
+    return run_recipe(defaults, reward_funcs, build_dataset, argv, alphabet, config_cls=DiffuGRPOConfig,
+                      trainer_cls=DiffuGRPOTrainer, load_model=load_diffusion_model_and_tokenizer,
+                      plot_title="diffu-GRPO training")

@@ -1,0 +1,232 @@
+"""Semi-autoregressive masked-diffusion sampling (LLaDA / Dream), as a generation backend.
+
+A row is ``[prompt | L mask tokens]``, split into ``L / block_length`` blocks decoded left to right with
+``diffusion_steps / blocks`` steps each. A step runs one bidirectional forward over the whole row,
+projects the hidden states of the current block only through the LM head, draws
+
+    x_hat = argmax(logits / T + Gumbel)        (sampling from softmax(logits / T); argmax when T = 0)
+
+with the Gumbel noise in float64 (bf16/fp32 noise visibly biases low-probability tokens), and commits
+the ``k`` still-masked positions of the block with the highest confidence ``softmax(logits)[x_hat]``
+("low_confidence") or with uniform random scores ("random"). ``k`` spreads the block's masks evenly over
+its steps (the first ``block_length % steps`` steps take one more). With ``cfg_scale = w > 0`` the
+logits are ``l_u + (w + 1)(l_c - l_u)``, where ``l_u`` comes from the same row with every prompt token
+masked (both in one batched forward).
+
+Everything after the first forward stays on the device: the commit is a per-row top-k by ranking
+(``commit_topk``), there is no ``.item()``, no ``empty_cache()`` and no host sync per step. Rows are
+packed to the left (``hf_grpo.diffusion.model.pack_rows``), so a padded batch gives each row the
+completion it gets alone.
+
+Left for the GPU work: a block-prefix KV cache (the prompt and the finished blocks are recomputed at
+every step here) and CUDA-graph capture of the fixed-shape step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+
+import torch
+from transformers import GenerationConfig
+
+from ..generation.base import GenerationBackend, cut_after_eos, iter_chunks, model_device
+from .model import HeadBypass, accepts_kwarg, left_pad_tensors, pack_rows, padding_kwargs, slot_columns
+
+logger = logging.getLogger("hf_grpo")
+
+REMASKING = ("low_confidence", "random")
+
+
+def transfer_schedule(block_length: int, steps: int) -> list[int]:
+    """Tokens committed at each of a block's ``steps`` steps: ``block_length`` spread evenly, earlier steps first."""
+    if steps < 1 or block_length < 1:
+        raise ValueError(f"block_length and steps must be >= 1, got {block_length} and {steps}")
+    base, extra = divmod(block_length, steps)
+    return [base + (1 if step < extra else 0) for step in range(steps)]
+
+
+def gumbel_noise(shape, device, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Standard Gumbel noise in float64: ``-log(E)`` with ``E ~ Exp(1)``."""
+    exponential = torch.empty(shape, dtype=torch.float64, device=device).exponential_(generator=generator)
+    return -exponential.clamp_min_(torch.finfo(torch.float64).tiny).log_()
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None):
+    """``(tokens, log_confidence)`` for logits ``[..., V]``: Gumbel-max sampling at ``temperature`` (argmax at 0).
+
+    ``log_confidence`` is ``log softmax(logits)[token]`` (untempered, as the remasking rule ranks it).
+    """
+    if temperature > 0:
+        noisy = logits.double() / temperature + gumbel_noise(logits.shape, logits.device, generator)
+        tokens = noisy.argmax(dim=-1)
+    else:
+        tokens = logits.argmax(dim=-1)
+    logits = logits.float()
+    log_confidence = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
+    return tokens, log_confidence
+
+
+def commit_topk(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """Boolean ``[B, n]``: the ``k[b]`` highest ``scores[b]`` of each row (ties to the lower index), no host sync."""
+    order = scores.argsort(dim=1, descending=True, stable=True)
+    positions = torch.arange(scores.size(1), device=scores.device).expand_as(order)
+    ranks = torch.empty_like(order).scatter_(1, order, positions)
+    return ranks < k.unsqueeze(1)
+
+
+StepCallback = Callable[[int, int, torch.Tensor, torch.Tensor], None]
+
+
+@torch.no_grad()
+def diffusion_generate(
+    model: torch.nn.Module,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    gen_length: int,
+    block_length: int,
+    steps: int,
+    mask_token_id: int,
+    pad_token_id: int,
+    temperature: float = 0.0,
+    remasking: str = "low_confidence",
+    cfg_scale: float = 0.0,
+    logits_shift: bool = False,
+    padding_style: str = "mask2d",
+    has_padding: bool | None = None,
+    generator: torch.Generator | None = None,
+    step_callback: StepCallback | None = None,
+) -> torch.Tensor:
+    """The ``gen_length`` completion tokens ``[B, L]`` for left-padded ``prompt_ids`` ``[B, P]`` (mask ``prompt_mask``).
+
+    ``step_callback(block, step, canvas, block_columns)``, if given, sees the canvas after every step
+    (tests use it; it is the only place a caller could sync).
+    """
+    if gen_length % block_length:
+        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
+    blocks = gen_length // block_length
+    if steps % blocks:
+        raise ValueError(f"steps ({steps}) must be a multiple of the number of blocks ({blocks})")
+    if remasking not in REMASKING:
+        raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
+    schedule = transfer_schedule(block_length, steps // blocks)
+    packed = pack_rows(prompt_ids, prompt_mask, gen_length, mask_token_id, pad_token_id, has_padding=has_padding)
+    canvas, start = packed.input_ids, packed.start
+    rows = canvas.size(0)
+    guided = cfg_scale > 0
+    valid = packed.valid
+    if guided and valid is not None:
+        valid = torch.cat([valid, valid])
+    forward_kwargs = padding_kwargs(padding_style, valid)
+    if accepts_kwarg(model, "use_cache"):
+        forward_kwargs["use_cache"] = False
+    counts = {k: torch.full((rows,), k, dtype=torch.long, device=canvas.device) for k in set(schedule)}
+    bypass = HeadBypass(model)
+    with bypass:
+        for block in range(blocks):
+            columns = slot_columns(start, block * block_length, block_length, shift=False)  # [B, bl]
+            read_from = columns - 1 if logits_shift else columns
+            if guided:
+                read_from = torch.cat([read_from, read_from])
+            for step, k in enumerate(schedule):
+                if k == 0:
+                    continue
+                inputs = canvas
+                if guided:
+                    unconditional = canvas.masked_fill(packed.prompt_positions, mask_token_id)
+                    inputs = torch.cat([canvas, unconditional])
+                bypass.reset()
+                output = model(input_ids=inputs, **forward_kwargs)
+                states = output.logits if hasattr(output, "logits") else output[0]
+                picked = states.gather(1, read_from.unsqueeze(-1).expand(-1, -1, states.size(-1)))
+                logits = bypass.to_logits(picked).float()  # [B(x2), bl, V]: the head sees this block only
+                if guided:
+                    conditional, unconditional_logits = logits.chunk(2)
+                    logits = unconditional_logits + (cfg_scale + 1) * (conditional - unconditional_logits)
+                if mask_token_id < logits.size(-1):
+                    logits[..., mask_token_id] = float("-inf")  # never "predict" the mask itself
+                tokens, confidence = sample_tokens(logits, temperature, generator)
+                current = canvas.gather(1, columns)
+                still_masked = current == mask_token_id
+                if remasking == "random":
+                    confidence = torch.rand(current.shape, device=canvas.device, generator=generator)
+                confidence = confidence.masked_fill(~still_masked, float("-inf"))
+                commit = commit_topk(confidence, counts[k]) & still_masked
+                canvas = canvas.scatter(1, columns, torch.where(commit, tokens, current))
+                if step_callback is not None:
+                    step_callback(block, step, canvas, columns)
+    return canvas.gather(1, slot_columns(start, 0, gen_length, shift=False))
+
+
+class DiffusionSampler(GenerationBackend):
+    """Generation backend for masked-diffusion models: ``diffusion_generate`` on ``chunk_size`` prompts at a time.
+
+    ``generation_config.max_new_tokens`` is the completion length L; ``temperature`` (0, or
+    ``do_sample=False``, for greedy) comes from it too. Each chunk is padded on its own.
+    """
+
+    name = "diffusion"
+
+    def __init__(
+        self,
+        *,
+        block_length: int,
+        steps: int,
+        mask_token_id: int,
+        remasking: str = "low_confidence",
+        cfg_scale: float = 0.0,
+        logits_shift: bool = False,
+        padding_style: str = "mask2d",
+        autocast: Callable[[], object] | None = None,
+    ):
+        self.block_length, self.steps, self.mask_token_id = block_length, steps, mask_token_id
+        self.remasking, self.cfg_scale, self.logits_shift = remasking, cfg_scale, logits_shift
+        self.padding_style = padding_style
+        self.autocast = autocast or nullcontext
+        self.forwards = 0  # model forwards run so far (a CFG step counts once, with twice the rows)
+
+    def generate(
+        self,
+        model: torch.nn.Module,
+        prompt_ids: Sequence[Sequence[int]],
+        *,
+        generation_config: GenerationConfig,
+        chunk_size: int,
+        pad_token_id: int,
+        eos_token_ids: Sequence[int],
+        pad_to_multiple_of: int | None = None,
+    ) -> list[list[int]]:
+        if self.logits_shift and any(len(p) == 0 for p in prompt_ids):
+            raise ValueError("a model with shifted logits (Dream) predicts the first completion token from the last "
+                             "prompt token: every prompt needs at least one token")
+        self._warn_ignored(generation_config)
+        temperature = float(generation_config.temperature or 0.0) if generation_config.do_sample else 0.0
+        length = generation_config.max_new_tokens
+        device = model_device(model)
+        completions: list[list[int]] = []
+        blocks = length // self.block_length
+        for chunk in iter_chunks(prompt_ids, chunk_size):
+            ids, mask, padded = left_pad_tensors(chunk, pad_token_id, device)
+            with self.autocast():
+                canvas = diffusion_generate(
+                    model, ids, mask, gen_length=length, block_length=self.block_length, steps=self.steps,
+                    mask_token_id=self.mask_token_id, pad_token_id=pad_token_id, temperature=temperature,
+                    remasking=self.remasking, cfg_scale=self.cfg_scale, logits_shift=self.logits_shift,
+                    padding_style=self.padding_style, has_padding=padded,
+                )
+            self.forwards += blocks * sum(1 for k in transfer_schedule(self.block_length, self.steps // blocks) if k)
+            completions.extend(cut_after_eos(canvas, eos_token_ids))
+        return completions
+
+    def _warn_ignored(self, generation_config: GenerationConfig) -> None:
+        if getattr(self, "_warned", False):
+            return
+        self._warned = True
+        ignored = {name: getattr(generation_config, name, None) for name in ("top_p", "top_k", "min_p",
+                                                                          "repetition_penalty")}
+        neutral = {"top_p": (None, 1.0), "top_k": (None, 0), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0)}
+        set_ = {name: value for name, value in ignored.items() if value not in neutral[name]}
+        if set_:
+            logger.warning("the diffusion sampler draws from softmax(logits / temperature) and ignores %s", set_)

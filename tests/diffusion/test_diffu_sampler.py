@@ -1,0 +1,118 @@
+"""The diffusion sampler: commit schedule, no mask left, chunk- and padding-invariance, float64 Gumbel on the block."""
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from hf_grpo.diffusion import sampler as sampler_module
+from hf_grpo.diffusion.model import left_pad_tensors
+from hf_grpo.diffusion.sampler import DiffusionSampler, commit_topk, diffusion_generate, transfer_schedule
+from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
+
+TOKENIZER = build_diffusion_tokenizer()
+MASK = TOKENIZER.mask_token_id
+PROMPTS = ["ab>", "c>", "defgh>", "h>", "ij>", "klmno>", "p>"]
+IDS = [TOKENIZER(p)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_tiny_diffusion_model(TOKENIZER, seed=1).eval()
+
+
+def generate(model, prompts, **kwargs):
+    ids, mask, padded = left_pad_tensors(prompts, TOKENIZER.pad_token_id, "cpu")
+    options = dict(gen_length=12, block_length=4, steps=6, mask_token_id=MASK, pad_token_id=TOKENIZER.pad_token_id,
+                   has_padding=padded)
+    options.update(kwargs)
+    return diffusion_generate(model, ids, mask, **options)
+
+
+def test_transfer_schedule_spreads_the_block_over_its_steps():
+    assert transfer_schedule(32, 16) == [2] * 16
+    assert transfer_schedule(5, 3) == [2, 2, 1]
+    assert sum(transfer_schedule(7, 7)) == 7
+
+
+def test_commit_topk_takes_k_per_row_without_a_loop():
+    scores = torch.tensor([[0.1, 0.9, 0.5, -float("inf")], [3.0, 2.0, 1.0, 0.0]])
+    chosen = commit_topk(scores, torch.tensor([2, 1]))
+    assert chosen.tolist() == [[False, True, True, False], [True, False, False, False]]
+    assert commit_topk(scores, torch.tensor([0, 4])).sum(1).tolist() == [0, 4]
+
+
+@pytest.mark.parametrize("remasking, temperature, cfg", [("low_confidence", 0.0, 0.0), ("low_confidence", 1.0, 0.0),
+                                                         ("random", 0.7, 0.0), ("low_confidence", 0.9, 1.5)])
+def test_each_step_commits_exactly_the_scheduled_tokens_and_no_mask_is_left(model, remasking, temperature, cfg):
+    schedule = transfer_schedule(4, 2)  # 12 tokens, 3 blocks of 4, 6 steps: 2 per step
+    seen = []
+
+    def on_step(block, step, canvas, columns):
+        seen.append((block, step, int((canvas.gather(1, columns) != MASK).sum(1).min()),
+                     int((canvas.gather(1, columns) != MASK).sum(1).max()), int((canvas == MASK).sum())))
+
+    out = generate(model, IDS, temperature=temperature, remasking=remasking, cfg_scale=cfg, step_callback=on_step)
+    rows = len(IDS)
+    assert len(seen) == 6
+    for index, (block, step, low, high, masks_left) in enumerate(seen):
+        done = sum(schedule[: step + 1])
+        assert low == high == done, (block, step)  # every row: exactly the scheduled count in the block
+        assert masks_left == rows * (12 - 4 * block - done)
+    assert out.shape == (rows, 12) and not (out == MASK).any()
+
+
+def test_greedy_output_is_identical_for_any_generation_chunk_size(model):
+    sampler = DiffusionSampler(block_length=4, steps=6, mask_token_id=MASK)
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, temperature=1.0)
+    outputs = [sampler.generate(model, IDS, generation_config=config, chunk_size=chunk, pad_token_id=0,
+                                eos_token_ids=[TOKENIZER.eos_token_id]) for chunk in (1, 3, 7)]
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert sampler.forwards == 6 * (7 + 3 + 1)  # 6 steps per chunk; 7 + 3 + 1 chunks
+
+
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("cfg", [0.0, 1.0])
+def test_padded_prompt_gets_the_completion_it_gets_alone(model, shift, cfg):
+    together = generate(model, IDS, logits_shift=shift, cfg_scale=cfg)  # prompts of 2..6 tokens: padded
+    for row, prompt in enumerate(IDS):
+        alone = generate(model, [prompt], logits_shift=shift, cfg_scale=cfg)
+        assert together[row].tolist() == alone[0].tolist(), PROMPTS[row]
+
+
+def test_gumbel_noise_is_float64_and_covers_the_current_block_only(model, monkeypatch):
+    shapes = []
+    original = sampler_module.gumbel_noise
+
+    def spy(shape, device, generator=None):
+        noise = original(shape, device, generator)
+        shapes.append((tuple(shape), noise.dtype))
+        return noise
+
+    monkeypatch.setattr(sampler_module, "gumbel_noise", spy)
+    generate(model.to(torch.bfloat16), IDS[:3], temperature=0.9)
+    model.to(torch.float32)
+    vocab = model.config.vocab_size
+    assert shapes and all(shape == ((3, 4, vocab), torch.float64) for shape in shapes)
+
+
+def test_sampling_follows_the_tempered_distribution():
+    """Gumbel-max at temperature T draws from softmax(l / T) (chi-square-free check on 3 tokens)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0]]).expand(20000, 3)
+    generator = torch.Generator().manual_seed(0)
+    tokens, _ = sampler_module.sample_tokens(logits, 0.5, generator)
+    freq = torch.bincount(tokens, minlength=3).double() / len(tokens)
+    torch.testing.assert_close(freq, torch.softmax(logits[0].double() / 0.5, -1), atol=0.01, rtol=0)
+
+
+def test_the_step_loop_never_reads_a_tensor_back_to_the_host(model, monkeypatch):
+    """No .item() / .tolist() / .cpu() / empty_cache() in the sampler's steps (d1 looped over rows with .item())."""
+    ids, mask, padded = left_pad_tensors(IDS, TOKENIZER.pad_token_id, "cpu")
+    calls = []
+    for name in ("item", "tolist", "cpu", "numpy"):
+        original = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, _n=name, _o=original, **k: (calls.append(_n),
+                                                                                              _o(self, *a, **k))[1])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    diffusion_generate(model, ids, mask, gen_length=12, block_length=4, steps=6, mask_token_id=MASK,
+                       pad_token_id=0, has_padding=padded, temperature=0.9)
+    assert calls == []
