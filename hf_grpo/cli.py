@@ -17,10 +17,11 @@ def _known_yaml_keys() -> set[str]:
     """Keys a recipe YAML may hold: fields of the config and of the recipe's other dataclasses."""
     from trl import ModelConfig, ScriptArguments
 
+    from .diffusion.config import DiffuGRPOConfig
     from .recipe_args import RecipeArguments
 
     keys = set()
-    for cls in (GRPOConfig, ModelConfig, ScriptArguments, RecipeArguments):
+    for cls in (GRPOConfig, DiffuGRPOConfig, ModelConfig, ScriptArguments, RecipeArguments):
         keys |= {f.name for f in dataclasses.fields(cls)}
     return keys
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -46,8 +47,9 @@ def cpu_launch_without_mixed_precision() -> None:
         os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
 
 
-def parse_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None):
-    """(GRPOConfig, RecipeArguments, ModelConfig) from ``--config FILE.yaml`` and flags.
+def parse_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None, config_cls: type = GRPOConfig):
+    """(config, RecipeArguments, ModelConfig) from ``--config FILE.yaml`` and flags; ``config_cls`` is
+    ``GRPOConfig`` or a subclass (``DiffuGRPOConfig``).
 
     Precedence: flags > YAML > the recipe's ``defaults`` > dataclass defaults; the DIFFU_*
     environment variables win over all of them (GRPOConfig applies them).
@@ -55,7 +57,7 @@ def parse_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None):
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.WARNING)
     logger.setLevel(logging.INFO)
     cpu_launch_without_mixed_precision()
-    parser = TrlParser((GRPOConfig, RecipeArguments, ModelConfig))
+    parser = TrlParser((config_cls, RecipeArguments, ModelConfig))
     unknown = parser.set_defaults_with_config(**{**device_defaults(), **defaults})
     if unknown:
         raise ValueError(f"recipe defaults name unknown fields: {unknown[::2]}")
@@ -161,14 +163,17 @@ def chat_prompts_if_templated(dataset, tokenizer):
 
 
 def run_recipe(defaults: dict[str, Any], reward_funcs, build_dataset, argv: list[str] | None = None,
-               alphabet: str | None = None):
+               alphabet: str | None = None, *, config_cls: type = GRPOConfig, trainer_cls: type = GRPOTrainer,
+               load_model=None, plot_title: str | None = None):
     """Parse, build the model, train (resuming when asked), finish. Returns the trainer.
 
-    ``build_dataset(recipe_args, training_args, tokenizer)`` returns the training dataset.
+    ``build_dataset(recipe_args, training_args, tokenizer)`` returns the training dataset. The diffusion
+    recipes pass their config and trainer classes and their model loader
+    (``load_model(model_args, recipe_args, training_args, alphabet)``).
     """
-    training_args, recipe_args, model_args = parse_recipe_args(defaults, argv)
-    model, tokenizer = load_model_and_tokenizer(model_args, recipe_args, training_args, alphabet)
-    trainer = GRPOTrainer(
+    training_args, recipe_args, model_args = parse_recipe_args(defaults, argv, config_cls)
+    model, tokenizer = (load_model or load_model_and_tokenizer)(model_args, recipe_args, training_args, alphabet)
+    trainer = trainer_cls(
         model=model,
         reward_funcs=reward_funcs,
         args=training_args,
@@ -178,11 +183,20 @@ def run_recipe(defaults: dict[str, Any], reward_funcs, build_dataset, argv: list
         callbacks=[MetricsFileCallback(training_args.output_dir)],
     )
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    finish(trainer, recipe_args)
+    finish(trainer, recipe_args, plot_title)
     return trainer
 
 
-def finish(trainer, recipe_args: RecipeArguments) -> None:
+def _rounded(value):
+    """Stats for the log line: floats to 4 places, nested dicts (memory figures) likewise."""
+    if isinstance(value, float):
+        return round(value, 4) if math.isfinite(value) else value
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return value
+
+
+def finish(trainer, recipe_args: RecipeArguments, plot_title: str | None = None) -> None:
     """Save the model, the per-rank performance figures and the plot; end the distributed run."""
     trainer.save_model()
     output_dir = trainer.args.output_dir
@@ -196,7 +210,8 @@ def finish(trainer, recipe_args: RecipeArguments) -> None:
             json.dump({"per_rank": per_rank}, handle, indent=1)
         metrics = os.path.join(output_dir, METRICS_FILE)
         if recipe_args.plot and os.path.exists(metrics):
-            png = plot_metrics(metrics, os.path.join(output_dir, PLOT_FILE))
+            png = plot_metrics(metrics, os.path.join(output_dir, PLOT_FILE),
+                               **({"title": plot_title} if plot_title else {}))
             logger.info("metrics: %s, plot: %s", metrics, png)
-        logger.info("performance (rank 0): %s", {k: round(v, 4) for k, v in stats.items() if k != "batch_plan"})
+        logger.info("performance (rank 0): %s", _rounded({k: v for k, v in stats.items() if k != "batch_plan"}))
     close_distributed(trainer)

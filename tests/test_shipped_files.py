@@ -33,10 +33,11 @@ def test_every_yaml_parses_and_starts_with_its_launch_command(path):
 def test_recipe_yaml_has_no_key_the_recipe_would_ignore(path):
     from trl import ModelConfig, TrlParser
 
-    from hf_grpo import GRPOConfig
+    from hf_grpo import DiffuGRPOConfig, GRPOConfig
     from hf_grpo.recipe_args import RecipeArguments
 
-    parser = TrlParser((GRPOConfig, RecipeArguments, ModelConfig))
+    config_cls = DiffuGRPOConfig if path.stem.startswith("diffu_") else GRPOConfig  # the class its recipe parses
+    parser = TrlParser((config_cls, RecipeArguments, ModelConfig))
     values = yaml.safe_load(path.read_text())
     assert parser.set_defaults_with_config(**values) == []
     # and its batch sizes satisfy the contract
