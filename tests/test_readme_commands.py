@@ -448,6 +448,9 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
             Run(two_nodes_as_one_world, nodes=2, replace=(FREE_PORT, ONE_PROCESS_PER_NODE), append=NODE_OUTPUT,
                 offline="needs 2 machines x 8 GPUs; run as 2 one-process 'nodes' on 127.0.0.1 "
                         "(NODE_RANK=0/1 side by side, MAIN_IP=127.0.0.1)"),
+        # "Masked-diffusion models": the diffusion quickstart, as written
+        "accelerate launch recipes/diffu_quickstart.py":
+            Run(trained(1, "rewards/reward/mean"), append=SHORT),
         "hf-grpo plan --per_device_train_batch_size 16 --num_generations 8 --gradient_accumulation_steps 4 "
         "--steps_per_generation 4 --per_device_generation_batch_size 8 --num_processes 8":
             Run(prints_the_plan, slow=False, timeout=120),
