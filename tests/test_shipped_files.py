@@ -68,7 +68,7 @@ def test_accelerate_configs(path):
 
 def test_every_path_the_readme_names_exists():
     readme = (ROOT / "README.md").read_text()
-    paths = set(re.findall(r"(?:recipes|accelerate_configs|bench|tests|hf_grpo|docs)/[\w./-]+\.(?:py|yaml|json|md)", readme))
+    paths = set(re.findall(r"(?:recipes|accelerate_configs|bench|tests|hf_grpo|docs)/[\w./-]+\.(?:py|yaml|jsonl|json|md|png)\b", readme))
     assert paths, "the README names no file"
     missing = sorted(p for p in paths if not (ROOT / p).exists())
     assert not missing, missing
