@@ -48,8 +48,13 @@ def build_tiny_model(
     shape: str = "tiny",
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    **config_overrides,
 ) -> Qwen2ForCausalLM:
-    """A randomly initialised Qwen2-shaped causal LM; ``"tiny"`` (~80k parameters) suits CPU tests."""
+    """A randomly initialised Qwen2-shaped causal LM; ``"tiny"`` (~80k parameters) suits CPU tests.
+
+    ``config_overrides`` go to ``Qwen2Config`` (the diffusion models pass ``is_causal=False`` and a mask id).
+    """
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
     dims = dict(SHAPES[shape])
@@ -60,7 +65,10 @@ def build_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
+        **config_overrides,
     )
+    if attn_implementation is not None:
+        config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(dtype)
     model.generation_config.pad_token_id = tokenizer.pad_token_id

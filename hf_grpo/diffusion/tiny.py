@@ -2,7 +2,7 @@
 
 transformers 5.x has no LLaDA or Dream class, but its Llama/Qwen2 decoders switch to bidirectional
 attention when the config says ``is_causal=False`` (``masking_utils.create_causal_mask`` then builds a
-bidirectional mask, for sdpa and eager alike; ``tests/diffusion/test_model.py`` checks that a later token
+bidirectional mask, for sdpa and eager alike; ``tests/diffusion/test_diffu_model.py`` checks that a later token
 changes an earlier position's output). So a tiny Qwen2 config with ``is_causal=False`` is a tiny
 LLaDA-style model: unshifted logits (position i predicts token i), the mask id in ``config.mask_token_id``.
 It saves and reloads through ``AutoModelForCausalLM`` with ``is_causal`` kept.
@@ -14,9 +14,9 @@ import string
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from ..tiny import EOS, PAD, SHAPES
+from ..tiny import EOS, PAD, build_tiny_model
 
 MASK = "<mask>"
 DEFAULT_ALPHABET = string.ascii_lowercase + string.digits + " +-*/=()<>.,?:"
@@ -43,26 +43,8 @@ def build_tiny_diffusion_model(
     attn_implementation: str = "sdpa",
 ) -> Qwen2ForCausalLM:
     """A random Qwen2-shaped model with bidirectional attention (``is_causal=False``) and the tokenizer's mask id."""
-    if shape not in SHAPES:
-        raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
-    dims = dict(SHAPES[shape])
-    dims["vocab_size"] = dims["vocab_size"] or len(tokenizer)
-    config = Qwen2Config(
-        **dims,
-        max_position_embeddings=4096,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        is_causal=False,
-        mask_token_id=tokenizer.mask_token_id,
-        use_cache=False,
-    )
-    config._attn_implementation = attn_implementation
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(dtype)
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    return model
+    return build_tiny_model(tokenizer, shape=shape, seed=seed, dtype=dtype, attn_implementation=attn_implementation,
+                            is_causal=False, mask_token_id=tokenizer.mask_token_id, use_cache=False)
 
 
 def save_tiny_diffusion_checkpoint(directory, *, seed: int = 0, alphabet: str = DEFAULT_ALPHABET) -> str:
