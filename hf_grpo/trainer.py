@@ -12,7 +12,9 @@ Each is thin and calls TRL's own code wherever it can:
 - the policy's and reference's ``forward`` are patched after TRL's ``add_fused_lm_head`` so the
   log-softmax runs ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
 
-Also: ``_prepare_inputs`` (TRL's, calls it and counts the micro-batch's tokens), and the public
+Also: ``_prepare_inputs`` (TRL's, calls it and counts the micro-batch's tokens), TRL's
+``_tokenize_prompts`` called once over the training prompts to size the ``cuda_graph`` cache for the
+run (``_longest_prompt``), and the public
 ``training_step`` (time accounting) and ``log`` (``perf/`` figures).
 """
 
@@ -185,9 +187,28 @@ class GRPOTrainer(trl.GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(*args, **kwargs)
 
     # ---- helpers -----------------------------------------------------------------------------
+    def _longest_prompt(self, limit: int = 200_000) -> int | None:
+        """Tokens in the training set's longest prompt, tokenized as TRL tokenizes them; None when unknown
+        (no plain "prompt" column, images, or more than ``limit`` prompts, where the scan would cost too much)."""
+        dataset = self.train_dataset
+        names = getattr(dataset, "column_names", None) or []
+        if dataset is None or "prompt" not in names or len(dataset) > limit:
+            return None
+        longest = 0
+        for start in range(0, len(dataset), 1024):
+            prompt_ids, images, fields = self._tokenize_prompts(dataset[start:start + 1024]["prompt"])
+            if images is not None or fields:
+                return None
+            longest = max(longest, max((len(ids) for ids in prompt_ids), default=0))
+        return longest or None
     def _generation_backend(self, model: torch.nn.Module) -> GenerationBackend:
         if self._backend is None:
             self._backend, reason = resolve_backend(self.args.generation_backend, model)
+            if hasattr(self._backend, "reserve"):
+                longest = self._longest_prompt()
+                if longest is not None:  # one cache, one compile, for the whole run
+                    multiple = self.pad_to_multiple_of or 1
+                    self._backend.reserve(-(-longest // multiple) * multiple + self.max_completion_length)
             if self.accelerator.is_main_process:
                 if reason is None:
                     logger.info("generation backend: %s", self._backend.name)

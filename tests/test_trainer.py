@@ -265,3 +265,18 @@ def test_generation_memory_is_released_after_each_rollout_unless_kept(tmp_path, 
     trainer._backend = RecordingBackend()
     trainer.train()
     assert trainer._backend.releases == (3 if release else 0)  # one rollout per step here
+
+
+def test_the_decoder_cache_is_reserved_for_the_longest_training_prompt(tmp_path, monkeypatch):
+    class ReservingBackend(FixedBackend):
+        reserved = None
+
+        def reserve(self, positions):
+            self.reserved = positions
+
+    trainer = make_trainer(tmp_path, fixed=False)
+    backend = ReservingBackend()
+    monkeypatch.setattr("hf_grpo.trainer.resolve_backend", lambda name, model: (backend, None))
+    assert trainer._generation_backend(trainer.model) is backend
+    longest = max(len(TOKENIZER(p)["input_ids"]) for p in PROMPTS)  # "klmno>": 6 tokens
+    assert backend.reserved == longest + 6  # + max_completion_length

@@ -403,6 +403,7 @@ class CudaGraphBackend(GenerationBackend):
         self._warned: set[str] = set()
         self.num_captures = 0  # how many times a decode step was captured (tests and logs read it)
         self.num_compiles = 0  # how many decode shapes (batch, cache length, dtype) were compiled
+        self.reserved_len = 0  # the longest prompt + new tokens the run will need, when known (``reserve``)
         self._compiled_shapes: set[tuple] = set()
 
     # ------------------------------------------------------------------ support checks
@@ -528,6 +529,13 @@ class CudaGraphBackend(GenerationBackend):
         if empty_cache and torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    def reserve(self, positions: int) -> None:
+        """Size every cache from now on for ``positions`` (the run's longest prompt plus its new tokens), so
+        that the run compiles its decode step once instead of once per ladder rung it climbs."""
+        if positions < 1:
+            raise ValueError(f"reserve() needs a positive number of positions, got {positions}")
+        self.reserved_len = max(self.reserved_len, positions)
+
     def cache_bytes(self) -> int:
         """Device memory held by the KV caches and static buffers of the kept graphs."""
         total = 0
@@ -549,7 +557,7 @@ class CudaGraphBackend(GenerationBackend):
         key = (id(model), batch, dtype, sampling)
         signature = _weights_signature(model)
         entry = self._entries.get(key)
-        cache_len = cache_len_ladder(need, self.min_cache_len)
+        cache_len = cache_len_ladder(max(need, self.reserved_len), self.min_cache_len)
         if entry is not None and entry.cache_len < need:
             # Grow, never shrink: the next shorter call reuses this larger cache and its graph.
             del self._entries[key]

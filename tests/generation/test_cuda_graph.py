@@ -184,6 +184,23 @@ def test_varied_prompt_lengths_reuse_one_cache_that_only_grows(tokenizer, monkey
     assert len(backend._entries) == 1 and backend.cache_bytes() > 0
 
 
+def test_a_reserved_length_sizes_one_cache_for_the_whole_run(tokenizer, monkeypatch):
+    model = build_tiny_model(tokenizer).eval()
+    backend = CudaGraphBackend(use_cuda_graph=False, min_cache_len=32)
+    backend.reserve(60 + 8)  # the trainer's figure: the longest training prompt + max_completion_length
+    made = []
+    new_entry = backend._new_entry
+    monkeypatch.setattr(backend, "_new_entry", lambda *a: made.append(a[2]) or new_entry(*a))
+    gc = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    rng = random.Random(0)
+    for length in [5, 30, 12, 41, 3, 60]:
+        prompts = [[rng.randrange(2, len(tokenizer)) for _ in range(length)]]
+        backend.generate(model, prompts, generation_config=gc, chunk_size=4, pad_token_id=PAD, eos_token_ids=[EOS])
+    assert made == [96]  # one cache (68 positions -> rung 96) from the first call on
+    with pytest.raises(ValueError, match="positive"):
+        backend.reserve(0)
+
+
 # ---------------------------------------------------------------------------------------- GPU
 
 
