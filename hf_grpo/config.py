@@ -14,8 +14,8 @@ import dataclasses
 import logging
 import os
 import re
-from dataclasses import dataclass, field
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 import trl
