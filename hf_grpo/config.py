@@ -189,8 +189,9 @@ class GRPOConfig(trl.GRPOConfig):
             chunks of this size. Defaults to the whole rollout (no chunking). Not to be confused
             with TRL's ``generation_batch_size``, the global rollout size. Env: ``DIFFU_BATCH_SIZE``.
         tensor_batch_size (`int` or `None`, *optional*, defaults to `1024`):
-            Token rows per log-softmax / cross-entropy chunk on each device; peak logits memory
-            is ``tensor_batch_size x vocab``. ``None`` computes all rows at once.
+            Token rows per log-softmax / cross-entropy chunk on each device; the logits held at
+            once are one ``tensor_batch_size x 32768`` fp32 tile (the vocabulary is walked in
+            tiles). ``None`` computes all rows at once.
             Env: ``DIFFU_TENSOR_BATCH_SIZE``.
         preset (`str`, *optional*):
             ``"memory"``, ``"speed"`` or ``"balanced"``: fills the fields still at their defaults.

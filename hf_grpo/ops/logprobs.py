@@ -367,7 +367,8 @@ def chunked_logprobs(
         weight: (V, H) LM head weight.
         targets: (N,) integer in [0, V), aligned with the rows (no causal shift is applied here).
         chunk_rows: rows projected at a time (positive int), or None for all rows in one chunk. Peak extra memory
-            is about one (chunk_rows, V) fp32 buffer plus (chunk_rows, min(V, 16384)) temporaries.
+            is about one (chunk_rows, 32768) fp32 logits tile and its gradient (the vocabulary is walked in tiles of
+            ``_VOCAB_BLOCK`` columns), plus, in the backward, one (32768, H) fp32 weight-gradient block.
         temperature: > 0; logits are divided by it.
         bias: optional (V,) LM head bias.
         return_entropy: also return the entropy of each row's distribution (needs finite logits: a -inf logit,
