@@ -201,6 +201,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 return None
             longest = max(longest, max((len(ids) for ids in prompt_ids), default=0))
         return longest or None
+
     def _generation_backend(self, model: torch.nn.Module) -> GenerationBackend:
         if self._backend is None:
             self._backend, reason = resolve_backend(self.args.generation_backend, model)
