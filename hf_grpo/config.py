@@ -263,21 +263,22 @@ class GRPOConfig(trl.GRPOConfig):
         return BatchPlan.from_fields(vars(self), current_world_size() if world_size is None else world_size)
 
 
-def _preset_config(preset: str, overrides: dict[str, Any]) -> GRPOConfig:
-    # The preset fills what the overrides leave out (GRPOConfig sees only the overrides as set).
-    return GRPOConfig(**overrides, preset=preset)
+def preset_config(preset: str, overrides: dict[str, Any], config_cls: type | None = None) -> GRPOConfig:
+    """``config_cls`` (default GRPOConfig) with ``preset``: it fills what ``overrides`` leave out (the config
+    sees only the overrides as set)."""
+    return (config_cls or GRPOConfig)(**overrides, preset=preset)
 
 
 def create_memory_optimized_config(**overrides: Any) -> GRPOConfig:
     """Gradient checkpointing on, generation chunks of 2, log-softmax chunks of 512 rows."""
-    return _preset_config("memory", overrides)
+    return preset_config("memory", overrides)
 
 
 def create_balanced_config(**overrides: Any) -> GRPOConfig:
     """Generation chunks of 4, log-softmax chunks of 1024 rows."""
-    return _preset_config("balanced", overrides)
+    return preset_config("balanced", overrides)
 
 
 def create_speed_optimized_config(**overrides: Any) -> GRPOConfig:
     """No gradient checkpointing, generation chunks of 8, log-softmax chunks of 2048 rows."""
-    return _preset_config("speed", overrides)
+    return preset_config("speed", overrides)

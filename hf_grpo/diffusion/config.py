@@ -35,6 +35,7 @@ from ..config import (
     GRPOConfig,
     _bf16_available,
     current_world_size,
+    preset_config,
     resolve_batch_fields,
 )
 
@@ -309,23 +310,19 @@ def set_checkpointing(config, value: bool) -> None:
             setattr(config, name, value)
 
 
-def _preset_config(preset: str, overrides: dict[str, Any]) -> DiffuGRPOConfig:
-    return DiffuGRPOConfig(**overrides, preset=preset)
-
-
 def create_memory_optimized_config(**overrides: Any) -> DiffuGRPOConfig:
     """A DiffuGRPOConfig with the memory preset: checkpointing on, generation chunks of 2, log-softmax chunks of 512."""
-    return _preset_config("memory", overrides)
+    return preset_config("memory", overrides, DiffuGRPOConfig)
 
 
 def create_balanced_config(**overrides: Any) -> DiffuGRPOConfig:
     """A DiffuGRPOConfig with the balanced preset: generation chunks of 4, log-softmax chunks of 1024."""
-    return _preset_config("balanced", overrides)
+    return preset_config("balanced", overrides, DiffuGRPOConfig)
 
 
 def create_speed_optimized_config(**overrides: Any) -> DiffuGRPOConfig:
     """A DiffuGRPOConfig with the speed preset: no checkpointing, generation chunks of 8, log-softmax chunks of 2048."""
-    return _preset_config("speed", overrides)
+    return preset_config("speed", overrides, DiffuGRPOConfig)
 
 
 # The names of the batch-size guide: the same classes.
