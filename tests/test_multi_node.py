@@ -8,14 +8,12 @@ import json
 import math
 import os
 import pathlib
-import signal
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 import yaml
+from side_by_side import free_port, wait_for_all
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MULTI_NODE_YAML = sorted((ROOT / "accelerate_configs").glob("multi_node*.yaml"))
@@ -46,12 +44,6 @@ def test_multi_node_yaml_starts_with_its_per_node_launch_command(path):
         assert "deepspeed_hostfile" not in config["deepspeed_config"]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def node_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_", "ACCELERATE_"))}
@@ -61,22 +53,6 @@ def node_env() -> dict[str, str]:
         env["GLOO_SOCKET_IFNAME"] = "lo"
     env["OMP_NUM_THREADS"] = "1"  # two single-process nodes share this machine's cores
     return env
-
-
-def stop(process: subprocess.Popen) -> None:
-    """End a node launcher and its torchrun agent and worker (its own process group)."""
-    if process.poll() is not None:
-        return
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def tail(path: pathlib.Path, chars: int = 4000) -> str:
@@ -104,21 +80,7 @@ def launch_two_nodes(config: str, tmp_path: pathlib.Path):
             process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
         nodes.append((process, stderr, output_dir))
 
-    deadline, problem = time.monotonic() + LAUNCH_TIMEOUT_S, None
-    try:
-        while problem is None and any(p.poll() is None for p, _, _ in nodes):
-            failed = [rank for rank, (p, _, _) in enumerate(nodes) if p.poll() not in (None, 0)]
-            if failed:  # the other node would wait for its peer until the rendezvous times out
-                problem = f"node {failed[0]} failed"
-            elif time.monotonic() > deadline:
-                problem = f"timed out after {LAUNCH_TIMEOUT_S} s"
-            else:
-                time.sleep(0.2)
-    finally:
-        for process, _, _ in nodes:
-            stop(process)
-    if problem is None and any(p.returncode != 0 for p, _, _ in nodes):
-        problem = "a node exited non-zero"
+    problem = wait_for_all([process for process, _, _ in nodes], LAUNCH_TIMEOUT_S)
     if problem is not None:
         pytest.fail(problem + "".join(f"\n--- node {rank} (exit {p.returncode}) stderr tail:\n{tail(e)}"
                                       for rank, (p, e, _) in enumerate(nodes)))

@@ -25,15 +25,13 @@ import os
 import pathlib
 import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from typing import Callable
 
 import pytest
+from side_by_side import free_port, wait_for_all
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent  # the virtualenv's bin: accelerate, hf-grpo, python
@@ -197,27 +195,6 @@ def _own_extension_cache_per_ninja(env: dict[str, str]) -> None:
     env["TORCH_EXTENSIONS_DIR"] = os.path.join(get_default_build_root(), "ninja-" + re.sub(r"\W+", "_", ninja))
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """End a launcher and everything it started (its own process group)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if process.poll() is not None:
-            return
-        try:
-            os.killpg(process.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def _tail(text: str, chars: int = 6000) -> str:
     return text[-chars:] if text else "<empty>"
 
@@ -246,23 +223,9 @@ def run_documented(doc: Documented, run: Run, tmp: pathlib.Path) -> Ran:
         with open(out, "w") as stdout, open(err, "w") as stderr:  # files, not pipes: a full pipe stalls a run
             processes.append(subprocess.Popen(["bash", "-c", command], cwd=cwd, env=node_env, stdout=stdout,
                                               stderr=stderr, start_new_session=True))
-    deadline, problem = time.monotonic() + run.timeout, None
-    try:
-        while problem is None and any(p.poll() is None for p in processes):
-            failed = [rank for rank, p in enumerate(processes) if p.poll() not in (None, 0)]
-            if failed:  # the other node would wait for its peer until the rendezvous times out
-                problem = f"node {failed[0]} exited {processes[failed[0]].returncode}"
-            elif time.monotonic() > deadline:
-                problem = f"timed out after {run.timeout} s"
-            else:
-                time.sleep(0.2)
-    finally:
-        for process in processes:
-            _stop(process)
+    problem = wait_for_all(processes, run.timeout)
     outputs = [((tmp / f"node{r}.out").read_text(errors="replace"), (tmp / f"node{r}.err").read_text(errors="replace"))
                for r in range(run.nodes)]
-    if problem is None and any(p.returncode != 0 for p in processes):
-        problem = "exit codes " + str([p.returncode for p in processes])
     if problem is not None:
         variant = f" (the closest offline variant: the command as written {run.offline})" if run.offline else ""
         pytest.fail(f"{command!r}{variant}: {problem}" + "".join(
