@@ -17,6 +17,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from hf_grpo.generation import HFGenerateBackend, resolve_backend
+from hf_grpo.generation import cuda_graph
 from hf_grpo.generation.cuda_graph import CudaGraphBackend, cache_len_ladder
 from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
 
@@ -162,13 +163,24 @@ def test_cache_len_ladder_rungs_and_bad_input():
         cache_len_ladder(0)
 
 
+def _record_cache_lengths(monkeypatch) -> list[int]:
+    """The cache length of every StaticDecoder the backend makes from now on."""
+    made: list[int] = []
+
+    class Recording(cuda_graph.StaticDecoder):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs["cache_len"])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(cuda_graph, "StaticDecoder", Recording)
+    return made
+
+
 def test_varied_prompt_lengths_reuse_one_cache_that_only_grows(tokenizer, monkeypatch):
     """Real data: every rollout another prompt length. The cache follows the ladder, never one per length."""
     model = build_tiny_model(tokenizer).eval()
     backend = CudaGraphBackend(use_cuda_graph=False, min_cache_len=32)
-    made = []
-    new_entry = backend._new_entry
-    monkeypatch.setattr(backend, "_new_entry", lambda *a: made.append(a[2]) or new_entry(*a))
+    made = _record_cache_lengths(monkeypatch)
     gc = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
     rng = random.Random(0)
     for length in [5, 30, 12, 41, 3, 60, 20, 33, 7, 59]:  # longest prompt + 8 new tokens: 13 .. 68
@@ -188,9 +200,7 @@ def test_a_reserved_length_sizes_one_cache_for_the_whole_run(tokenizer, monkeypa
     model = build_tiny_model(tokenizer).eval()
     backend = CudaGraphBackend(use_cuda_graph=False, min_cache_len=32)
     backend.reserve(60 + 8)  # the trainer's figure: the longest training prompt + max_completion_length
-    made = []
-    new_entry = backend._new_entry
-    monkeypatch.setattr(backend, "_new_entry", lambda *a: made.append(a[2]) or new_entry(*a))
+    made = _record_cache_lengths(monkeypatch)
     gc = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
     rng = random.Random(0)
     for length in [5, 30, 12, 41, 3, 60]:
