@@ -277,6 +277,7 @@ def parse_args(argv=None):
     parser.add_argument("--tensor_batch_size", type=int, default=1024, help="hf_grpo only")
     parser.add_argument("--per_device_generation_batch_size", type=int, default=None, help="hf_grpo only")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--label", default=None, help="free text kept in the record (e.g. 'cold compile cache')")
     parser.add_argument("--out", default=None, help="append the JSON record to this file")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -385,6 +386,7 @@ def main(argv=None) -> int:
         tensor_batch_size=args.tensor_batch_size if args.impl == "hf_grpo" else None,
         per_device_generation_batch_size=(trainer.args.per_device_generation_batch_size
                                           if args.impl == "hf_grpo" else None),
+        label=args.label, compile_cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         max_steps=args.max_steps, steps_done=trainer.state.global_step, stopped_early=timer.stopped_early,
         # times: every step, the first (warm-up) included
         train_s=round(train_s, 2),

@@ -3,8 +3,9 @@
 A ``StaticDecoder`` decodes chunks of ``batch`` left-padded prompts against a
 ``transformers.StaticCache`` of ``cache_len`` positions:
 
-* The prefill runs the prompts eagerly. Position ids are ``cumsum(mask) - 1`` (pads at 0) and
-  the 2D attention mask is the prompt's mask followed by ones, which is what
+* The prefill runs the prompts eagerly, in pieces sized so that one piece's attention scores
+  stay near ``PREFILL_SCORE_BYTES`` whatever the prompt length. Position ids are
+  ``cumsum(mask) - 1`` (pads at 0) and the 2D attention mask is the prompt's mask followed by ones, which is what
   ``model.generate`` feeds the model, so greedy decoding gives the same tokens as
   ``model.generate`` with the same padding. After a row emits EOS it keeps emitting
   ``pad_token_id``, as ``generate`` does.
@@ -36,6 +37,10 @@ from .base import model_device
 from .sampling import SamplingSettings, draw_tokens, process_logits_
 
 logger = logging.getLogger(__name__)
+
+
+# Attention-score bytes one prefill forward may allocate (see StaticDecoder.prefill_piece).
+PREFILL_SCORE_BYTES = 256 * 2**20
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -286,7 +291,13 @@ class StaticDecoder:
         # EOS is blocked for the first min_new_tokens tokens, and while prompt + generated < min_length.
         self.min_steps.fill_(max(s.min_new_tokens, s.min_length - prompt_len, 0))
         self.unfinished.fill_(True)
-        logits = self._forward(model, input_ids, position_ids)
+        # The prompt goes through in pieces: a piece's attention scores (batch x heads x piece x cache_len,
+        # float32 where SDPA falls back to its math kernel for a padding mask) stay near PREFILL_SCORE_BYTES
+        # instead of growing with the prompt and setting the rollout's peak.
+        piece = self.prefill_piece(model)
+        for start in range(0, prompt_len, piece):
+            end = min(start + piece, prompt_len)
+            logits = self._forward(model, input_ids[:, start:end], position_ids[:, start:end])
         vocab = logits.size(-1)
         if self.vocab_size is None:
             self.vocab_size = vocab
@@ -303,6 +314,12 @@ class StaticDecoder:
             self.seen.scatter_(1, input_ids.masked_fill(attention_mask == 0, vocab), True)
         self.pos.copy_(position_ids[:, -1:])
         self._advance(logits)
+
+    def prefill_piece(self, model) -> int:
+        """Prompt positions per prefill forward, a multiple of 16, at least 16."""
+        heads = getattr(base_model(model).config, "num_attention_heads", 1) or 1
+        per_position = self.batch * heads * self.cache_len * 4
+        return max(16, PREFILL_SCORE_BYTES // per_position // 16 * 16)
 
     def _advance(self, logits: torch.Tensor) -> None:
         """Logits [B, V] float32 (this step's own copy) -> next token, written into the static buffers."""

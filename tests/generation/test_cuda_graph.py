@@ -196,6 +196,25 @@ def test_varied_prompt_lengths_reuse_one_cache_that_only_grows(tokenizer, monkey
     assert len(backend._entries) == 1 and backend.cache_bytes() > 0
 
 
+def test_prefill_in_pieces_gives_the_tokens_of_a_whole_prefill(tokenizer, monkeypatch):
+    """Long prompts go through the prefill 16 positions at a time (bounded attention scores), same tokens."""
+    from hf_grpo.generation import static_decoder
+
+    model = build_tiny_model(tokenizer).eval()
+    monkeypatch.setattr(static_decoder, "PREFILL_SCORE_BYTES", 1)  # the smallest piece: 16 positions
+    calls = []
+    forward = static_decoder.last_logits
+    monkeypatch.setattr(static_decoder, "last_logits", lambda m, ids, *a: calls.append(ids.size(1)) or forward(m, ids, *a))
+    backend = CudaGraphBackend(use_cuda_graph=False, min_cache_len=32)
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, len(tokenizer)) for _ in range(n)] for n in (50, 7, 33, 41)]
+    got = backend.generate(model, prompts, generation_config=gc, chunk_size=4, pad_token_id=PAD, eos_token_ids=[EOS])
+    assert calls[:4] == [16, 16, 16, 2]  # 50 padded positions in four pieces, then one-token steps
+    assert got == HFGenerateBackend().generate(model, prompts, generation_config=gc, chunk_size=4, pad_token_id=PAD,
+                                               eos_token_ids=[EOS])
+
+
 def test_a_reserved_length_sizes_one_cache_for_the_whole_run(tokenizer, monkeypatch):
     model = build_tiny_model(tokenizer).eval()
     backend = CudaGraphBackend(use_cuda_graph=False, min_cache_len=32)
