@@ -19,7 +19,7 @@ import random
 
 import datasets
 
-from .rewards import MAX_LITERAL
+from .rewards import MAX_INTERMEDIATE, MAX_LITERAL
 
 __all__ = [
     "GSM8K_INSTRUCTION",
@@ -98,7 +98,8 @@ def _random_solution(rng: random.Random, nums: list[int], max_target: int | None
                 if b[0] <= 1 or a[0] % b[0]:
                     continue
                 value = a[0] // b[0]
-            candidates.append((op, value))
+            if value <= MAX_INTERMEDIATE:  # the reward refuses larger values: the solution must score
+                candidates.append((op, value))
         if not candidates:
             return None
         op, value = rng.choice(candidates)
