@@ -62,6 +62,11 @@ def model_device(model: torch.nn.Module) -> torch.device:
         return torch.device("cpu")
 
 
+def is_zero3_partitioned(model: torch.nn.Module) -> bool:
+    """Whether DeepSpeed ZeRO-3 manages the model's parameters (they carry a ``ds_id``)."""
+    return any(hasattr(p, "ds_id") for p in model.parameters())
+
+
 def padded_length(prompt_ids: Sequence[Sequence[int]], pad_to_multiple_of: int | None = None) -> int:
     """Length of the longest prompt, rounded up to ``pad_to_multiple_of`` when given."""
     length = max(len(p) for p in prompt_ids)

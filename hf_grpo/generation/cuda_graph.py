@@ -57,7 +57,15 @@ from collections.abc import Sequence
 import torch
 from transformers import GenerationConfig
 
-from .base import GenerationBackend, cut_after_eos, iter_chunks, left_pad, model_device, padded_length
+from .base import (
+    GenerationBackend,
+    cut_after_eos,
+    is_zero3_partitioned,
+    iter_chunks,
+    left_pad,
+    model_device,
+    padded_length,
+)
 from .hf import HFGenerateBackend
 from .sampling import SamplingSettings, unsupported_generation_setting
 from .static_decoder import (
@@ -92,7 +100,7 @@ SUPPORTED_ATTENTION = frozenset({"sdpa", "eager"})
 # RoPE variants that read the largest position id on the host (a sync, and a value baked into the graph).
 UNSUPPORTED_ROPE_TYPES = frozenset({"dynamic", "longrope"})
 
-__all__ = ["CudaGraphBackend", "cache_len_ladder", "is_zero3_partitioned"]
+__all__ = ["CudaGraphBackend", "cache_len_ladder"]
 
 
 def _compile_available() -> str | None:
@@ -104,11 +112,6 @@ def _compile_available() -> str | None:
     if not hasattr(torch, "compile"):
         return "torch.compile is unavailable"
     return None
-
-
-def is_zero3_partitioned(model: torch.nn.Module) -> bool:
-    """Whether DeepSpeed ZeRO-3 manages the model's parameters (they carry a ``ds_id``)."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
 
 
 class CudaGraphBackend(GenerationBackend):

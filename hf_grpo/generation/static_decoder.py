@@ -183,6 +183,32 @@ def decode_attention(model: torch.nn.Module, variant: str | None):
         config._attn_implementation_internal = original
 
 
+@contextmanager
+def deepspeed_hooks_lifted(model: torch.nn.Module):
+    """Lift DeepSpeed's forward hooks off ``model`` while a step is captured, and put them back after.
+
+    A DeepSpeed engine (ZeRO-1/2) hooks the module it wraps, and its throughput timer calls
+    ``torch.cuda.synchronize`` there: illegal while a stream captures ("operation not permitted when
+    stream is capturing", seen on 2 x H100 under ZeRO-2). A replay runs no Python hooks anyway, so the
+    captured step loses nothing; other hooks (PEFT, accelerate) stay, and every dict keeps its order.
+    """
+    saved = []
+    for module in model.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            kept = {key: hook for key, hook in hooks.items()
+                    if not (getattr(hook, "__module__", None) or "").startswith("deepspeed")}
+            if len(kept) != len(hooks):
+                saved.append((hooks, dict(hooks)))
+                hooks.clear()
+                hooks.update(kept)
+    try:
+        yield
+    finally:
+        for hooks, original in saved:
+            hooks.clear()
+            hooks.update(original)
+
+
 class StaticDecoder:
     """Static cache, buffers and (once captured) the decode-step graph for one (model, batch, cache length).
 
@@ -361,6 +387,6 @@ class StaticDecoder:
                     self._decode_step(model)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with deepspeed_hooks_lifted(model), torch.cuda.graph(graph):
                 self._decode_step(model)
         self.graph = graph

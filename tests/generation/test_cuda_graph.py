@@ -196,6 +196,31 @@ def test_varied_prompt_lengths_reuse_one_cache_that_only_grows(tokenizer, monkey
     assert len(backend._entries) == 1 and backend.cache_bytes() > 0
 
 
+def test_deepspeed_hooks_are_lifted_while_capturing_and_put_back_in_order():
+    """ZeRO-1/2 engines hook the wrapped module with a host sync; a capture must not run it, others stay."""
+    from hf_grpo.generation.static_decoder import deepspeed_hooks_lifted
+
+    calls = []
+
+    def deepspeed_timer(module, args):
+        calls.append("deepspeed")
+
+    deepspeed_timer.__module__ = "deepspeed.runtime.engine"  # what DeepSpeed's own hook reports
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model.register_forward_pre_hook(lambda m, a: calls.append("first"))
+    model.register_forward_pre_hook(deepspeed_timer)
+    model[0].register_forward_hook(lambda m, a, o: calls.append("inner"))
+    model.register_forward_pre_hook(lambda m, a: calls.append("last"))
+    before = list(model._forward_pre_hooks)
+    with deepspeed_hooks_lifted(model):
+        model(torch.zeros(1, 2))
+    assert calls == ["first", "last", "inner"]
+    assert list(model._forward_pre_hooks) == before  # restored, in order
+    calls.clear()
+    model(torch.zeros(1, 2))
+    assert calls == ["first", "deepspeed", "last", "inner"]
+
+
 def test_prefill_in_pieces_gives_the_tokens_of_a_whole_prefill(tokenizer, monkeypatch):
     """Long prompts go through the prefill 16 positions at a time (bounded attention scores), same tokens."""
     from hf_grpo.generation import static_decoder

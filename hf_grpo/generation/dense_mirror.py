@@ -1,0 +1,372 @@
+"""A dense copy of the policy's weights for the CUDA-graph decoder under DeepSpeed ZeRO-3.
+
+Why: a captured CUDA graph reads its weights at fixed addresses. ZeRO-3 keeps each parameter
+split across the GPUs and gathers it into a fresh buffer whenever it is used, so a graph
+captured on the gathered model would read freed memory at the next rollout. The mirror is a
+plain (hook-free) model of the same architecture on this device whose tensors are allocated
+once and never move: ``refresh`` writes the current weights into them in place (``copy_``), so
+the graph captured on the mirror stays valid across rollouts and optimizer steps.
+
+``refresh`` gathers one unit at a time (a decoder layer, or a module outside the layer list
+such as the embeddings), so its transient peak is the mirror plus one layer, not the mirror
+plus a second gathered copy of the model. Its cost is one dense model copy per device, in the
+policy's own dtype (``nbytes``), held for the whole run.
+
+With PEFT LoRA the mirror holds the merged weights (base + every active adapter's delta, as
+``merge_and_unload`` computes them) as a plain model: the decoder runs no adapter branch.
+Without ZeRO-3 (a plain or DDP model) ``refresh`` is a plain copy, which is what the tests use.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .base import is_zero3_partitioned
+
+logger = logging.getLogger(__name__)
+
+MIRROR_SETTINGS = ("auto", "on", "off")
+# "auto" builds the mirror only when free memory holds it twice over: the second copy's worth is left
+# for what a rollout allocates on top (KV cache, one gathered layer, the captured step's buffers).
+AUTO_HEADROOM = 2.0
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under DDP/DeepSpeed-style ``.module`` wrappers (a PEFT model stays a PEFT model).
+
+    A wrapper is told by having no ``generation_config`` (a DeepSpeed engine has a ``config`` of its own)."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module) and not hasattr(model, "generation_config"):
+        model = model.module
+    return model
+
+
+def _live_base(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model whose module paths the mirror copies (under PEFT, the LoRA-injected one)."""
+    model = _unwrap(model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _is_zero3_param(param: torch.Tensor) -> bool:
+    return hasattr(param, "ds_id")
+
+
+@contextlib.contextmanager
+def _gathered(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """ZeRO-3: gather ``params`` for reading (re-partitioned on exit); otherwise nothing to do."""
+    if not any(_is_zero3_param(p) for p in params):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield
+
+
+# ---- what each mirror tensor is read from ---------------------------------------------------------
+
+def _is_lora_layer(module: torch.nn.Module) -> bool:
+    try:
+        from peft.tuners.lora import LoraLayer
+    except ImportError:
+        return False
+    return isinstance(module, LoraLayer)
+
+
+def _is_modules_to_save(module: torch.nn.Module) -> bool:
+    try:
+        from peft.utils.other import ModulesToSaveWrapper
+    except ImportError:
+        return False
+    return isinstance(module, ModulesToSaveWrapper)
+
+
+def _active_lora_adapters(layer) -> list[str]:
+    """Adapters whose delta the live forward adds: none when disabled or already merged into the base."""
+    if layer.disable_adapters or layer.merged:
+        return []
+    return [name for name in layer.active_adapters if name in layer.lora_A]
+
+
+def _source_module(live: torch.nn.Module, path: str) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """(module holding the base tensors, LoRA layer whose deltas are added or None) for a mirror module."""
+    if _is_lora_layer(live):
+        for adapter in _active_lora_adapters(live):
+            if adapter in getattr(live, "lora_variant", {}):
+                raise ValueError(
+                    f"{path}: LoRA adapter {adapter!r} uses a variant (DoRA or similar) whose merge is not a plain "
+                    f"delta; the dense mirror supports plain LoRA: set zero3_generation_mirror='off'"
+                )
+        return live.get_base_layer(), live
+    if _is_modules_to_save(live):
+        active = live.active_adapters
+        if live.disable_adapters or any(name not in live.modules_to_save for name in active):
+            return live.original_module, None
+        return live.modules_to_save[active[0]], None
+    return live, None
+
+
+def _check_plain(mirror_module: torch.nn.Module, source: torch.nn.Module, path: str) -> None:
+    """The source must be the same kind of module: an unknown adapter wrapper would be copied without its effect."""
+    if type(source) is not type(mirror_module):
+        raise ValueError(
+            f"{path}: the policy has a {type(source).__name__} where its architecture has a "
+            f"{type(mirror_module).__name__}; the dense mirror copies plain modules and LoRA layers only: "
+            f"set zero3_generation_mirror='off'"
+        )
+
+
+def _add_lora_deltas(target: torch.Tensor, layer, name: str, adapters: list[str]) -> None:
+    """Add what PEFT's merge adds to ``layer``'s base ``weight`` / ``bias``: one in-place add per adapter, in
+    order, as ``merge`` does (``weight.data += delta``), so the values equal ``merge_and_unload``'s bit for bit."""
+    for adapter in adapters:
+        if name == "weight":
+            target.add_(layer.get_delta_weight(adapter))
+        elif name == "bias" and layer.lora_bias.get(adapter, False):
+            target.add_(layer.lora_B[adapter].bias * layer.scaling[adapter])
+
+
+def _units(mirror: torch.nn.Module) -> list[tuple[str, torch.nn.Module, bool]]:
+    """(path, module, recurse) gathered together: each element of a ModuleList (a decoder layer) with all it
+    holds, and every other module that owns parameters or buffers directly (embeddings, final norm, head)."""
+    units: list[tuple[str, torch.nn.Module, bool]] = []
+
+    def visit(path: str, module: torch.nn.Module, in_list: bool) -> None:
+        if in_list:
+            units.append((path, module, True))
+            return
+        if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
+            units.append((path, module, not any(True for _ in module.children())))
+        is_list = isinstance(module, torch.nn.ModuleList)
+        for name, child in module.named_children():
+            visit(f"{path}.{name}" if path else name, child, is_list)
+
+    visit("", mirror, False)
+    return units
+
+
+def _walk(mirror: torch.nn.Module, base: torch.nn.Module):
+    """For each unit: (the policy's parameters to gather, [(mirror module, source module, LoRA layer or None,
+    active adapters)] for every mirror module in it that holds tensors). Read afresh on every call, so a
+    changed adapter state (disabled, merged, another active adapter) is followed."""
+    for path, unit, recurse in _units(mirror):
+        live_unit = base.get_submodule(path)
+        members = []
+        for mod_path, mirror_module in (unit.named_modules(prefix=path) if recurse else [(path, unit)]):
+            if not any(True for _ in mirror_module.parameters(recurse=False)) and not any(
+                    True for _ in mirror_module.buffers(recurse=False)):
+                continue
+            source, lora = _source_module(base.get_submodule(mod_path), mod_path)
+            _check_plain(mirror_module, source, mod_path)
+            members.append((mirror_module, source, lora, _active_lora_adapters(lora) if lora is not None else []))
+        yield list(live_unit.parameters(recurse=recurse)), members
+
+
+def _skeleton(base: torch.nn.Module) -> torch.nn.Module:
+    """The architecture of ``base`` on the meta device: no memory, no ZeRO-3 partitioning, no adapters."""
+    config = copy.deepcopy(base.config)
+    with torch.device("meta"):  # transformers skips weight init on meta; ties the embeddings as configured
+        mirror = type(base)(config)
+    attn = getattr(base.config, "_attn_implementation", None)
+    if attn is not None:
+        mirror.config._attn_implementation = attn
+    return mirror
+
+
+def _materialize(mirror: torch.nn.Module, base: torch.nn.Module, device: torch.device | None) -> int:
+    """Give every parameter of the meta ``mirror`` its own tensor (tied ones share one), in the dtype of the
+    policy tensor it copies, and copy the buffers; return the bytes. ``device=None`` only counts them."""
+    made: dict[int, torch.nn.Parameter] = {}  # meta parameter id -> its one parameter (tied weights)
+    nbytes = 0
+    for _, members in _walk(mirror, base):
+        for mirror_module, source, _, _ in members:
+            for name, meta in list(mirror_module.named_parameters(recurse=False)):
+                if id(meta) in made:
+                    mirror_module._parameters[name] = made[id(meta)]
+                    continue
+                live = getattr(source, name)
+                shape = live.ds_shape if _is_zero3_param(live) else live.shape
+                if tuple(shape) != tuple(meta.shape):
+                    raise ValueError(
+                        f"{name} of {type(mirror_module).__name__}: the policy holds {tuple(shape)} but its config "
+                        f"builds {tuple(meta.shape)}; the dense mirror needs a config that describes the model")
+                tensor = torch.empty(meta.shape, dtype=live.dtype, device=device or "meta")
+                nbytes += tensor.numel() * tensor.element_size()
+                made[id(meta)] = torch.nn.Parameter(tensor, requires_grad=False)
+                mirror_module._parameters[name] = made[id(meta)]
+            for name, _ in list(mirror_module.named_buffers(recurse=False)):
+                # Buffers (RoPE frequencies) are never partitioned: copied once, as the policy holds them.
+                live = getattr(source, name)
+                nbytes += live.numel() * live.element_size()
+                if device is not None:
+                    mirror_module._buffers[name] = live.detach().to(device, copy=True)
+    return nbytes
+
+
+class DenseMirror:
+    """A plain copy of ``model`` on ``device`` whose tensors never move; ``refresh(model)`` updates it in place.
+
+    ``model`` is the policy as the trainer holds it: a transformers model or a PEFT (LoRA) model, possibly
+    under a DDP/DeepSpeed ``.module`` wrapper, its parameters whole or ZeRO-3 partitioned. Every mirror
+    tensor takes the dtype of the tensor it copies (the generation dtype), so the mirror's forward equals
+    the policy's. Building allocates one model copy (``nbytes``) and reads no weights: call ``refresh``.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | str | None = None):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the dense mirror cannot copy this model: {reason}; set zero3_generation_mirror='off'")
+        base = _live_base(model)
+        self.device = torch.device(device) if device is not None else next(base.parameters()).device
+        self.module = _skeleton(base)
+        self.nbytes = _materialize(self.module, base, self.device)
+        self.module.eval()
+        self.module.generation_config = copy.deepcopy(base.generation_config)
+
+    @torch.no_grad()
+    def refresh(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Copy ``model``'s current weights into the mirror in place, one unit at a time; return the mirror.
+
+        Under ZeRO-3 every rank must call it (each unit is one all-gather), as with any collective.
+        """
+        done: set[int] = set()  # a tied weight is copied once
+        for live_params, members in _walk(self.module, _live_base(model)):
+            todo = [(m, s, lora, adapters, name, p) for m, s, lora, adapters in members
+                    for name, p in m.named_parameters(recurse=False) if id(p) not in done]
+            if not todo:
+                continue
+            with _gathered(live_params):
+                for _, source, lora, adapters, name, target in todo:
+                    target.copy_(getattr(source, name))
+                    if lora is not None:
+                        _add_lora_deltas(target, lora, name, adapters)
+                    done.add(id(target))
+        return self.module
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why a dense mirror cannot stand in for ``model`` (prompt-learning PEFT, quantized weights), or None."""
+    model = _unwrap(model)
+    peft_config = getattr(model, "active_peft_config", None)
+    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
+        return f"the PEFT method {peft_config.peft_type} adds virtual tokens, not weights"
+    base = _live_base(model)
+    if getattr(base, "hf_quantizer", None) is not None or getattr(base, "is_quantized", False):
+        return "the model is quantized"
+    if getattr(base, "config", None) is None:
+        return f"{type(base).__name__} has no transformers config to build the copy from"
+    return None
+
+
+# ---- deciding -----------------------------------------------------------------------------------------
+
+def validate_setting(value: str) -> str:
+    if value not in MIRROR_SETTINGS:
+        raise ValueError(
+            f"zero3_generation_mirror must be one of {MIRROR_SETTINGS}, got {value!r}: 'auto' keeps a dense copy "
+            f"of the weights for the cuda_graph decoder under ZeRO-3 when memory allows, 'on' always, 'off' never"
+        )
+    return value
+
+
+def planned_nbytes(model: torch.nn.Module) -> int:
+    """Bytes a mirror of ``model`` would hold (one copy of its parameters and buffers, in the policy's dtypes)."""
+    base = _live_base(model)
+    return _materialize(_skeleton(base), base, None)
+
+
+def free_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation can use on a CUDA ``device`` (free plus torch's cached blocks); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
+def fits(nbytes: int, free: int | None) -> tuple[bool, str]:
+    """Whether "auto" builds a mirror of ``nbytes`` with ``free`` bytes available (None: not on CUDA)."""
+    need = f"{nbytes / 2**30:.2f} GiB"
+    if free is None:
+        return False, f"it needs {need} and serves only the CUDA-graph decoder, which runs on CUDA"
+    if nbytes * AUTO_HEADROOM > free:
+        return False, (f"it needs {need} per device and {free / 2**30:.2f} GiB is free (auto wants {AUTO_HEADROOM:g}x "
+                       f"its size free); set zero3_generation_mirror='on' to build it anyway")
+    return True, f"{need} per device, {free / 2**30:.2f} GiB was free"
+
+
+def decide(setting: str, model: torch.nn.Module, generation_backend: str, free: int | None) -> tuple[bool, str]:
+    """Whether to build a mirror of the ZeRO-3 ``model``, and why (``free``: bytes free on the tightest rank)."""
+    if setting == "off":
+        return False, "zero3_generation_mirror='off'"
+    reason = unsupported_reason(model)
+    if reason is not None:
+        if setting == "on":
+            raise ValueError(f"zero3_generation_mirror='on', but the dense mirror cannot copy this model: {reason}; "
+                             f"set zero3_generation_mirror to 'auto' or 'off'")
+        return False, reason
+    if setting == "on":
+        return True, "zero3_generation_mirror='on'"
+    if generation_backend not in ("auto", "cuda_graph"):
+        return False, f"generation_backend={generation_backend!r} captures no CUDA graph"
+    return fits(planned_nbytes(model), free)
+
+
+@dataclass
+class MirrorChoice:
+    """What was decided for a ZeRO-3 run: the mirror (or None), why, and what it costs."""
+
+    mirror: DenseMirror | None
+    reason: str
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.mirror is None else self.mirror.nbytes
+
+    @property
+    def dtype(self) -> str | None:
+        if self.mirror is None:
+            return None
+        return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in self.mirror.module.parameters()}))
+
+    def plan_fields(self) -> dict:
+        """The batch plan's fields for it (``BatchPlan.generation_mirror*``)."""
+        return {"generation_mirror": "off" if self.mirror is None else "on",
+                "generation_mirror_bytes": self.nbytes, "generation_mirror_dtype": self.dtype}
+
+    def __str__(self) -> str:
+        if self.mirror is None:
+            return f"off ({self.reason}): the hf backend generates from the ZeRO-3 model (ds3_gather_for_generation)"
+        return (f"on ({self.reason}): one {self.dtype} copy of the model per device, {self.nbytes / 2**30:.2f} GiB, "
+                f"refreshed layer by layer each rollout")
+
+
+def choose(setting: str, model: torch.nn.Module, generation_backend: str, device: torch.device,
+           min_over_ranks: Callable[[int], int]) -> MirrorChoice | None:
+    """The mirror decision for a run, the same on every rank (the refresh is collective); None without ZeRO-3.
+
+    ``min_over_ranks`` reduces an integer to its minimum over the ranks (the tightest GPU decides "auto").
+    """
+    from . import resolve_backend
+
+    if not is_zero3_partitioned(model):
+        return None
+    if generation_backend == "vllm":
+        return MirrorChoice(None, "vLLM generates from its own copy of the weights")
+    free = free_bytes(device)
+    if free is not None:
+        free = min_over_ranks(free)
+    on, reason = decide(setting, model, generation_backend, free)
+    if not on:
+        return MirrorChoice(None, reason)
+    mirror = DenseMirror(model, device)
+    backend, why_not = resolve_backend(generation_backend, mirror.module)
+    if setting == "auto" and backend.name != "cuda_graph":
+        # "auto" keeps the copy only for the decoder it exists for (the model is checked on the copy itself)
+        del mirror
+        return MirrorChoice(None, f"the cuda_graph backend would not serve it: {why_not}")
+    return MirrorChoice(mirror, reason)
