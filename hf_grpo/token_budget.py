@@ -1,0 +1,437 @@
+"""Token-budget micro-batches: ``max_tokens_per_micro_batch`` packs each micro-batch into forward/backward passes.
+
+What the user gets (veRL's ``use_dynamic_bsz`` / ``ppo_max_token_len_per_gpu``): the ``per_device_train_batch_size``
+completions of one ``training_step`` are run in as many forward/backward passes as it takes to keep each pass
+at most ``max_tokens_per_micro_batch`` tokens, instead of all at once. Peak activation memory follows the
+budget, not the longest completion times the batch size, and short completions share a pass.
+
+Design (read against trl 1.16.0 / transformers 5.24):
+
+* Where the packing happens. The Trainer runs exactly ``gradient_accumulation_steps`` (A) ``training_step``
+  calls per optimizer step, and TRL's ``_prepare_inputs`` hands each call one micro-batch of P completions.
+  Packing stays inside that call: ``compute_loss`` splits its P rows into passes, backpropagates all but the
+  last itself (``accelerator.backward``, gradient sync deferred) and returns the last pass's loss for the
+  Trainer's own backward. The rollout, the buffers, the optimizer-step boundary and A are TRL's, unchanged.
+  So P x A x W stays the optimizer batch, and P becomes "completions per accumulation step" (set it large,
+  and let the budget bound memory, as veRL users set ppo_mini_batch_size and the token budget).
+
+* The fixed-size gradient. TRL's loss for one micro-batch of P rows (B below) is, per loss type
+  (``_compute_loss``; ``loss_is_scaled_for_ga = True``, so the Trainer does not rescale it):
+
+  =====================  ==============================================================  ====================
+  loss_type              loss of one micro-batch m of B rows                             scale of a pass b
+  =====================  ==============================================================  ====================
+  grpo, sapo             (1/B) sum_i [ sum_t l_it / n_i ] / A      (per-sequence mean)   rows(b) / B
+  luspo                  (1/B) sum_i sum_t l_it / A                                       rows(b) / B
+  dr_grpo                sum_it l_it / (B * max_completion_length) / A                    rows(b) / B
+  bnpo                   sum_it l_it / max(T_m, 1) / A             (token mean over m)    max(T_b,1)/max(T_m,1)
+  dapo, cispo, vespo     sum_it l_it / (N / W * A / S)  (N: the rollout's tokens, global)  1
+  =====================  ==============================================================  ====================
+
+  (l_it masked by the completion and tool masks, n_i the row's tokens, T the masked tokens.) Each is a sum
+  of per-row terms times a constant of the whole micro-batch: TRL's loss over a pass b has the same
+  per-row terms with the pass's own constant, so multiplying it by the "scale" column makes the sum over
+  passes equal to the micro-batch's loss, term by term, for every loss type. Types normalised by a global
+  count (dapo, cispo, vespo) are packing-invariant as they stand; the others are made so by the scale.
+  Because the partition of the rollout into micro-batches is TRL's own, even bnpo's per-micro-batch token
+  mean is reproduced exactly. The loss returned to the Trainer (and logged) is the micro-batch's loss too.
+
+* What cannot be kept exact with one scale per pass, and is refused (``config_problems``, trainer init):
+  the entropy bonus (``entropy_coef`` / ``use_adaptive_entropy``) is a token mean over the micro-batch added
+  to the policy loss; it takes the same scale as the policy term only for ``bnpo`` (both are token means
+  over the same mask), so other loss types refuse it (with bnpo, ``use_adaptive_entropy`` stays exact too:
+  passes before the last run with ``sync_gradients`` off, so TRL's controller still closes its window once,
+  on the optimizer step's last pass). ``top_entropy_quantile < 1`` takes a quantile of the
+  micro-batch's entropies across ranks: it depends on which rows share a pass, refused. A MoE router's
+  auxiliary loss (``router_aux_loss_coef`` with ``output_router_logits``) is a statistic of each forward,
+  refused. Multimodal inputs and subclasses that replace ``_compute_loss`` (the diffusion trainer) are refused.
+
+* Packing. A pass is one padded tensor of rows x (longest prompt + longest completion among them): that
+  rectangle, after cutting the padding its rows do not use, is what the budget bounds (the memory the
+  forward sees, not the count of real tokens). Rows are sorted longest first and packed first-fit
+  (first-fit-decreasing) to find how many passes this rank needs; the ranks agree on the largest count K
+  (one all-gather of an int), and each rank then spreads its rows over exactly K passes, each row to the
+  pass with the least cost that still fits (balanced passes, lower peak). If that greedy fails where
+  first-fit did not, first-fit's passes are used and padded to K. A rank with fewer rows than K runs
+  zero-weight passes: one real row with its completion mask zeroed, loss times 0, so the forward/backward
+  still happens (DDP's and ZeRO's collectives, and TRL's metric all-reduces inside ``_compute_loss``, line
+  up on every rank) and adds exactly zero gradient and nothing to the masked metrics. TRL also gathers one
+  value per row for two clip-ratio metrics; passes of unequal rows are padded with NaN for that gather
+  (``uneven_row_gathers``), which TRL's nanmin/nanmax skip.
+
+* Groups. No TRL 1.16 loss type needs a prompt group inside one pass: advantages are computed over the whole
+  rollout before it is split, and TRL itself shuffles the rollout before cutting micro-batches. So rows are
+  packed freely.
+
+* Ranks. Rows stay on the rank that generated them (moving them would be an all-to-all of ids, masks and
+  log-probs); only the number of passes is made equal across ranks.
+
+* Padding and positions. Cutting the right padding of completions is exact (a causal model's earlier
+  positions do not see later ones). Cutting a pass's common left padding of prompts shifts every position
+  of its rows by the same amount: with RoPE (every current LM) attention depends only on position
+  differences, so the result is the same up to rounding; transformers computes RoPE angles in float32 even
+  for a float64 model, so that rounding is about 1e-7 relative (the tests compute the angles in float64 and
+  get 1e-12). TRL's own micro-batches already carry the padding of the whole rollout, so a row's absolute
+  positions depend on its batch there too.
+
+* Logged metrics. TRL appends its metrics (entropy, KL, clip ratios) once per ``_compute_loss`` call, so with
+  a budget they are averaged over passes instead of micro-batches: close, not equal. The logged loss is
+  the micro-batch's loss, exactly.
+
+* TRL's no-grad scoring of the rollout (old-policy log-probs when ``num_iterations > 1`` or
+  ``steps_per_generation > gradient_accumulation_steps``, reference log-probs when ``beta != 0``) runs
+  ``per_device_train_batch_size`` rows of the rollout's full padded width at a time; with a budget, the
+  trainer cuts those chunks to ``budget // width`` rows (``scoring_rows``).
+
+* A row longer than the budget cannot be run in any pass: a ``ValueError`` names ``max_tokens_per_micro_batch``,
+  the budget and the row's tokens (no silent pass over budget, which is the memory the user capped).
+  ``config_problems`` refuses a budget below ``max_completion_length + 1`` up front.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from accelerate.utils import DistributedType
+
+FIELD = "max_tokens_per_micro_batch"
+LOSS_TYPES = ("grpo", "sapo", "luspo", "dr_grpo", "bnpo", "dapo", "cispo", "vespo")
+_PER_ROW = ("grpo", "sapo", "luspo", "dr_grpo")  # scale rows(pass) / rows(micro-batch)
+_TOKEN_MEAN = ("bnpo",)  # scale tokens(pass) / tokens(micro-batch)
+_PROMPT_COLUMNS = ("prompt_ids", "prompt_mask")
+# Per-completion-token inputs TRL may put in a micro-batch (cut with the completion's right padding).
+_COMPLETION_COLUMNS = (
+    "completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps",
+    "sampling_per_token_logps", "importance_sampling_ratio", "tool_mask", "advantages",
+)
+
+
+# ---- configuration --------------------------------------------------------------------------
+def config_problems(config: Any) -> list[str]:
+    """Why ``config`` cannot run token-budget micro-batches exactly (empty when it can, or when unset)."""
+    budget = getattr(config, FIELD, None)
+    if budget is None:
+        return []
+    if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+        return [(f"{FIELD} must be a positive integer (tokens per forward/backward pass on each device) or None "
+                 f"to run each micro-batch in one pass, got {budget!r}")]
+    found = []
+    loss_type = config.loss_type
+    if loss_type not in LOSS_TYPES:
+        found.append(f"{FIELD} supports loss_type in {LOSS_TYPES}, got loss_type={loss_type!r}")
+    if budget < config.max_completion_length + 1:
+        found.append(
+            f"{FIELD} ({budget}) must be at least max_completion_length ({config.max_completion_length}) + 1 "
+            f"= {config.max_completion_length + 1}: one completion of full length, with a one-token prompt, must "
+            f"fit in a pass; set {FIELD} >= your longest prompt + max_completion_length"
+        )
+    if config.top_entropy_quantile < 1.0:
+        found.append(
+            f"{FIELD} cannot be combined with top_entropy_quantile={config.top_entropy_quantile}: the entropy "
+            f"quantile is taken over the tokens of each forward pass, so splitting a micro-batch would change "
+            f"which tokens train; set top_entropy_quantile=1.0 or {FIELD}=None"
+        )
+    entropy_bonus = config.entropy_coef != 0.0 or config.use_adaptive_entropy
+    if entropy_bonus and loss_type not in _TOKEN_MEAN:
+        found.append(
+            f"{FIELD} with an entropy bonus (entropy_coef={config.entropy_coef}, use_adaptive_entropy="
+            f"{config.use_adaptive_entropy}) is exact only for loss_type='bnpo' (the bonus is a token mean over the "
+            f"micro-batch, which only bnpo's policy term shares), got loss_type={loss_type!r}; use loss_type='bnpo', "
+            f"entropy_coef=0.0 and use_adaptive_entropy=False, or {FIELD}=None"
+        )
+    return found
+
+
+def check_config(config: Any) -> None:
+    found = config_problems(config)
+    if found:
+        raise ValueError("Invalid token-budget settings:\n  - " + "\n  - ".join(found))
+
+
+# ---- packing ----------------------------------------------------------------------------------
+class Extents(NamedTuple):
+    """Columns each row really uses: its prompt (a left-padded suffix) and completion (a right-padded prefix)."""
+
+    prompt: list[int]
+    completion: list[int]
+
+    def row_tokens(self, row: int) -> int:
+        return self.prompt[row] + self.completion[row]
+
+
+def extents(inputs: Mapping[str, Any]) -> Extents:
+    """Per-row prompt and completion extents read from the masks of a TRL micro-batch."""
+    prompt_mask, completion_mask = inputs["prompt_mask"].bool(), inputs["completion_mask"].bool()
+    width = prompt_mask.shape[1]
+    columns = torch.arange(width, device=prompt_mask.device)
+    first = torch.where(prompt_mask, columns, width).min(dim=1).values  # first real prompt column
+    columns = torch.arange(completion_mask.shape[1], device=completion_mask.device)
+    last = torch.where(completion_mask, columns + 1, 0).max(dim=1).values  # one past the last real token
+    return Extents((width - first).tolist(), last.tolist())
+
+
+def pass_tokens(rows: list[int], ext: Extents) -> int:
+    """Tokens of the padded tensor a pass of ``rows`` feeds the model."""
+    if not rows:
+        return 0
+    return len(rows) * (max(ext.prompt[r] for r in rows) + max(ext.completion[r] for r in rows))
+
+
+def _longest_first(ext: Extents) -> list[int]:
+    return sorted(range(len(ext.prompt)), key=lambda r: (-ext.row_tokens(r), -ext.completion[r], r))
+
+
+def _check_rows_fit(ext: Extents, budget: int) -> None:
+    for row in range(len(ext.prompt)):
+        if ext.row_tokens(row) > budget:
+            raise ValueError(
+                f"{FIELD}={budget} is smaller than one completion: row {row} of this micro-batch has "
+                f"{ext.prompt[row]} prompt + {ext.completion[row]} completion = {ext.row_tokens(row)} tokens; set "
+                f"{FIELD} >= your longest prompt + max_completion_length"
+            )
+
+
+def first_fit_decreasing(ext: Extents, budget: int) -> list[list[int]]:
+    """Rows packed longest first, each into the first pass it fits; the fewest passes this greedy finds."""
+    _check_rows_fit(ext, budget)
+    passes: list[list[int]] = []
+    for row in _longest_first(ext):
+        for rows in passes:
+            if pass_tokens(rows + [row], ext) <= budget:
+                rows.append(row)
+                break
+        else:
+            passes.append([row])
+    return passes
+
+
+def balanced_passes(ext: Extents, budget: int, count: int) -> list[list[int]] | None:
+    """Rows spread over exactly ``count`` passes, each to the fitting pass left cheapest; None if one fits nowhere.
+
+    Passes with no row (fewer rows than ``count``) come last.
+    """
+    _check_rows_fit(ext, budget)
+    passes: list[list[int]] = [[] for _ in range(count)]
+    for row in _longest_first(ext):
+        costs = [(pass_tokens(rows + [row], ext), i) for i, rows in enumerate(passes)]
+        fitting = [(cost, i) for cost, i in costs if cost <= budget]
+        if not fitting:
+            return None
+        passes[min(fitting)[1]].append(row)
+    return sorted(passes, key=lambda rows: not rows)
+
+
+def plan_passes(ext: Extents, budget: int, agree: Callable[[int], int] = lambda count: count) -> list[list[int]]:
+    """This rank's passes: as many as the rank that needs most (``agree`` returns the max over ranks)."""
+    packed = first_fit_decreasing(ext, budget)
+    count = agree(len(packed))
+    balanced = balanced_passes(ext, budget, count)
+    return balanced if balanced is not None else packed + [[] for _ in range(count - len(packed))]
+
+
+# ---- the passes' inputs and weights ---------------------------------------------------------------
+def select_rows(inputs: Mapping[str, Any], rows: list[int], ext: Extents) -> dict[str, Any]:
+    """The micro-batch's ``rows``, with the prompt and completion padding none of them uses cut off."""
+    batch = inputs["prompt_ids"].shape[0]
+    prompt_width, completion_width = inputs["prompt_ids"].shape[1], inputs["completion_ids"].shape[1]
+    keep_prompt = max(ext.prompt[r] for r in rows)
+    keep_completion = max(1, max(ext.completion[r] for r in rows))  # logits_to_keep=0 would mean "all"
+    index = torch.tensor(rows, device=inputs["prompt_ids"].device)
+    out: dict[str, Any] = {}
+    for key, value in inputs.items():
+        if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0):
+            out[key] = value  # global scalars such as num_items_in_batch
+        elif not isinstance(value, torch.Tensor) or value.shape[0] != batch:
+            raise ValueError(
+                f"{FIELD} cannot split the micro-batch input {key!r} ({type(value).__name__}): token-budget passes "
+                f"support text-only GRPO inputs; set {FIELD}=None for this run"
+            )
+        elif key in _PROMPT_COLUMNS:
+            out[key] = value[index, prompt_width - keep_prompt:]
+        elif key in _COMPLETION_COLUMNS and value.ndim == 2 and value.shape[1] == completion_width:
+            out[key] = value[index, :keep_completion]
+        elif key in _COMPLETION_COLUMNS or value.ndim == 1:
+            out[key] = value[index]  # per-row values ((B,) advantages, (B, 1) sequence-level ratios)
+        else:
+            raise ValueError(
+                f"{FIELD} does not know how to split the micro-batch input {key!r} of shape {tuple(value.shape)}; "
+                f"set {FIELD}=None for this run"
+            )
+    return out
+
+
+def empty_pass(inputs: Mapping[str, Any], ext: Extents) -> dict[str, Any]:
+    """A one-row pass that trains nothing: the shortest row with its completion mask zeroed."""
+    row = min(range(len(ext.prompt)), key=lambda r: (ext.row_tokens(r), r))
+    one = Extents(ext.prompt, [1] * len(ext.completion))
+    out = select_rows(inputs, [row], one)
+    out["completion_mask"] = torch.zeros_like(out["completion_mask"])
+    return out
+
+
+def _loss_tokens(inputs: Mapping[str, Any]) -> int:
+    """The tokens TRL's loss averages over: completion mask times tool mask."""
+    mask = inputs["completion_mask"]
+    if inputs.get("tool_mask") is not None:
+        mask = mask * inputs["tool_mask"]
+    return int(mask.sum())
+
+
+def pass_scale(loss_type: str, part: Mapping[str, Any], whole: Mapping[str, Any]) -> float:
+    """The factor that turns TRL's loss over the pass ``part`` into its share of the loss over ``whole``."""
+    if loss_type in _PER_ROW:
+        return part["prompt_ids"].shape[0] / whole["prompt_ids"].shape[0]
+    if loss_type in _TOKEN_MEAN:
+        return max(_loss_tokens(part), 1) / max(_loss_tokens(whole), 1)
+    if loss_type in LOSS_TYPES:
+        return 1.0  # normalised by the rollout's global token count already
+    raise ValueError(f"{FIELD} supports loss_type in {LOSS_TYPES}, got {loss_type!r}")
+
+
+class Pass(NamedTuple):
+    inputs: dict[str, Any]
+    scale: float
+    rows: list[int]
+
+
+def build_passes(inputs: Mapping[str, Any], budget: int, loss_type: str, agree: Callable[[int], int]) -> list[Pass]:
+    """The micro-batch as token-budget passes with their loss scales (zero for padding passes)."""
+    ext = extents(inputs)
+    passes = []
+    for rows in plan_passes(ext, budget, agree):
+        if rows:
+            part = select_rows(inputs, rows, ext)
+            passes.append(Pass(part, pass_scale(loss_type, part, inputs), rows))
+        else:
+            passes.append(Pass(empty_pass(inputs, ext), 0.0, rows))
+    return passes
+
+
+def scoring_rows(budget: int, width: int, rows: int) -> int:
+    """Rows per chunk of TRL's no-grad log-prob scoring (old policy, reference) within ``budget`` tokens.
+
+    That scoring runs the rollout at its full padded ``width``, ``rows`` (P) at a time; rows are independent,
+    so fewer per chunk give the same log-probs. At least one row, even if the padded width exceeds the budget.
+    """
+    return max(1, min(rows, budget // width))
+
+
+# ---- running the passes under Accelerate --------------------------------------------------------
+def agree_on_count(accelerator) -> Callable[[int], int]:
+    """The largest pass count over the ranks (one all-gather of an int)."""
+
+    def agree(count: int) -> int:
+        if accelerator.num_processes == 1:
+            return count
+        counts = accelerator.gather(torch.tensor([count], device=accelerator.device))
+        return int(counts.max())
+
+    return agree
+
+
+@contextlib.contextmanager
+def deferred_sync(accelerator, model) -> Iterator[None]:
+    """Accumulate this pass's gradient locally, as the Trainer does for a micro-batch before the last.
+
+    On the optimizer step's last micro-batch the Trainer lets the backward all-reduce (DDP) and DeepSpeed
+    step; every pass but the last of that micro-batch must not, so sync is switched off around it.
+    """
+    state = accelerator.gradient_state
+    if not state.sync_gradients:  # not the step's last micro-batch: the Trainer already defers
+        yield
+        return
+    state._set_sync_gradients(False)  # DeepSpeed: no boundary, no engine.step (accelerate reads this flag)
+    try:
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            yield  # the Trainer never uses no_sync under DeepSpeed either
+        else:
+            with accelerator.no_sync(model):
+                yield
+    finally:
+        state._set_sync_gradients(True)
+
+
+@contextlib.contextmanager
+def uneven_row_gathers(accelerator) -> Iterator[None]:
+    """Let TRL gather per-row tensors of passes whose row counts differ across ranks.
+
+    Inside ``_compute_loss`` TRL gathers one value per row for its clip-ratio metrics (``clip_ratio/low_min``,
+    ``high_max``); a collective needs equal shapes on every rank, and passes hold different numbers of rows.
+    Floating rows are padded with NaN first (one more small all-gather, of the sizes), which TRL's
+    ``nanmin``/``nanmax`` over the gathered values skip.
+    """
+    if accelerator.num_processes == 1:
+        yield
+        return
+    own = vars(accelerator).get("gather")
+    real = accelerator.gather
+
+    def gather(tensor):
+        if isinstance(tensor, torch.Tensor) and tensor.ndim >= 1 and tensor.is_floating_point():
+            tensor = accelerator.pad_across_processes(tensor, dim=0, pad_index=float("nan"))
+        return real(tensor)
+
+    accelerator.gather = gather
+    try:
+        yield
+    finally:
+        if own is None:
+            del accelerator.gather
+        else:
+            accelerator.gather = own
+
+
+def run_passes(passes: list[Pass], compute: Callable[[dict], torch.Tensor], backward: Callable[[torch.Tensor], None],
+               defer: Callable[[], contextlib.AbstractContextManager]) -> torch.Tensor:
+    """Backpropagate every pass but the last; return the last pass's scaled loss plus the others' (detached).
+
+    The returned value is the micro-batch's loss; its gradient is the last pass's, which the Trainer's own
+    backward adds to the ones accumulated here.
+    """
+    done = None
+    for item in passes[:-1]:
+        with defer():
+            loss = compute(item.inputs) * item.scale
+            backward(loss)
+        done = loss.detach() if done is None else done + loss.detach()
+    last = passes[-1]
+    loss = compute(last.inputs) * last.scale
+    return loss if done is None else loss + done
+
+
+def packed_loss(accelerator, model, inputs: Mapping[str, Any], budget: int, loss_type: str,
+                compute: Callable[[dict], torch.Tensor]) -> torch.Tensor:
+    """One training micro-batch run in token-budget passes; ``compute`` is TRL's ``compute_loss`` bound to ``model``.
+
+    Returns what TRL's ``compute_loss`` would return for the whole micro-batch (value and, with the backward
+    already done here, gradient); the Trainer backpropagates it as usual.
+    """
+    passes = build_passes(inputs, budget, loss_type, agree_on_count(accelerator))
+    # Transformers' training_step passes this for DeepSpeed: TRL's loss is already scaled for accumulation.
+    kwargs = {"scale_wrt_gas": False} if accelerator.distributed_type == DistributedType.DEEPSPEED else {}
+    with uneven_row_gathers(accelerator):
+        return run_passes(passes, compute, lambda loss: accelerator.backward(loss, **kwargs),
+                          lambda: deferred_sync(accelerator, model))
+
+
+def check_trainer(trainer) -> None:
+    """Refuse, at trainer init, what only the trainer knows: a router aux loss, a replaced ``_compute_loss``."""
+    budget = getattr(trainer.args, FIELD, None)
+    if budget is None:
+        return
+    import trl
+
+    if type(trainer)._compute_loss is not trl.GRPOTrainer._compute_loss:
+        raise ValueError(
+            f"{FIELD}={budget} is not supported by {type(trainer).__name__}: it replaces TRL's GRPO loss, whose "
+            f"normalisation the token-budget passes reproduce; set {FIELD}=None"
+        )
+    if getattr(trainer, "aux_loss_enabled", False):
+        raise ValueError(
+            f"{FIELD}={budget} cannot be combined with the MoE router's auxiliary loss (router_aux_loss_coef="
+            f"{trainer.router_aux_loss_coef}): it is a statistic of each forward pass, so splitting a "
+            f"micro-batch would change it; set router_aux_loss_coef=0.0 or {FIELD}=None"
+        )
