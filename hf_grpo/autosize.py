@@ -1,0 +1,375 @@
+"""``"auto"`` batch sizes: parsed with the config, probed once at train start on CUDA, saved with checkpoints.
+
+Three fields may be ``"auto"``:
+
+- ``per_device_generation_batch_size`` (g): probed by generating g full-length sequences at once.
+- ``per_device_train_batch_size`` (P): probed by a forward and backward of P full-length sequences. The
+  global batch per optimizer step and the rollout stay those of ``AUTO_DEFAULTS`` (P = 8): P is chosen
+  among the divisors of 8 x gradient_accumulation_steps (and of 8 x steps_per_generation), and those two
+  are scaled so P x A and P x S do not change. No prompt group is split and the optimisation is the one
+  P = 8 would run; only the micro-batching differs.
+- ``tensor_batch_size`` (t): probed with the train forward and backward at the chosen P.
+
+On CPU (no CUDA device) ``"auto"`` resolves to ``AUTO_DEFAULTS`` when the config is built, without probing.
+On CUDA the config holds those defaults provisionally (so TRL's own checks run) and lists the fields in
+``config.auto_batch_fields``; ``resolve_auto_sizes`` replaces them before the first step. A probe "fits"
+when no rank runs out of memory and the peak allocated memory stays under ``auto_memory_fraction`` of the
+device (of the per-process cap when one is set); sizes grow by doubling, then bisect, and every rank takes
+the smallest size any rank found. The chosen sizes are printed and written to ``SIZES_FILE`` in every
+checkpoint; a resumed run reads them instead of probing again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from .oom import (
+    free_memory,
+    is_oom,
+    max_over_ranks,
+    min_over_ranks,
+    rng_state,
+    set_rng_state,
+)
+
+logger = logging.getLogger("hf_grpo")
+
+AUTO = "auto"
+# What "auto" means where nothing is probed (CPU). None: the whole per-device rollout in one chunk.
+AUTO_DEFAULTS: dict[str, int | None] = {
+    "per_device_generation_batch_size": None,
+    "per_device_train_batch_size": 8,
+    "tensor_batch_size": 1024,
+}
+AUTO_FIELDS = tuple(AUTO_DEFAULTS)
+SIZES_FILE = "hf_grpo_batch_sizes.json"
+# Largest tensor_batch_size tried: past a few thousand rows the head's GEMMs gain nothing more.
+MAX_AUTO_TENSOR_ROWS = 8192
+
+
+def coerce_size(name: str, value: Any) -> int | str | None:
+    """A size field's value as an int, ``"auto"`` or None (tensor_batch_size, per_device_generation_batch_size).
+
+    Command-line and YAML values may arrive as text ("4", "auto", "none"). Anything else is a ValueError
+    naming the field, the value and what is valid. Range checks (>= 1) stay with the batch plan.
+    """
+    nullable = name != "per_device_train_batch_size"
+    valid = "a positive integer or 'auto'" + (" or None" if nullable else "")
+    if value is None:
+        if nullable:
+            return None
+        raise ValueError(f"{name} must be {valid}, got None")
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be {valid}, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == AUTO:
+            return AUTO
+        if nullable and text.lower() in ("none", "null"):
+            return None
+        if re.fullmatch(r"[+-]?[0-9]+", text):
+            return int(text)
+    raise ValueError(f"{name} must be {valid}, got {value!r}")
+
+
+def take_auto(values: dict[str, Any], probe_later: bool) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Replace each ``"auto"`` in ``values`` by its ``AUTO_DEFAULTS`` value.
+
+    Returns the new values and the fields left for ``resolve_auto_sizes`` (none unless ``probe_later``,
+    i.e. CUDA: there the defaults are provisional).
+    """
+    values = dict(values)
+    auto = []
+    for name in AUTO_FIELDS:
+        values[name] = coerce_size(name, values.get(name))
+        if values[name] == AUTO:
+            values[name] = AUTO_DEFAULTS[name]
+            auto.append(name)
+    return values, tuple(auto) if probe_later else ()
+
+
+# ---- search -------------------------------------------------------------------------------------
+def largest_fitting(candidates: Sequence[int], fits: Callable[[int], bool]) -> tuple[int, list[tuple[int, bool]]]:
+    """The largest of the ascending ``candidates`` for which ``fits`` holds, assuming it holds below a threshold.
+
+    Grows by doubling the index (1st, 2nd, 4th, 8th candidate ...) until a failure, then bisects between
+    the last success and the first failure. Returns it and every (candidate, fits) tried; if even the
+    first fails, returns the first (the run's OOM back-off takes it from there).
+    """
+    tried: list[tuple[int, bool]] = []
+
+    def check(index: int) -> bool:
+        ok = fits(candidates[index])
+        tried.append((candidates[index], ok))
+        return ok
+
+    if not check(0):
+        return candidates[0], tried
+    good, step = 0, 1
+    bad = len(candidates)
+    while good + step < len(candidates):
+        if check(good + step):
+            good, step = good + step, step * 2
+        else:
+            bad = good + step
+            break
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        if check(middle):
+            good = middle
+        else:
+            bad = middle
+    return candidates[good], tried
+
+
+def memory_cap_bytes(device: torch.device, fraction: float) -> int:
+    """``fraction`` of the memory this process may use on ``device`` (the per-process cap if one is set)."""
+    if device.index is None:  # a one-process run's accelerator says "cuda"; the fraction getter needs the index
+        device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).total_memory
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is not None:
+        total = int(total * getter(device))
+    return int(total * fraction)
+
+
+def fits_under(cap: int, device: torch.device, unit: Callable[[], None]) -> bool:
+    """Run ``unit``; True on every rank when no rank ran out of memory and every rank's peak stayed under ``cap``."""
+    free_memory()
+    torch.cuda.reset_peak_memory_stats(device)
+    ok = True
+    try:
+        unit()
+        torch.cuda.synchronize(device)
+    except Exception as err:
+        if not is_oom(err):
+            raise
+        ok = False
+    if ok:
+        ok = torch.cuda.max_memory_allocated(device) <= cap
+    free_memory()
+    return not max_over_ranks(int(not ok))
+
+
+def powers_of_two_upto(limit: int) -> list[int]:
+    """1, 2, 4, ... up to ``limit``, plus ``limit`` itself, ascending."""
+    return sorted({1 << k for k in range(max(limit, 1).bit_length())} | {max(limit, 1)})
+
+
+def train_batch_candidates(per_step: int, per_rollout: int) -> list[int]:
+    """Micro-batch sizes P that divide both the per-device batch per optimizer step and the per-device rollout."""
+    common = math.gcd(per_step, per_rollout)
+    return [p for p in range(1, common + 1) if common % p == 0]
+
+
+# ---- the trainer side ---------------------------------------------------------------------------
+def read_saved_sizes(checkpoint: str | None) -> dict[str, Any] | None:
+    """The sizes saved in ``checkpoint`` (a directory), or None when it holds none."""
+    if not checkpoint:
+        return None
+    path = os.path.join(checkpoint, SIZES_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def save_sizes(args, directory: str) -> None:
+    """Write the run's current sizes (after "auto" and any OOM back-off) to ``directory/SIZES_FILE``."""
+    sizes = {name: getattr(args, name) for name in (*AUTO_FIELDS, "gradient_accumulation_steps", "steps_per_generation")}
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, SIZES_FILE), "w") as handle:
+        json.dump(sizes, handle, indent=2)
+
+
+def apply_train_batch_size(trainer, new: int) -> None:
+    """Set P, scaling gradient_accumulation_steps and steps_per_generation so P x A and P x S stay fixed."""
+    args = trainer.args
+    old = args.per_device_train_batch_size
+    per_step = old * args.gradient_accumulation_steps
+    per_rollout = old * args.steps_per_generation
+    if per_step % new or per_rollout % new:
+        raise ValueError(
+            f"per_device_train_batch_size={new} must divide the per-device batch per optimizer step ({per_step}) "
+            f"and the per-device rollout ({per_rollout}); valid: {train_batch_candidates(per_step, per_rollout)}"
+        )
+    args.per_device_train_batch_size = new
+    args.gradient_accumulation_steps = per_step // new
+    args.steps_per_generation = per_rollout // new
+    trainer._train_batch_size = args.train_batch_size  # transformers reads A from args (its accelerator keeps 1)
+
+
+def apply_sizes(trainer, sizes: dict[str, Any], fields: Sequence[str]) -> None:
+    for name in fields:
+        if name == "per_device_train_batch_size":
+            apply_train_batch_size(trainer, int(sizes[name]))
+        else:
+            setattr(trainer.args, name, sizes[name])
+
+
+def _backed_off(saved: dict[str, Any], args) -> list[str]:
+    """Chunk sizes the saved run had shrunk below this config's (an OOM back-off): a resume keeps them."""
+    found = []
+    for name in ("per_device_generation_batch_size", "tensor_batch_size"):
+        old, now = saved.get(name), getattr(args, name)
+        if isinstance(old, int) and old >= 1 and (now is None or old < now):
+            found.append(name)
+    return found
+
+
+def resolve_auto_sizes(trainer, checkpoint: str | None = None) -> dict[str, Any]:
+    """Replace the config's provisional "auto" sizes: from ``checkpoint``'s saved sizes, else by probing.
+
+    A resume also keeps the chunk sizes an OOM back-off had lowered. Every rank calls it (the probes are
+    collective). Returns the sizes set, also logged on rank 0.
+    """
+    args = trainer.args
+    fields = tuple(getattr(args, "auto_batch_fields", ()))
+    saved = read_saved_sizes(checkpoint)
+    if saved is not None:
+        fields = tuple(dict.fromkeys([*fields, *_backed_off(saved, args)]))
+    if not fields:
+        return {}
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        # Their engines take the micro-batch and accumulation at init and partition the model; a probe of the
+        # bare model would measure neither their memory nor their batch sizes.
+        raise ValueError(
+            f"{', '.join(fields)}='auto' is supported on one GPU and under DDP, not under DeepSpeed or FSDP; set "
+            f"integers there (an out-of-memory in a generation or log-prob chunk still halves that chunk)"
+        )
+    if saved is not None:
+        apply_sizes(trainer, saved, fields)
+        source = f"read from {os.path.join(checkpoint, SIZES_FILE)}"
+    else:
+        start = rng_state(trainer.accelerator.device)  # probes sample: the run must draw as if none had run
+        probe = Prober(trainer)
+        for name in ("per_device_generation_batch_size", "per_device_train_batch_size", "tensor_batch_size"):
+            if name in fields:
+                apply_sizes(trainer, {name: min_over_ranks(probe.search(name))}, [name])
+        probe.close()
+        set_rng_state(start, trainer.accelerator.device)
+        source = f"probed under {args.auto_memory_fraction:.0%} of device memory"
+    args.auto_batch_fields = ()
+    chosen = {name: getattr(args, name) for name in fields}
+    if "per_device_train_batch_size" in fields:
+        chosen["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+        chosen["steps_per_generation"] = args.steps_per_generation
+    if trainer.accelerator.is_main_process:
+        logger.warning("auto batch sizes (%s): %s", source, ", ".join(f"{k}={v}" for k, v in chosen.items()))
+    return chosen
+
+
+class Prober:
+    """Tries sizes on the real model at the run's longest lengths (longest prompt + max_completion_length)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.args = trainer.args
+        self.device = trainer.accelerator.device
+        self.cap = memory_cap_bytes(self.device, self.args.auto_memory_fraction)
+        longest = trainer._longest_prompt() or getattr(trainer, "max_prompt_length", None) or 512
+        self.length = int(longest) + int(trainer.max_completion_length)
+        model = trainer.model
+        self.vocab = model.get_input_embeddings().weight.shape[0]
+        # The optimizer's state is made at its first step, after the probes: hold its likely size (Adam's
+        # two moments, one copy of each trainable parameter each) so the probe leaves room for it.
+        ballast = 0 if trainer.optimizer is not None else 2 * sum(
+            p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        self._ballast = torch.empty(ballast, dtype=torch.uint8, device=self.device) if ballast else None
+        self.knobs = list(getattr(trainer, "_oom_knobs", {}).values())
+        for knob in self.knobs:  # a probe's OOM must fail the probe, not shrink the run's sizes
+            knob.enabled = False
+        self.log: list[dict[str, Any]] = []
+
+    def close(self) -> None:
+        for knob in self.knobs:
+            knob.enabled = True
+        self._ballast = None
+        free_memory()
+
+    def search(self, name: str) -> int:
+        args = self.args
+        if name == "per_device_generation_batch_size":
+            rollout = args.per_device_train_batch_size * args.steps_per_generation
+            candidates, unit = powers_of_two_upto(rollout), self._generation_unit
+        elif name == "per_device_train_batch_size":
+            candidates = train_batch_candidates(args.per_device_train_batch_size * args.gradient_accumulation_steps,
+                                                args.per_device_train_batch_size * args.steps_per_generation)
+            unit = lambda p: self._train_unit(p, args.tensor_batch_size)
+        else:
+            rows = args.per_device_train_batch_size * self.trainer.max_completion_length  # scored rows per micro-batch
+            candidates = [t for t in powers_of_two_upto(MAX_AUTO_TENSOR_ROWS) if t >= 256 and t <= max(rows, 256)]
+            unit = lambda t: self._train_unit(args.per_device_train_batch_size, t)
+        best, tried = largest_fitting(candidates, lambda size: fits_under(self.cap, self.device, lambda: unit(size)))
+        self.log.append({"field": name, "tried": tried, "chosen": best, "length": self.length})
+        return best
+
+    def _batch(self, rows: int, length: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(0)  # not the run's RNG: probing must not change the run
+        return torch.randint(2, self.vocab, (rows, length), generator=generator).to(self.device)
+
+    def _train_unit(self, rows: int, tensor_rows: int | None) -> None:
+        trainer, args = self.trainer, self.args
+        saved = args.tensor_batch_size
+        args.tensor_batch_size = tensor_rows
+        try:
+            input_ids = self._batch(rows, self.length)
+            mask = torch.ones_like(input_ids)
+            trainer.model.train()
+            logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, input_ids, mask, trainer.max_completion_length, compute_entropy=True)
+            (logps.sum() + entropies.sum()).backward()
+        finally:
+            args.tensor_batch_size = saved
+            trainer.model.zero_grad(set_to_none=True)
+
+    def _generation_unit(self, rows: int) -> None:
+        trainer = self.trainer
+        new_tokens = 2  # the cache is sized by prompt + new tokens; a full-length prefill bounds the decode's peak
+        prompt = [self._batch(1, self.length - new_tokens)[0].tolist()] * rows
+        config = trainer.generation_config.__class__.from_dict(trainer.generation_config.to_dict())
+        config.max_new_tokens, config.min_new_tokens = new_tokens, new_tokens
+        backend = self._probe_backend()
+        with torch.no_grad():
+            backend.generate(trainer.model, prompt, generation_config=config, chunk_size=rows,
+                             pad_token_id=trainer._tokenizer.pad_token_id, eos_token_ids=trainer.eos_token_ids)
+        backend.release(empty_cache=False)
+
+    def _probe_backend(self):
+        # The run's backend, but for cuda_graph an eager one with the same cache size: compiling and capturing
+        # a decode step per probed size would cost minutes, and the cache is what takes the memory.
+        backend = self.trainer._generation_backend(self.trainer.model)
+        if backend.name == "cuda_graph":
+            from .generation.cuda_graph import CudaGraphBackend
+
+            eager = CudaGraphBackend(use_cuda_graph=False, compile=False)
+            eager.reserved_len = backend.reserved_len
+            return eager
+        return backend
+
+
+def checkpoint_dir(resume_from_checkpoint, output_dir: str) -> str | None:
+    """The directory ``Trainer.train(resume_from_checkpoint=...)`` resumes from (True: the last in ``output_dir``)."""
+    if resume_from_checkpoint is True:
+        return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
+    return resume_from_checkpoint or None
+
+
+class SaveSizesCallback(TrainerCallback):
+    """Writes the run's sizes (after "auto" and any OOM back-off) into each checkpoint, for a resume to read."""
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            save_sizes(args, os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
