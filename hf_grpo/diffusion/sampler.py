@@ -18,8 +18,17 @@ Everything after the first forward stays on the device: the commit is a per-row 
 packed to the left (``hf_grpo.diffusion.model.pack_rows``), so a padded batch gives each row the
 completion it gets alone.
 
-Left for the GPU work: a block-prefix KV cache (the prompt and the finished blocks are recomputed at
-every step here) and CUDA-graph capture of the fixed-shape step.
+Exact by default. Against the plain published algorithm (full-vocabulary logits at every position, the
+Gumbel noise and softmax in float64 over the whole ``[B, T, V]``, a host-synced top-k per row) this
+sampler draws the same tokens from the same noise (``tests/diffusion/test_diffu_sampler_exact.py``)
+while the LM head, the noise and the softmax cover only the current block, nothing syncs per step,
+and an unpadded batch runs SDPA without any mask.
+
+``block_cache="prefix"`` / ``"dual"`` (off by default) reuses keys/values within a block
+(``hf_grpo.diffusion.block_cache``). That is an APPROXIMATION: in a bidirectional model the committed
+prefix's keys/values depend on the still-masked positions of the current and later blocks, which
+change at every step, so no exact prefix cache exists; the module's docstring says more.
+Not done: CUDA-graph capture of the fixed-shape step.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..generation.base import GenerationBackend, cut_after_eos, iter_chunks, model_device
+from .block_cache import BLOCK_CACHES, BlockKVCache, cache_kwarg, check_block_cache, recomputed_columns, returned_cache
 from .model import HeadBypass, accepts_kwarg, left_pad_tensors, pack_rows, padding_kwargs, slot_columns
 
 logger = logging.getLogger("hf_grpo")
@@ -98,11 +108,13 @@ def diffusion_generate(
     has_padding: bool | None = None,
     generator: torch.Generator | None = None,
     step_callback: StepCallback | None = None,
+    block_cache: str | None = None,
 ) -> torch.Tensor:
     """The ``gen_length`` completion tokens ``[B, L]`` for left-padded ``prompt_ids`` ``[B, P]`` (mask ``prompt_mask``).
 
     ``step_callback(block, step, canvas, block_columns)``, if given, sees the canvas after every step
-    (tests use it; it is the only place a caller could sync).
+    (tests use it; it is the only place a caller could sync). ``block_cache`` (None: exact) is the opt-in
+    approximate key/value reuse of ``hf_grpo.diffusion.block_cache``.
     """
     if gen_length % block_length:
         raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
@@ -111,6 +123,7 @@ def diffusion_generate(
         raise ValueError(f"steps ({steps}) must be a multiple of the number of blocks ({blocks})")
     if remasking not in REMASKING:
         raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
+    check_block_cache(block_cache, model, logits_shift, padding_style)
     schedule = transfer_schedule(block_length, steps // blocks)
     packed = pack_rows(prompt_ids, prompt_mask, gen_length, mask_token_id, pad_token_id, has_padding=has_padding)
     canvas, start = packed.input_ids, packed.start
@@ -130,6 +143,7 @@ def diffusion_generate(
             read_from = columns - 1 if logits_shift else columns
             if guided:
                 read_from = torch.cat([read_from, read_from])
+            cache = None  # block_cache: the keys/values of the columns this block's later steps do not recompute
             for step, k in enumerate(schedule):
                 if k == 0:
                     continue
@@ -138,9 +152,20 @@ def diffusion_generate(
                     unconditional = canvas.masked_fill(packed.prompt_positions, mask_token_id)
                     inputs = torch.cat([canvas, unconditional])
                 bypass.reset()
-                output = model(input_ids=inputs, **forward_kwargs)
-                states = output.logits if hasattr(output, "logits") else output[0]
-                picked = states.gather(1, read_from.unsqueeze(-1).expand(-1, -1, states.size(-1)))
+                if cache is not None:
+                    picked = cache.forward(model, inputs)[:, :block_length]  # recomputed columns start at the block
+                else:
+                    kwargs = forward_kwargs if block_cache is None else {**forward_kwargs, "use_cache": True}
+                    output = model(input_ids=inputs, **kwargs)
+                    states = output.logits if hasattr(output, "logits") else output[0]
+                    picked = states.gather(1, read_from.unsqueeze(-1).expand(-1, -1, states.size(-1)))
+                    if block_cache is not None:
+                        recompute = recomputed_columns(block_cache, start, block * block_length, block_length,
+                                                       gen_length)
+                        if guided:
+                            recompute = torch.cat([recompute, recompute])
+                        cache = BlockKVCache(returned_cache(output), recompute, valid, cache_kwarg(model))
+                        del output, states
                 logits = bypass.to_logits(picked).float()  # [B(x2), bl, V]: the head sees this block only
                 if guided:
                     conditional, unconditional_logits = logits.chunk(2)
@@ -164,7 +189,8 @@ class DiffusionSampler(GenerationBackend):
     """Generation backend for masked-diffusion models: ``diffusion_generate`` on ``chunk_size`` prompts at a time.
 
     ``generation_config.max_new_tokens`` is the completion length L; ``temperature`` (0, or
-    ``do_sample=False``, for greedy) comes from it too. Each chunk is padded on its own.
+    ``do_sample=False``, for greedy) comes from it too. Each chunk is padded on its own. ``block_cache``
+    (default None: exact) turns on the approximate key/value reuse of ``hf_grpo.diffusion.block_cache``.
     """
 
     name = "diffusion"
@@ -180,10 +206,14 @@ class DiffusionSampler(GenerationBackend):
         logits_shift: bool = False,
         padding_style: str = "mask2d",
         autocast: Callable[[], object] | None = None,
+        block_cache: str | None = None,
     ):
+        if block_cache not in (None, *BLOCK_CACHES):
+            raise ValueError(f"block_cache must be None (exact, the default) or one of {BLOCK_CACHES} (approximate), "
+                             f"got {block_cache!r}")
         self.block_length, self.steps, self.mask_token_id = block_length, steps, mask_token_id
         self.remasking, self.cfg_scale, self.logits_shift = remasking, cfg_scale, logits_shift
-        self.padding_style = padding_style
+        self.padding_style, self.block_cache = padding_style, block_cache
         self.autocast = autocast or nullcontext
         self.forwards = 0  # model forwards run so far (a CFG step counts once, with twice the rows)
 
@@ -214,7 +244,7 @@ class DiffusionSampler(GenerationBackend):
                     model, ids, mask, gen_length=length, block_length=self.block_length, steps=self.steps,
                     mask_token_id=self.mask_token_id, pad_token_id=pad_token_id, temperature=temperature,
                     remasking=self.remasking, cfg_scale=self.cfg_scale, logits_shift=self.logits_shift,
-                    padding_style=self.padding_style, has_padding=padded,
+                    padding_style=self.padding_style, has_padding=padded, block_cache=self.block_cache,
                 )
             self.forwards += blocks * sum(1 for k in transfer_schedule(self.block_length, self.steps // blocks) if k)
             completions.extend(cut_after_eos(canvas, eos_token_ids))
