@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 
@@ -26,7 +27,9 @@ def _known_yaml_keys() -> set[str]:
     return keys
 
 
-def _int_or_none(text: str) -> int | None:
+def _int_or_none(text: str) -> int | str | None:
+    if text.lower() == "auto":  # per_device_train_batch_size, per_device_generation_batch_size, tensor_batch_size
+        return "auto"
     return None if text.lower() in ("none", "null") else int(text)
 
 
@@ -65,18 +68,49 @@ def build_plan(argv: Sequence[str]) -> BatchPlan:
     return BatchPlan.from_fields(resolved, args.num_processes)
 
 
+def translate_plan(argv: Sequence[str]) -> str:
+    """``hf-grpo plan --from FRAMEWORK KEY=VALUE ...``: the equivalent flags and their plan (raises ValueError)."""
+    from .config import ENV_OVERRIDES
+    from .translate import FRAMEWORKS, parse_settings, render, translate
+
+    parser = argparse.ArgumentParser(
+        prog="hf-grpo plan --from",
+        description="Translate another RL framework's batch settings into hf-grpo flags and print their plan.",
+        allow_abbrev=False,  # --n_samples_per_prompt=8 is a setting, never an abbreviation of --num_...
+    )
+    parser.add_argument("--from", dest="framework", required=True, choices=list(FRAMEWORKS))
+    parser.add_argument("--num_processes", type=int, default=None,
+                        help="data-parallel processes (default: the framework's GPU keys, else 1)")
+    parser.add_argument("--num_generations", type=int, default=None, help="trlx only: completions per prompt")
+    parser.add_argument("settings", nargs="*", metavar="KEY=VALUE", help="the framework's own keys and values")
+    args, extra = parser.parse_known_args(argv)
+    # OpenRLHF's own flags look like --train_batch_size=256: take those as settings too
+    unknown = [a for a in extra if not (a.startswith("--") and "=" in a)]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (settings are KEY=VALUE)")
+    settings = parse_settings([*args.settings, *extra])
+    translation = translate(args.framework, settings, args.num_processes, args.num_generations)
+    text = render(translation)
+    for variable, name in ENV_OVERRIDES.items():  # the plan above is the flags'; at launch these win
+        if os.environ.get(variable):
+            text += f"\nnote: {variable}={os.environ[variable]} is set: at launch it overrides {name}"
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: hf-grpo plan [--config FILE.yaml] [--num_processes N] [--<batch field> VALUE ...]")
-        print("  plan   print the batch plan of a config and check it against the batch-size contract")
+        print("       hf-grpo plan --from {skyrl,verl,openrlhf,trlx,d1} [--num_processes N] KEY=VALUE ...")
+        print("  plan   print the batch plan of a config and check it against the batch-size contract;")
+        print("         with --from, first translate another framework's batch settings into hf-grpo flags")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command != "plan":
         print(f"hf-grpo: unknown command {command!r}; the commands are: plan", file=sys.stderr)
         return 2
     try:
-        plan = build_plan(rest)
+        plan = translate_plan(rest) if any(a == "--from" or a.startswith("--from=") for a in rest) else build_plan(rest)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

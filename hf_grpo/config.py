@@ -20,8 +20,11 @@ from typing import Any
 
 import trl
 
+from .autosize import AUTO, take_auto
 from .generation import BACKEND_NAMES
+from .generation.dense_mirror import validate_setting as validate_mirror_setting
 from .plan import BatchPlan
+from .token_budget import check_config as check_token_budget
 
 logger = logging.getLogger("hf_grpo")
 
@@ -55,6 +58,7 @@ BATCH_FIELDS = (
     "num_iterations",
     "per_device_generation_batch_size",
     "tensor_batch_size",
+    "max_tokens_per_micro_batch",
     CHECKPOINTING,
     "bf16",
 )
@@ -69,19 +73,27 @@ def is_main_process() -> bool:
     return os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _bf16_available() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
-def parse_env_size(variable: str, raw: str) -> int:
-    """A positive integer from an environment variable, or a ValueError naming it and the value."""
+def parse_env_size(variable: str, raw: str) -> int | str:
+    """A positive integer (or "auto") from an environment variable, or a ValueError naming it and the value."""
     text = raw.strip()
+    if text.lower() == AUTO:
+        return AUTO
     if not re.fullmatch(r"\+?[0-9]+", text) or int(text) < 1:
         raise ValueError(
-            f"{variable}={raw!r} is not a positive integer; set it to a whole number >= 1 (e.g. {variable}=4) "
-            f"or unset it"
+            f"{variable}={raw!r} is not a positive integer or 'auto'; set it to a whole number >= 1 "
+            f"(e.g. {variable}=4), to auto, or unset it"
         )
     value = int(text)
     return value
@@ -117,10 +129,14 @@ def resolve_batch_fields(values: dict[str, Any], explicit: Collection[str], worl
         value = parse_env_size(variable, raw)
         if is_main_process() and value != values[name]:
             was = "unset" if values[name] is None else values[name]
-            logger.warning("%s=%d overrides %s (was %s)", variable, value, name, was)
+            logger.warning("%s=%s overrides %s (was %s)", variable, value, name, was)
         values[name] = value
         if name == "per_device_generation_batch_size":
             preset_chunk = None
+
+    # "auto" sizes: the defaults on CPU; on CUDA the same defaults stand in until the trainer probes (autosize.py)
+    values, auto = take_auto(values, probe_later=_cuda_available())
+    values["auto_batch_fields"] = auto
 
     P, W = values["per_device_train_batch_size"], world_size
     steps, rollout = values["steps_per_generation"], values["generation_batch_size"]
@@ -188,6 +204,12 @@ class GRPOConfig(trl.GRPOConfig):
             ``per_device_train_batch_size x steps_per_generation`` completions is generated in
             chunks of this size. Defaults to the whole rollout (no chunking). Not to be confused
             with TRL's ``generation_batch_size``, the global rollout size. Env: ``DIFFU_BATCH_SIZE``.
+            ``"auto"`` (also for ``per_device_train_batch_size`` and ``tensor_batch_size``): on CUDA, probed
+            once at train start on the real model (``hf_grpo.autosize``); on CPU, the whole rollout, P = 8 and
+            t = 1024. An out-of-memory in a generation or log-prob chunk halves that size on every rank
+            (``hf_grpo.oom``).
+        auto_memory_fraction (`float`, *optional*, defaults to `0.9`):
+            The share of device memory a probed ``"auto"`` size may peak at.
         tensor_batch_size (`int` or `None`, *optional*, defaults to `1024`):
             Token rows per log-softmax / cross-entropy chunk on each device; the logits held at
             once are one ``tensor_batch_size x 32768`` fp32 tile (the vocabulary is walked in
@@ -198,23 +220,50 @@ class GRPOConfig(trl.GRPOConfig):
         generation_backend (`str`, *optional*, defaults to `"auto"`):
             ``"hf"`` (chunked ``model.generate``), ``"cuda_graph"``, ``"vllm"`` (TRL's vLLM mode) or
             ``"auto"`` (``"cuda_graph"`` on CUDA where the model is supported, else ``"hf"``).
+        max_tokens_per_micro_batch (`int`, *optional*):
+            Tokens per forward/backward pass on each device. Each micro-batch of
+            ``per_device_train_batch_size`` completions is packed into passes of at most this many
+            padded tokens (every rank running the same number of passes); the loss is rescaled so the
+            gradient is the one-pass gradient for every supported ``loss_type``. ``None``: one pass.
         release_generation_memory (`bool`, *optional*, defaults to `True`):
             Free the generation backend's KV cache and captured graph after each rollout (the
             decode step's compile is kept), so they do not sit in memory through the backward.
+        zero3_generation_mirror (`str`, *optional*, defaults to `"auto"`):
+            Under DeepSpeed ZeRO-3: ``"on"`` decodes from a dense copy of the weights, refreshed in place
+            layer by layer each rollout, so the ``cuda_graph`` backend can serve ZeRO-3 (cost: one model copy
+            per device in the generation dtype, the whole run); ``"off"`` gathers the full model each rollout
+            and generates with ``"hf"``; ``"auto"`` is ``"on"`` when the ``cuda_graph`` backend would serve the
+            model and free memory holds the copy twice over. No effect without ZeRO-3.
     """
 
-    per_device_generation_batch_size: int | None = field(
-        default=None,
+    # `int | str | None` (not `int | str`) so that HfArgumentParser reads the flag as text and "auto" gets through;
+    # autosize.coerce_size turns the text back into an int and rejects anything else.
+    per_device_train_batch_size: int | str | None = field(
+        default=8,
         metadata={
-            "help": "Sequences generated simultaneously per device (a chunk of the rollout). Default: the whole "
-            "per-device rollout, per_device_train_batch_size x steps_per_generation. Env: DIFFU_BATCH_SIZE."
+            "help": "Completions per forward/backward micro-batch per device, or 'auto' (probed at train start "
+            "with gradient_accumulation_steps adjusted; see hf_grpo.autosize). Env: DIFFU_TRAIN_BATCH_SIZE."
         },
     )
-    tensor_batch_size: int | None = field(
+    per_device_generation_batch_size: int | str | None = field(
+        default=None,
+        metadata={
+            "help": "Sequences generated simultaneously per device (a chunk of the rollout), or 'auto'. Default: the "
+            "whole per-device rollout, per_device_train_batch_size x steps_per_generation. Env: DIFFU_BATCH_SIZE."
+        },
+    )
+    tensor_batch_size: int | str | None = field(
         default=1024,
         metadata={
-            "help": "Token rows per log-softmax / cross-entropy chunk per device; None for no chunking. "
+            "help": "Token rows per log-softmax / cross-entropy chunk per device, 'auto', or None for no chunking. "
             "Env: DIFFU_TENSOR_BATCH_SIZE."
+        },
+    )
+    auto_memory_fraction: float = field(
+        default=0.9,
+        metadata={
+            "help": "For 'auto' sizes on CUDA: the share of device memory (of the per-process cap, if set) a probed "
+            "size may peak at; the rest is headroom for lengths and fragmentation the probe did not see."
         },
     )
     preset: str | None = field(
@@ -231,6 +280,22 @@ class GRPOConfig(trl.GRPOConfig):
             "help": "Free the cuda_graph backend's KV cache and captured graph after each rollout, so the "
             "training step gets that memory; the next rollout captures again (its compile is kept). False keeps "
             "them between rollouts (no capture per rollout; perf stats report their size as generation_cache_gib)."
+        },
+    )
+    zero3_generation_mirror: str = field(
+        default="auto",
+        metadata={
+            "help": "ZeRO-3 only: auto, on or off. 'on' generates from a dense copy of the weights refreshed layer by "
+            "layer each rollout (one model copy per device), so the cuda_graph backend serves ZeRO-3; 'auto' does so "
+            "when that backend applies and memory allows (see hf_grpo.generation.dense_mirror)."
+        },
+    )
+    max_tokens_per_micro_batch: int | None = field(
+        default=None,
+        metadata={
+            "help": "Token budget per forward/backward pass on each device (veRL's ppo_max_token_len_per_gpu): each "
+            "micro-batch's completions are packed into passes of at most this many padded tokens, with the same "
+            "gradient as one pass (see hf_grpo.token_budget). None: one pass per micro-batch."
         },
     )
 
@@ -251,12 +316,17 @@ class GRPOConfig(trl.GRPOConfig):
             )
         if self.generation_backend == "vllm":
             self.use_vllm = True
+        validate_mirror_setting(self.zero3_generation_mirror)
+        fraction = self.auto_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"auto_memory_fraction must be a number in (0, 1], e.g. 0.9, got {fraction!r}")
         resolved = resolve_batch_fields(
             {name: getattr(self, name) for name in BATCH_FIELDS}, self._explicit_fields, current_world_size()
         )
         for name, value in resolved.items():
             setattr(self, name, value)
         super().__post_init__()
+        check_token_budget(self)  # after TRL's checks: reads loss_type and the entropy settings
 
     def batch_plan(self, world_size: int | None = None) -> BatchPlan:
         """The batch plan for ``world_size`` processes (default: this launch's)."""

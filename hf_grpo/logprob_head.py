@@ -18,6 +18,7 @@ from contextlib import nullcontext
 import torch
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
+from .oom import SizeKnob
 from .ops import chunked_logprobs
 
 logger = logging.getLogger("hf_grpo")
@@ -42,11 +43,15 @@ def install_chunked_lm_head(
     model: torch.nn.Module,
     *,
     temperature: float,
-    chunk_rows: int | None,
+    chunk_rows: int | None | SizeKnob,
     return_entropy: bool,
     cast_lm_head_to_fp32: bool = False,
 ) -> bool:
-    """Patch ``model.forward`` (the base model, after TRL's ``add_fused_lm_head``). Returns False if skipped."""
+    """Patch ``model.forward`` (the base model, after TRL's ``add_fused_lm_head``). Returns False if skipped.
+
+    ``chunk_rows`` as a ``SizeKnob`` is read at every call and halved on every rank after an out-of-memory
+    in the head (``hf_grpo.oom``); the backbone's forward has run by then, so the retry redoes the head only.
+    """
     reason = unsupported_reason(model)
     if reason is not None:
         logger.warning("tensor_batch_size is not applied: %s; TRL's fused LM head is used instead.", reason)
@@ -76,17 +81,25 @@ def install_chunked_lm_head(
             hidden = hidden.float()
             autocast = torch.autocast(hidden.device.type, enabled=False)
         gather = lambda: maybe_gather_lm_head_ctx(head.weight, head.bias)  # noqa: E731 (ZeRO-3: full head)
-        with autocast, gather():
-            result = chunked_logprobs(
-                hidden[mask],  # [T, H]: only scored tokens reach the vocabulary projection
+        scored, scored_targets = hidden[mask], targets[mask].to(head.weight.device)  # [T, H], [T]
+
+        def head_logprobs(rows):  # only scored tokens reach the vocabulary projection
+            return chunked_logprobs(
+                scored,
                 head.weight,
-                targets[mask].to(head.weight.device),
-                chunk_rows=chunk_rows,
+                scored_targets,
+                chunk_rows=rows,
                 temperature=temperature,
                 bias=head.bias,
                 return_entropy=return_entropy,
                 param_context=gather,  # backward recomputes logits, so it gathers the head again
             )
+
+        with autocast, gather():
+            if isinstance(chunk_rows, SizeKnob):
+                result = chunk_rows.run(head_logprobs, full=lambda: scored.shape[0])
+            else:
+                result = head_logprobs(chunk_rows)
         logps, entropy = result if return_entropy else (result, None)
         # masked_scatter keeps the graph connected even when no token is scored
         log_probs = logps.new_zeros(mask.shape).masked_scatter(mask, logps)

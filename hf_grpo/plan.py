@@ -18,6 +18,10 @@ def _plural(count: int | Fraction, word: str, plural: str | None = None) -> str:
     return f"{count} {word if count == 1 else (plural or word + 's')}"
 
 
+def _bytes(count: int) -> str:
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
+
+
 def _nearest(value: int, ok, *, limit: int = 1 << 20) -> list[int]:
     """The closest integers >= 1 to ``value`` for which ``ok`` holds (one below, one above)."""
     found = []
@@ -48,11 +52,23 @@ class BatchPlan:
     per_device_generation_batch_size: int
     tensor_batch_size: int | None
     world_size: int = 1
+    max_tokens_per_micro_batch: int | None = None  # token budget per forward/backward pass (None: one pass)
+    # fields given as "auto" and not chosen yet (CUDA: probed at train start); their values above are provisional
+    auto_batch_fields: tuple[str, ...] = ()
+    # ZeRO-3 only, once the trainer has decided (hf_grpo.generation.dense_mirror): "on" or "off", else None; when on,
+    # the dense copy of the weights the decoder reads: one model copy per device, in the generation dtype
+    generation_mirror: str | None = None
+    generation_mirror_bytes: int = 0
+    generation_mirror_dtype: str | None = None
 
     @classmethod
     def from_fields(cls, values: Mapping[str, Any], world_size: int) -> BatchPlan:
         """The plan of a config's fields (any mapping holding them, extra keys ignored)."""
-        return cls(**{f.name: values[f.name] for f in fields(cls) if f.name != "world_size"}, world_size=world_size)
+        optional = {"max_tokens_per_micro_batch", "auto_batch_fields", "generation_mirror", "generation_mirror_bytes",
+                    "generation_mirror_dtype"}  # a mapping without it means "unset"
+        given = {f.name: values[f.name] for f in fields(cls) if f.name != "world_size" and
+                 (f.name in values or f.name not in optional)}
+        return cls(**given, world_size=world_size)
 
     # ---- derived figures -------------------------------------------------------------
     @property
@@ -106,11 +122,14 @@ class BatchPlan:
         }
         if self.tensor_batch_size is not None:
             sizes["tensor_batch_size"] = (self.tensor_batch_size, 1)
+        if self.max_tokens_per_micro_batch is not None:
+            sizes["max_tokens_per_micro_batch"] = (self.max_tokens_per_micro_batch, 1)
         found = []
         for name, (value, minimum) in sizes.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 why = " (GRPO compares completions within a group)" if name == "num_generations" else ""
-                unset = " or None for no chunking" if name == "tensor_batch_size" else ""
+                unset = {"tensor_batch_size": " or None for no chunking",
+                         "max_tokens_per_micro_batch": " or None for one pass per micro-batch"}.get(name, "")
                 found.append(f"{name} must be an integer >= {minimum}{unset}, got {value!r}{why}")
         if found:  # the rules below divide by these sizes
             return found
@@ -168,6 +187,14 @@ class BatchPlan:
         }
         return {**asdict(self), **derived}
 
+    def _mirror_line(self) -> str:
+        if self.generation_mirror != "on":
+            return ("│   └── ZeRO-3: no dense mirror, the hf backend generates from the ZeRO-3 model "
+                    "(zero3_generation_mirror)")
+        return (f"│   └── ZeRO-3: decoded from a dense mirror, one {self.generation_mirror_dtype} copy of the model per "
+                f"device ({_bytes(self.generation_mirror_bytes)}), refreshed layer by layer "
+                f"(zero3_generation_mirror)")
+
     def __str__(self) -> str:
         P, A, S, W = (
             self.per_device_train_batch_size,
@@ -195,11 +222,17 @@ class BatchPlan:
                 f"{_plural(self.num_generations, 'generation')} = {self.global_rollout} completions "
                 f"({R} per device x {devices})",
                 f"├── generation: {R} per device in {chunks} (per_device_generation_batch_size)",
+                *([self._mirror_line()] if self.generation_mirror is not None else []),
                 f"├── training: {_plural(S, 'micro-batch', 'micro-batches')} of {P} per device "
                 f"(per_device_train_batch_size)",
+                *([f"│   ├── each split into forward/backward passes of at most {self.max_tokens_per_micro_batch} padded "
+                   f"tokens (max_tokens_per_micro_batch), equally many on every device"]
+                  if self.max_tokens_per_micro_batch is not None else []),
                 f"│   └── optimizer step every {_plural(A, 'micro-batch', 'micro-batches')}: "
                 f"{P} x {A} x {devices} = {self.global_batch_size} completions",
                 f"├── {steps_text}, {_plural(self.num_iterations, 'pass', 'passes')} (num_iterations)",
                 f"└── {logsoftmax}",
+                *([f"auto: {', '.join(self.auto_batch_fields)} chosen at train start (probed on the device); "
+                   f"the values above are provisional"] if self.auto_batch_fields else []),
             ]
         )

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import torch
 
 PHASES = ("generation", "reward", "logprob", "optimizer")
-COUNTS = ("decode_compiles", "graph_captures")
+COUNTS = ("decode_compiles", "graph_captures", "oom_backoffs")
 
 
 def peak_memory_gib(device: torch.device | None = None) -> float:
@@ -66,7 +66,7 @@ class PerformanceStats:
         report["rollout_tokens_per_s"] = counts.get("generated_tokens", 0.0) / gen_s if gen_s else 0.0
         report["train_tokens_per_s"] = counts.get("train_tokens", 0.0) / train_s if train_s else 0.0
         report["peak_memory_gib"] = peak_memory_gib(device)
-        # compiles and captures of the cuda_graph decoder: a number that keeps rising is thrash
+        # compiles and captures of the cuda_graph decoder (a number that keeps rising is thrash), OOM back-offs
         for count in COUNTS:
             report[count] = counts.get(count, 0.0)
         return report

@@ -6,20 +6,28 @@ Each is thin and calls TRL's own code wherever it can:
 - ``_generate_single_turn``: the plain (non-vLLM, non-continuous-batching, text-only) path is
   served by a backend from ``hf_grpo.generation``, ``per_device_generation_batch_size``
   prompts at a time, all inside one ``unwrap_model_for_generation`` (one ZeRO-3 gather per
-  rollout). Every other path is TRL's, unchanged.
+  rollout). Every other path is TRL's, unchanged. Under ZeRO-3 with ``zero3_generation_mirror`` on, nothing is
+  gathered there: the rollout decodes from a dense mirror refreshed layer by layer (``generation.dense_mirror``).
+- ``compute_loss`` (public, TRL's): with ``max_tokens_per_micro_batch``, one micro-batch runs as token-budget
+  passes (``hf_grpo.token_budget``), each through TRL's own ``compute_loss``.
 - ``_calculate_rewards``: timed only (TRL's None/NaN handling is kept: see the README).
-- ``_get_per_token_logps_and_entropies``: timed only.
+- ``_get_per_token_logps_and_entropies``: timed; with ``max_tokens_per_micro_batch``, TRL's no-grad scoring
+  chunks (``batch_size``) are cut to fit the budget.
 - the policy's and reference's ``forward`` are patched after TRL's ``add_fused_lm_head`` so the
   log-softmax runs ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
 
 Also: ``_prepare_inputs`` (TRL's, calls it and counts the micro-batch's tokens), TRL's
 ``_tokenize_prompts`` called once over the training prompts to size the ``cuda_graph`` cache for the
 run (``_longest_prompt``), and the public
-``training_step`` (time accounting) and ``log`` (``perf/`` figures).
+``training_step`` (time accounting) and ``log`` (``perf/`` figures), and ``train`` (settles "auto" sizes
+first: ``hf_grpo.autosize``). A generation chunk or a head chunk that runs out of memory is halved on every
+rank and retried (``hf_grpo.oom``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 from typing import Any
@@ -29,9 +37,11 @@ import trl
 from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
+from . import autosize, token_budget
 from .config import GRPOConfig
-from .generation import GenerationBackend, resolve_backend
+from .generation import GenerationBackend, dense_mirror, resolve_backend
 from .logprob_head import install_chunked_lm_head
+from .oom import SizeKnob, generate_with_backoff
 from .stats import PerformanceStats
 
 logger = logging.getLogger("hf_grpo")
@@ -50,6 +60,7 @@ class _RunCallbacks(TrainerCallback):
         self._optimizer_start = None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._zero3_mirror()  # decided on every rank before the plan is printed
         if state.is_world_process_zero:
             plan = self.trainer.batch_plan()
             logger.info("hf-grpo batch plan (world size %d):\n%s", plan.world_size, plan)
@@ -92,10 +103,16 @@ class GRPOTrainer(trl.GRPOTrainer):
                 f"fields live on hf_grpo.GRPOConfig: pass args=hf_grpo.GRPOConfig(output_dir=..., ...)"
             )
         super().__init__(*args, **kwargs)
+        token_budget.check_trainer(self)
         self.perf = PerformanceStats(self.accelerator.device)
         self._backend: GenerationBackend | None = None
+        self._mirror_choice: dense_mirror.MirrorChoice | None = None  # ZeRO-3's dense mirror, decided once
+        self._mirror_decided = False
+        # chunk sizes halved on every rank after an out-of-memory, and kept so (hf_grpo.oom)
+        self._oom_knobs = {name: SizeKnob(self.args, name, lambda *_: self.perf.add("oom_backoffs", 1))
+                           for name in ("per_device_generation_batch_size", "tensor_batch_size")}
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        head = dict(temperature=self.temperature, chunk_rows=self.args.tensor_batch_size,
+        head = dict(temperature=self.temperature, chunk_rows=self._oom_knobs["tensor_batch_size"],
                     cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32)
         install_chunked_lm_head(policy, return_entropy=True, **head)
         if self.ref_model is not None:
@@ -104,17 +121,32 @@ class GRPOTrainer(trl.GRPOTrainer):
             reference = self.accelerator.unwrap_model(self.ref_model)
             install_chunked_lm_head(reference, return_entropy=False, **head)
         self.add_callback(_RunCallbacks(self))
+        self.add_callback(autosize.SaveSizesCallback())
 
     # ---- public ------------------------------------------------------------------------
     def batch_plan(self):
-        """The batch plan with this run's real world size."""
-        return self.args.batch_plan(world_size=self.accelerator.num_processes)
+        """The batch plan with this run's real world size (and ZeRO-3's generation mirror, once decided)."""
+        plan = self.args.batch_plan(world_size=self.accelerator.num_processes)
+        if self._mirror_choice is not None:
+            plan = dataclasses.replace(plan, **self._mirror_choice.plan_fields())
+        return plan
 
     def get_performance_stats(self) -> dict[str, Any]:
         """Peak memory, seconds per optimizer step by phase, tokens/s, decoder compiles and captures, the
         memory the generation backend keeps between rollouts, and the batch plan, over the run."""
         cache = getattr(self._backend, "cache_bytes", lambda: 0)()
-        return {**self.perf.summary(), "generation_cache_gib": cache / 2**30, "batch_plan": self.batch_plan().to_dict()}
+        stats = {**self.perf.summary(), "generation_cache_gib": cache / 2**30,
+                 "batch_plan": self.batch_plan().to_dict()}
+        if self._mirror_choice is not None and self._mirror_choice.mirror is not None:
+            stats["mirror_refresh_s"] = self.perf.total("mirror_refresh_s")  # ZeRO-3: whole run, inside generation
+        return stats
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        # "auto" sizes are settled before TRL and transformers size the dataloader and the accumulation
+        checkpoint = autosize.checkpoint_dir(resume_from_checkpoint, self.args.output_dir)
+        if autosize.resolve_auto_sizes(self, checkpoint):
+            self.perf = PerformanceStats(self.accelerator.device)  # the probes are not part of the run's figures
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         inner_before = self.perf.total("generation_s") + self.perf.total("reward_s")
@@ -127,6 +159,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.perf.add("train_tokens", float(self._last_micro_batch_tokens))
         return loss
 
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        budget = self.args.max_tokens_per_micro_batch
+        if budget is None or return_outputs or not self.model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        # The micro-batch in token-budget passes, all but the last backpropagated there (hf_grpo.token_budget)
+        compute = functools.partial(super().compute_loss, model)
+        return token_budget.packed_loss(self.accelerator, model, inputs, budget, self.loss_type, compute)
+
     def _prepare_inputs(self, generation_batch):
         inputs = super()._prepare_inputs(generation_batch)
         self._last_micro_batch_tokens = int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
@@ -135,6 +175,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training and "loss" in logs:
             logs.update({f"perf/{key}": value for key, value in self.perf.pop_window().items()})
+            logs.update({f"perf/{k.field}": k.value for k in self._oom_knobs.values() if k.backoffs})
         super().log(logs, start_time)
 
     # ---- overrides of TRL 1.16 private methods -------------------------------------------
@@ -147,25 +188,33 @@ class GRPOTrainer(trl.GRPOTrainer):
                 return super()._generate_single_turn(
                     prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs
                 )
+        mirror = self._zero3_mirror()
         with (
             self.perf.phase("generation"),
             unwrap_model_for_generation(
                 self.model_wrapped,
                 self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                # With the mirror, ZeRO-3 weights are gathered into it layer by layer below, not all at once here.
+                gather_deepspeed3_params=self.args.ds3_gather_for_generation and mirror is None,
                 generation_kwargs=self.generation_kwargs,
                 gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
             ) as unwrapped_model,
             torch.no_grad(),
             self._dist.summon_full_params(self.model_wrapped, recurse=False),
         ):
+            if mirror is not None:
+                with self.perf.phase("mirror_refresh"):
+                    # the same tensors with the current weights: captured graphs stay valid
+                    unwrapped_model = mirror.refresh(unwrapped_model)
             backend = self._generation_backend(unwrapped_model)
             counts_before = backend_counts(backend)
-            completion_ids = backend.generate(
+            completion_ids = generate_with_backoff(  # backend.generate, chunk halved on every rank after an OOM
+                backend,
                 unwrapped_model,
                 prompt_ids,
+                self._oom_knobs["per_device_generation_batch_size"],
+                self.accelerator.device,
                 generation_config=self.generation_config,
-                chunk_size=self.args.per_device_generation_batch_size,
                 pad_token_id=self._tokenizer.pad_token_id,
                 eos_token_ids=self.eos_token_ids,
                 pad_to_multiple_of=self.pad_to_multiple_of,
@@ -182,9 +231,13 @@ class GRPOTrainer(trl.GRPOTrainer):
             rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         return rewards
 
-    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+    def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
+        if kwargs.get("batch_size") is not None and self.args.max_tokens_per_micro_batch is not None:
+            # TRL's no-grad scoring of the rollout (old policy, reference) in row chunks: keep them in the budget too
+            kwargs["batch_size"] = token_budget.scoring_rows(self.args.max_tokens_per_micro_batch, input_ids.shape[1],
+                                                             kwargs["batch_size"])
         with self.perf.phase("logprob"):
-            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
 
     # ---- helpers -----------------------------------------------------------------------------
     def _longest_prompt(self, limit: int = 200_000) -> int | None:
@@ -202,9 +255,31 @@ class GRPOTrainer(trl.GRPOTrainer):
             longest = max(longest, max((len(ids) for ids in prompt_ids), default=0))
         return longest or None
 
+    def _zero3_mirror(self) -> dense_mirror.DenseMirror | None:
+        """Under ZeRO-3, the dense copy of the weights generation reads (``zero3_generation_mirror``), else None.
+
+        Decided once, the same on every rank: its refresh gathers layer by layer, a collective."""
+        if not self._mirror_decided:
+            model = self.accelerator.unwrap_model(self.model_wrapped)
+            if not dense_mirror.is_zero3_partitioned(model):
+                return None  # no ZeRO-3, or not partitioned yet (a model built in code, before DeepSpeed wraps it)
+            self._mirror_decided = True
+            device = self.accelerator.device
+
+            def min_over_ranks(value: int) -> int:
+                return int(self.accelerator.gather(torch.tensor([value], device=device)).min())
+
+            self._mirror_choice = dense_mirror.choose(
+                self.args.zero3_generation_mirror, model, self.args.generation_backend, device, min_over_ranks)
+            if self._mirror_choice is not None and self.accelerator.is_main_process:
+                logger.info("ZeRO-3 generation mirror: %s", self._mirror_choice)
+        return None if self._mirror_choice is None else self._mirror_choice.mirror
+
     def _generation_backend(self, model: torch.nn.Module) -> GenerationBackend:
         if self._backend is None:
-            self._backend, reason = resolve_backend(self.args.generation_backend, model)
+            mirror = self._zero3_mirror()  # under ZeRO-3 the backend serves the mirror, whoever asks first
+            served = model if mirror is None else mirror.module
+            self._backend, reason = resolve_backend(self.args.generation_backend, served)
             if hasattr(self._backend, "reserve"):
                 longest = self._longest_prompt()
                 if longest is not None:  # one cache, one compile, for the whole run

@@ -300,6 +300,13 @@ def prints_the_plan(ran: Ran) -> None:
         assert ran.stdout.splitlines()[0] == ran.documented.shown_comment
 
 
+def prints_the_translation(ran: Ran) -> None:
+    """`hf-grpo plan --from` exits 0 and prints the flags, then the plan, exactly as the docs show them."""
+    assert ran.stdout.startswith("hf-grpo flags (a recipe launched on "), ran.stdout
+    assert "\nbatch plan:\nrollout: " in ran.stdout and "\nchecked against " in ran.stdout
+    assert ran.documented.shown_block is not None and ran.stdout == ran.documented.shown_block
+
+
 # ---- checks for what is not run --------------------------------------------------------------------
 
 README_INSTALL = 'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[deepspeed,dev]"'
@@ -417,6 +424,26 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
         "hf-grpo plan --per_device_train_batch_size 16 --num_generations 8 --gradient_accumulation_steps 4 "
         "--steps_per_generation 4 --per_device_generation_batch_size 8 --num_processes 8":
             Run(prints_the_plan, slow=False, timeout=120),
+        # "Coming from other frameworks": one worked example per framework (tests/test_translate.py checks the maths)
+        "hf-grpo plan --from skyrl trainer.train_batch_size=256 generator.n_samples_per_prompt=8 "
+        "trainer.policy_mini_batch_size=64 trainer.micro_train_batch_size_per_gpu=4 trainer.update_epochs_per_batch=1 "
+        "trainer.placement.policy_num_gpus_per_node=8 generator.sampling_params.max_generate_length=1024":
+            Run(prints_the_translation, slow=False, timeout=120),
+        "hf-grpo plan --from verl data.train_batch_size=512 actor_rollout_ref.rollout.n=8 "
+        "actor_rollout_ref.actor.ppo_mini_batch_size=128 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8 "
+        "actor_rollout_ref.actor.ppo_epochs=1 trainer.n_gpus_per_node=8 trainer.nnodes=1 data.max_response_length=1024":
+            Run(prints_the_translation, slow=False, timeout=120),
+        "hf-grpo plan --from openrlhf rollout_batch_size=128 n_samples_per_prompt=8 train_batch_size=256 "
+        "micro_train_batch_size=4 micro_rollout_batch_size=32 max_epochs=1 actor_num_gpus_per_node=8 "
+        "generate_max_len=1024":
+            Run(prints_the_translation, slow=False, timeout=120),
+        "hf-grpo plan --from trlx --num_processes 2 --num_generations 8 train.batch_size=32 train.minibatch_size=8 "
+        "method.num_rollouts=128 method.chunk_size=64 method.ppo_epochs=4 method.gen_kwargs.max_new_tokens=256":
+            Run(prints_the_translation, slow=False, timeout=120),
+        "hf-grpo plan --from d1 --num_processes 2 per_device_train_batch_size=8 gradient_accumulation_steps=2 "
+        "num_generations=8 num_iterations=4 generation_batch_size=4 max_completion_length=256 block_length=32 "
+        "diffusion_steps=128":
+            Run(prints_the_translation, slow=False, timeout=120),
     },
     "docs/multi_node.md": {
         "export MAIN_IP=10.0.0.1":

@@ -1,0 +1,142 @@
+"""Train GRPO under ZeRO-3 with the dense generation mirror forced on, then check the mirror against the model.
+
+    accelerate launch --num_processes 2 --config_file accelerate_configs/zero3.yaml --mixed_precision no \
+        tests/scripts/zero3_dense_mirror.py OUT_DIR [lora-tied]
+
+``lora-tied``: LoRA adapters on a model whose input and output embeddings are one tensor.
+On CPU the "hf" backend generates (the cuda_graph one needs CUDA); what is checked is the mirror path:
+every rollout generates from the mirror, no gather is larger than one unit (a decoder layer, the
+embeddings, ...), and after the last optimizer step a refresh writes the weights into the same tensors,
+whose values then equal the fully gathered model's (through PEFT's own merge under LoRA). Writes
+OUT_DIR/result.json on rank 0; any failed check exits non-zero.
+"""
+
+import json
+import math
+import sys
+
+import deepspeed
+import torch
+from datasets import Dataset
+from transformers import Qwen2ForCausalLM
+
+from hf_grpo import GRPOConfig, GRPOTrainer, close_distributed
+from hf_grpo.generation import HFGenerateBackend
+from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+
+TOKENIZER = build_char_tokenizer()
+
+# Every GatheredParameters context opened during the run, by elements gathered, and the models generated from.
+GATHERS: list[int] = []
+GENERATED_FROM: list[torch.nn.Module] = []
+
+
+class RecordingGather(deepspeed.zero.GatheredParameters):
+    def __init__(self, params, *args, **kwargs):
+        params = list(params) if not isinstance(params, torch.Tensor) else [params]
+        GATHERS.append(sum(getattr(p, "ds_numel", p.numel()) for p in set(params)))
+        super().__init__(params, *args, **kwargs)
+
+
+class RecordingBackend(HFGenerateBackend):
+    def generate(self, model, prompt_ids, **kwargs):
+        GENERATED_FROM.append(model)
+        return super().generate(model, prompt_ids, **kwargs)
+
+
+def reward(completions, **kwargs):
+    return [text.count("a") / 4 for text in completions]
+
+
+def build(tied: bool, seed: int):
+    model = build_tiny_model(TOKENIZER, seed=seed)
+    if not tied:
+        return model
+    config = model.config
+    config.tie_word_embeddings = True
+    torch.manual_seed(seed)
+    tied_model = Qwen2ForCausalLM(config)  # lm_head.weight is model.embed_tokens.weight
+    tied_model.generation_config = model.generation_config
+    return tied_model
+
+
+def reference_logits(live, state, lora: bool, input_ids):
+    """A model built outside ZeRO holding the gathered ``state``; under LoRA merged by PEFT's merge_and_unload."""
+    model = build(lora, seed=1)  # other initial weights: every value must come from ``state``
+    if lora:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, live.peft_config["default"])
+    model.load_state_dict(state)
+    if lora:
+        model = model.merge_and_unload()
+    return model.eval()(input_ids).logits
+
+
+def main(out_dir: str, lora: bool) -> None:
+    deepspeed.zero.GatheredParameters = RecordingGather
+    args = GRPOConfig(
+        output_dir=out_dir, report_to=[], use_cpu=True, bf16=False, max_steps=2, seed=3,
+        per_device_train_batch_size=4, num_generations=4, max_completion_length=6, temperature=1.0,
+        learning_rate=0.05, optim="sgd", lr_scheduler_type="constant", save_strategy="no", logging_steps=1,
+        disable_tqdm=True, gradient_checkpointing=False, zero3_generation_mirror="on", generation_backend="hf",
+    )
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    prompts = ["ab>", "c>", "defg>", "h>", "ij>", "klmno>", "p>", "qr>"]
+    trainer = GRPOTrainer(
+        model=build(lora, seed=0), reward_funcs=reward, args=args, peft_config=peft_config,
+        train_dataset=Dataset.from_dict({"prompt": prompts * 4}), processing_class=TOKENIZER,
+    )
+    trainer._backend = RecordingBackend()
+    trainer.train()
+
+    live = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    mirror = trainer._mirror_choice.mirror
+    assert mirror is not None, f"no mirror: {trainer._mirror_choice}"
+    assert GENERATED_FROM and all(model is mirror.module for model in GENERATED_FROM), "a rollout bypassed the mirror"
+    assert not any(hasattr(p, "ds_id") for p in mirror.module.parameters()), "the mirror holds ZeRO-3 parameters"
+    # LoRA layers are merged away: the mirror is the plain architecture
+    assert not any("lora" in name for name, _ in mirror.module.named_parameters())
+    assert (mirror.module.lm_head.weight is mirror.module.model.embed_tokens.weight) == lora  # tied stays tied
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses), trainer.state.log_history
+
+    # The largest unit: a decoder layer as ZeRO-3 holds it (with its LoRA weights), or a module outside the layers.
+    layers = live.get_base_model().model.layers if lora else live.model.layers
+    largest_layer = max(sum(p.ds_numel for p in layer.parameters()) for layer in layers)
+    total = sum(p.ds_numel for p in live.parameters())
+    assert max(GATHERS) <= largest_layer < total, (GATHERS, largest_layer, total)
+
+    # The last optimizer step came after the last rollout: refresh, same tensors, the new values.
+    pointers = [p.data_ptr() for p in mirror.module.parameters()]
+    before = [p.detach().clone() for p in mirror.module.parameters()]
+    del GATHERS[:]
+    mirror.refresh(live)
+    refresh_gathers = list(GATHERS)
+    assert [p.data_ptr() for p in mirror.module.parameters()] == pointers, "the refresh moved a mirror tensor"
+    changed = sum(not torch.equal(a, p) for a, p in zip(before, mirror.module.parameters()))
+    assert changed > 0, "the optimizer step did not reach the mirror"
+
+    with deepspeed.zero.GatheredParameters(list(live.parameters())):
+        state = {name: tensor.clone() for name, tensor in live.state_dict().items()}  # tied: under both names
+    input_ids = torch.tensor([TOKENIZER.encode("abc> de")] * 2)
+    with torch.no_grad():
+        expected = reference_logits(live, state, lora, input_ids)
+        got = mirror.module(input_ids).logits
+    assert torch.equal(got, expected), (got - expected).abs().max()
+
+    if trainer.is_world_process_zero():
+        plan = trainer.batch_plan()
+        with open(f"{out_dir}/result.json", "w") as handle:
+            json.dump({"losses": losses, "gathers_per_refresh": len(refresh_gathers), "changed": changed,
+                       "mirror": plan.generation_mirror, "mirror_bytes": plan.generation_mirror_bytes,
+                       "plan": str(plan)}, handle)
+    close_distributed(trainer)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], lora=len(sys.argv) > 2 and sys.argv[2] == "lora-tied")
