@@ -15,13 +15,22 @@ for config in ${CONFIGS:-single_gpu multi_gpu zero2 zero3}; do
     recipes/quickstart.py $ARGS --output_dir "$out" > "$RESULTS/multi_gpu_$config.log" 2>&1
   echo "$config exit=$?"
   cp "$out/performance.json" "$RESULTS/multi_gpu_$config.json" 2>/dev/null
-  python3 - "$config" "$out/performance.json" <<'PY'
-import json, sys
+  cp "$out/metrics.jsonl" "$RESULTS/multi_gpu_${config}_metrics.jsonl" 2>/dev/null
+  python3 - "$config" "$out/performance.json" "$out/metrics.jsonl" <<'PY'
+import json, statistics, sys
 try:
     ranks = json.load(open(sys.argv[2]))["per_rank"]
 except OSError:
     sys.exit(0)
 print(sys.argv[1], [dict(step_s=round(r["step_s"], 3), peak_gib=round(r["peak_memory_gib"], 2),
                          gen_s=round(r["generation_s_per_step"], 3)) for r in ranks])
+try:  # steady state: the logged steps after the first (which compiles and captures)
+    rows = [json.loads(line) for line in open(sys.argv[3])]
+    steps = [r["perf/step_s"] for r in rows if "perf/step_s" in r][1:]
+    gens = [r["perf/generation_s_per_step"] for r in rows if "perf/generation_s_per_step" in r][1:]
+    print(sys.argv[1], "steady step_s median", round(statistics.median(steps), 3),
+          "generation_s median", round(statistics.median(gens), 3) if gens else None)
+except (OSError, KeyError, statistics.StatisticsError) as err:
+    print(sys.argv[1], "no steady figures:", err)
 PY
 done

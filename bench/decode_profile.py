@@ -1,0 +1,122 @@
+"""Where one captured decode step of the ``cuda_graph`` backend spends its time (GPU only).
+
+Builds the random-init Qwen2 shape of ``hf_grpo.tiny`` in bf16, warms the backend up with one
+rollout (compile + capture, timed as ``first_call_s``), then:
+
+* ``replay_ms``: wall time of one graph replay (one token for every row), averaged over a rollout;
+* ``memory``: what a call allocates above the weights at its peak, and what it keeps after the call
+  and after ``release()``;
+* ``kernels``: the kernels of one decode step as the profiler sees them when the compiled step runs
+  outside the graph (a replay runs the same kernels without the launch gaps): how many, their summed
+  GPU time, and the top ones by time with their share. ``kernels_per_layer`` divides by the layers.
+
+Prints one JSON object; ``--out FILE`` appends it.
+
+    python bench/decode_profile.py --shape 0.5b --batch 32 --cache-len 768
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, ".."), HERE]
+
+from rollout import EOS, PAD, VOCAB, build_model, build_tokenizer, trl_like_generation_config  # noqa: E402
+from hf_grpo.generation.cuda_graph import CudaGraphBackend  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="0.5b", choices=["0.5b", "1.5b"])
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=384)
+    parser.add_argument("--completion-len", type=int, default=256)
+    parser.add_argument("--compile", choices=["on", "off"], default="on")
+    parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("decode_profile needs a CUDA device")
+
+    tokenizer = build_tokenizer()
+    model = build_model(args.shape, tokenizer).eval()
+    backend = CudaGraphBackend(compile=args.compile == "on")
+    gc = trl_like_generation_config(args.completion_len)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, VOCAB, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
+    call = dict(generation_config=gc, chunk_size=args.batch, pad_token_id=PAD, eos_token_ids=[EOS])
+
+    gib = 2**30
+    memory = {}
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        memory["before_gib"] = torch.cuda.memory_allocated() / gib
+        start = time.perf_counter()
+        backend.generate(model, prompts, **call)
+        torch.cuda.synchronize()
+        first_call_s = time.perf_counter() - start
+        memory["first_call_peak_above_gib"] = torch.cuda.max_memory_allocated() / gib - memory["before_gib"]
+        memory["kept_after_call_gib"] = torch.cuda.memory_allocated() / gib - memory["before_gib"]
+        memory["cache_bytes_gib"] = backend.cache_bytes() / gib
+        backend.release(empty_cache=False)
+        memory["kept_after_release_gib"] = torch.cuda.memory_allocated() / gib - memory["before_gib"]
+        torch.cuda.reset_peak_memory_stats()
+        backend.generate(model, prompts, **call)  # compiled already: captures again, as after each release
+        torch.cuda.synchronize()
+        memory["second_call_peak_above_gib"] = torch.cuda.max_memory_allocated() / gib - memory["before_gib"]
+        decoder = next(iter(backend._entries.values()))
+
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(100):
+            decoder.graph.replay()
+        torch.cuda.synchronize()
+        replay_ms = (time.perf_counter() - start) * 10
+
+        decoder._decode_step(model)  # warm (compiled already)
+        torch.cuda.synchronize()
+        from torch.profiler import ProfilerActivity, profile
+
+        from hf_grpo.generation.static_decoder import decode_attention
+
+        with decode_attention(model, backend.decode_attention if decoder.compiled_forward else None):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                decoder._decode_step(model)
+                torch.cuda.synchronize()
+    per_kernel: dict[str, list[float]] = defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name].append(event.device_time_total if hasattr(event, "device_time_total")
+                                          else event.cuda_time_total)
+    total_us = sum(sum(v) for v in per_kernel.values())
+    count = sum(len(v) for v in per_kernel.values())
+    layers = model.config.num_hidden_layers
+    top = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[: args.top]
+    record = {
+        "bench": "decode_profile", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "shape": args.shape, "batch": args.batch, "prompt_len": args.prompt_len, "cache_len": decoder.cache_len,
+        "compile": args.compile, "first_call_s": round(first_call_s, 2), "replay_ms": round(replay_ms, 3),
+        "kernels": count, "kernels_per_layer": round(count / layers, 1), "kernel_time_ms": round(total_us / 1e3, 3),
+        "launch_gap_ms": round(replay_ms - total_us / 1e3, 3),
+        "memory": {key: round(value, 3) for key, value in memory.items()},
+        "top": [{"kernel": name[:90], "calls": len(times), "ms": round(sum(times) / 1e3, 4),
+                 "share": round(sum(times) / total_us, 3)} for name, times in top],
+    }
+    print(json.dumps(record))
+    if args.out:
+        with open(args.out, "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
