@@ -38,6 +38,7 @@ from ..config import (
     preset_config,
     resolve_batch_fields,
 )
+from .block_cache import BLOCK_CACHES
 
 logger = logging.getLogger("hf_grpo")
 
@@ -72,6 +73,11 @@ class DiffuGRPOConfig(GRPOConfig):
         remasking (`str`, defaults to `"low_confidence"`):
             Which masked positions of the block a step commits: the most confident ones
             (``"low_confidence"``: the least confident stay masked) or uniformly random ones (``"random"``).
+        block_cache (`str`, *optional*):
+            ``None`` (default): every sampler step recomputes the whole row, exactly the published sampler.
+            ``"dual"`` / ``"prefix"``: reuse keys/values within a block (``hf_grpo.diffusion.block_cache``), an
+            approximation (a bidirectional model's prefix keys depend on the masked positions): 3.4x / 2.5x
+            faster rollouts at the published settings on an 8B LLaDA shape (one H100), different samples.
         cfg_scale (`float`, defaults to `0.0`):
             Classifier-free guidance weight w: logits ``l_u + (w + 1)(l_c - l_u)``, ``l_u`` with the prompt
             masked. 0 turns it off (and halves the sampler's work).
@@ -98,6 +104,11 @@ class DiffuGRPOConfig(GRPOConfig):
     diffusion_steps: int = field(default=128, metadata={"help": "Denoising steps for the whole completion."})
     remasking: str = field(default="low_confidence", metadata={"help": f"One of {REMASKING}."})
     cfg_scale: float = field(default=0.0, metadata={"help": "Classifier-free guidance weight (0: off)."})
+    block_cache: str | None = field(
+        default=None,
+        metadata={"help": f"None (exact, default) or one of {BLOCK_CACHES}: APPROXIMATE key/value reuse within a "
+                  "block for faster rollouts (see hf_grpo.diffusion.block_cache)."},
+    )
     p_mask_prompt: float = field(
         default=0.15, metadata={"help": "Probability of masking each prompt token in the log-prob estimate."}
     )
@@ -158,6 +169,9 @@ class DiffuGRPOConfig(GRPOConfig):
                 f"beyond one token per step commits nothing: use diffusion_steps <= {blocks * block} "
                 f"(one token per step)"
             )
+        if self.block_cache not in (None, *BLOCK_CACHES):
+            raise ValueError(f"block_cache must be None (exact, the default) or one of {BLOCK_CACHES} (approximate), "
+                             f"got {self.block_cache!r}")
         if self.remasking not in REMASKING:
             raise ValueError(f"remasking must be one of {REMASKING}, got {self.remasking!r}")
         if isinstance(self.cfg_scale, bool) or not isinstance(self.cfg_scale, (int, float)) or not (
@@ -229,7 +243,8 @@ class DiffuGRPOConfig(GRPOConfig):
             extra = "nothing extra (the loss's own log-probs, detached, are the old ones)"
         lines = [
             f"diffusion: {L} tokens in {blocks} blocks of {block}, {steps} steps ({per_block} per block, "
-            f"{per_step} tokens per step), {self.remasking} remasking, {guidance}",
+            f"{per_step} tokens per step), {self.remasking} remasking, {guidance}"
+            + (f", APPROXIMATE {self.block_cache} block cache" if self.block_cache else ""),
             f"├── sampler: {forwards} forwards per rollout per device ({steps} per chunk x {chunks} "
             f"chunk{'s' if chunks > 1 else ''} of <= {self.per_device_generation_batch_size})",
             f"├── log-prob estimate: {self.logprob_estimator} ({views} forward{'s' if views > 1 else ''} per row), "

@@ -204,9 +204,12 @@ class DiffuGRPOTrainer(GRPOTrainer):
                 block_length=args.block_length, steps=args.diffusion_steps, mask_token_id=self.mask_token_id,
                 remasking=args.remasking, cfg_scale=args.cfg_scale, logits_shift=self.logits_shift,
                 padding_style=self.estimator.padding_style, autocast=self.accelerator.autocast,
+                block_cache=args.block_cache,
             )
             if self.accelerator.is_main_process:
-                logger.info("generation backend: diffusion sampler (no KV cache: every step recomputes the row)")
+                how = ("no KV cache: every step recomputes the row" if args.block_cache is None
+                       else f"APPROXIMATE {args.block_cache} block cache")
+                logger.info("generation backend: diffusion sampler (%s)", how)
         return self._backend
 
     def _generate_single_turn(self, *args, **kwargs):

@@ -34,6 +34,7 @@ def test_defaults_are_the_published_sampler_settings():
     (dict(logits_shift="sometimes"), r"logits_shift must be 'auto', True .* or False .*got 'sometimes'"),
     (dict(logprob_estimator="two_step"), r"logprob_estimator must be one of \('mean_field', 'coupled'\)"),
     (dict(generation_backend="cuda_graph"), r"generation_backend='cuda_graph'.*diffusion sampler"),
+    (dict(block_cache="exact"), r"block_cache must be None \(exact, the default\) or one of \('prefix', 'dual'\).*'exact'"),
 ])
 def test_invalid_diffusion_fields_are_named_with_value_and_valid_values(overrides, message):
     with pytest.raises(ValueError, match=message):

@@ -1,6 +1,8 @@
 """DiffuGRPOTrainer on a tiny bidirectional model: seeds per rollout pass, old/ref for all of them, every
 (num_iterations, beta) combination, reference as frozen copy and as PEFT base, chunking-exact updates."""
 
+import math
+
 import pytest
 import torch
 from datasets import Dataset
@@ -210,3 +212,13 @@ def test_rollout_scoring_runs_in_chunks_of_the_micro_batch(tmp_path):
     trainer.train()
     # one rollout of 8: 3 seeds x 2 chunks of 4 rows for old, the same for ref, then 2 loss micro-batches of 4
     assert rows == [4] * 14
+
+
+def test_block_cache_reaches_the_sampler_and_a_dual_cache_run_trains(tmp_path):
+    """The opt-in approximate cache is a config field: the trainer's sampler uses it, and a step trains."""
+    trainer = make_trainer(tmp_path, fixed=False, block_cache="dual")
+    assert trainer._generation_backend(trainer.model).block_cache == "dual"
+    assert "APPROXIMATE dual block cache" in trainer.args.diffusion_plan(1)
+    losses, _ = train(trainer)
+    assert losses and all(math.isfinite(loss) for loss in losses)
+    assert trainer._backend.forwards > 0  # the rollout came from the cached sampler
