@@ -57,8 +57,8 @@ def main(argv=None) -> int:
         logging_steps=1, save_strategy="no", report_to=[], bf16=not args.tiny, use_cpu=args.tiny,
         disable_tqdm=True, seed=args.seed, generation_backend="hf", **autotune.sizes_for(args, "default"),
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [random.random() for _ in completions], args=config,
-                          train_dataset=dataset, processing_class=tokenizer)
+    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [random.random() for _ in completions],
+                          args=config, train_dataset=dataset, processing_class=tokenizer)
     chunk_before = trainer.args.per_device_generation_batch_size
     if state.process_index == 1:
         autotune.hog_rollouts(trainer, args)
