@@ -331,8 +331,8 @@ def from_verl(settings: Mapping[str, Any], world_size: int | None = None) -> Tra
                      f"micro-batches of at most {budget} tokens. hf-grpo: one micro-batch of {mini_per_gpu} per "
                      f"optimizer step, run in forward/backward passes of at most max_tokens_per_micro_batch={budget} "
                      f"tokens. veRL's budget counts real tokens (sequences packed without padding), hf-grpo's counts "
-                     f"padded ones (rows x longest row of a pass), so the same number holds fewer completions per "
-                     f"pass here")
+                     f"padded ones (rows x (longest prompt + longest completion) of a pass), so the same number holds "
+                     f"fewer completions per pass here")
         if micro_keys:
             notes.append(f"{micro_keys[0]}: ignored, as veRL ignores it under use_dynamic_bsz=true")
     else:
