@@ -48,6 +48,7 @@ from transformers import GenerationConfig, TrainerCallback
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import create_model_from_path, use_adapter
 
+from ..generation.base import is_zero3_partitioned
 from ..trainer import GRPOTrainer
 from .config import DiffuGRPOConfig, set_checkpointing
 from .logprobs import EstimatorSpec, masked_logprobs, rollout_mask_seeds
@@ -77,6 +78,17 @@ class _DiffusionPlanCallback(TrainerCallback):
 
 def _supports_checkpointing(model) -> bool:
     return bool(getattr(base_module(model), "supports_gradient_checkpointing", False))
+
+
+def _loads_as_causal_lm(config) -> bool:
+    """Whether ``AutoModelForCausalLM.from_pretrained`` can open a checkpoint with this config (as TRL's
+    reference loader does)."""
+    auto_map = getattr(config, "auto_map", None) or {}
+    if auto_map:
+        return "AutoModelForCausalLM" in auto_map
+    from transformers import AutoModelForCausalLM
+
+    return type(config) in AutoModelForCausalLM._model_mapping
 
 
 class DiffuGRPOTrainer(GRPOTrainer):
@@ -148,13 +160,22 @@ class DiffuGRPOTrainer(GRPOTrainer):
 
     @staticmethod
     def _in_code_reference(model, args: DiffuGRPOConfig, peft_config):
-        """A frozen deep copy of an in-code policy (nothing to load a reference from), or None (TRL builds it)."""
+        """A frozen deep copy of the policy where TRL cannot load the reference, or None (TRL builds it).
+
+        TRL reloads the reference from the policy's path with ``AutoModelForCausalLM``. That fails for an
+        in-code model (no path) and for a checkpoint whose ``auto_map`` registers ``AutoModel`` only (Dream);
+        there the policy, just loaded and not yet trained, is copied instead."""
         from accelerate.utils import is_peft_model
 
         if args.beta == 0.0 or peft_config is not None or is_peft_model(model) or args.sync_ref_model:
             return None
-        if getattr(model.config, "_name_or_path", ""):
+        if getattr(model.config, "_name_or_path", "") and _loads_as_causal_lm(model.config):
             return None  # TRL loads the reference from this path, as for any policy
+        if is_zero3_partitioned(model):
+            raise ValueError(
+                f"beta={args.beta} needs a reference model, and {type(model).__name__} cannot be reloaded through "
+                "AutoModelForCausalLM (its auto_map registers AutoModel only) nor copied once ZeRO-3 has partitioned "
+                "it: train with --use_peft (the reference is the base model), with beta 0, or under ZeRO-1/2")
         frozen = copy.deepcopy(model).eval()
         frozen.requires_grad_(False)
         return frozen

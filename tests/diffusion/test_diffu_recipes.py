@@ -33,9 +33,9 @@ def metrics(output_dir):
 QUICK = ["--disable_tqdm", "true", "--logging_steps", "1", "--report_to", "none", "--plot", "false"]
 
 
-@pytest.fixture(scope="module")
-def remote_checkpoint(tmp_path_factory):
-    """A checkpoint whose model class exists only in its own modeling file, reached through config.auto_map."""
+def write_remote_checkpoint(directory, auto_class: str):
+    """A checkpoint whose model class exists only in its own modeling file, reached through config.auto_map
+    under ``auto_class`` (LLaDA registers AutoModelForCausalLM; Dream registers AutoModel only)."""
     from hf_grpo.diffusion.tiny import build_diffusion_tokenizer
 
     spec = importlib.util.spec_from_file_location("modeling_tiny_llada", HERE / "remote_llada.py")
@@ -45,15 +45,24 @@ def remote_checkpoint(tmp_path_factory):
     config = module.TinyLLaDAConfig(vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)
-    directory = tmp_path_factory.mktemp("remote_llada")
     module.TinyLLaDAModelLM(config).save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     shutil.copy(HERE / "remote_llada.py", directory / "modeling_tiny_llada.py")
     saved = json.loads((directory / "config.json").read_text())
     saved["auto_map"] = {"AutoConfig": "modeling_tiny_llada.TinyLLaDAConfig",
-                         "AutoModelForCausalLM": "modeling_tiny_llada.TinyLLaDAModelLM"}
+                         auto_class: "modeling_tiny_llada.TinyLLaDAModelLM"}
     (directory / "config.json").write_text(json.dumps(saved))
     return directory
+
+
+@pytest.fixture(scope="module")
+def remote_checkpoint(tmp_path_factory):
+    return write_remote_checkpoint(tmp_path_factory.mktemp("remote_llada"), "AutoModelForCausalLM")
+
+
+@pytest.fixture(scope="module")
+def remote_checkpoint_automodel_only(tmp_path_factory):
+    return write_remote_checkpoint(tmp_path_factory.mktemp("remote_dream_style"), "AutoModel")
 
 
 def test_remote_code_model_loads_only_with_trust_and_samples_padding_invariantly(remote_checkpoint):
@@ -99,6 +108,24 @@ def test_remote_code_checkpoint_trains_through_the_recipe(tmp_path, remote_check
     assert trainer.mask_token_id == 2 and trainer.logits_shift is False
     stats = json.loads((tmp_path / "performance.json").read_text())["per_rank"][0]
     assert stats["memory_manager_stats"]["peak_memory_gib"] > 0
+
+
+def test_full_fine_tuning_with_a_reference_from_an_automodel_only_checkpoint(tmp_path,
+                                                                             remote_checkpoint_automodel_only):
+    """Dream's auto_map has AutoModel only, which TRL's reference loader (AutoModelForCausalLM) cannot open:
+    the reference is a frozen copy of the freshly loaded policy instead, and trains with beta > 0."""
+    trainer = load_recipe("diffu_countdown").main([
+        "--model_name_or_path", str(remote_checkpoint_automodel_only), "--trust_remote_code", "true",
+        "--use_peft", "false", "--output_dir", str(tmp_path), "--max_steps", "2", "--max_completion_length", "8",
+        "--block_length", "4", "--diffusion_steps", "4", "--beta", "0.04", "--num_train_samples", "12",
+        "--dtype", "float32", "--learning_rate", "1e-3", *QUICK])
+    rows = metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["loss"]) for r in rows)
+    reference = trainer.accelerator.unwrap_model(trainer.ref_model)
+    assert type(reference).__name__ == "TinyLLaDAModelLM" and not any(p.requires_grad for p in reference.parameters())
+    policy = trainer.accelerator.unwrap_model(trainer.model)
+    assert all(p.data_ptr() != r.data_ptr() for p, r in zip(policy.parameters(), reference.parameters()))
+    assert all(math.isfinite(r["kl"]) for r in rows)  # the KL term ran against that reference
 
 
 def test_diffu_quickstart_reward_rises_and_writes_its_plot(tmp_path):

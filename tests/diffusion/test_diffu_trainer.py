@@ -222,3 +222,20 @@ def test_block_cache_reaches_the_sampler_and_a_dual_cache_run_trains(tmp_path):
     losses, _ = train(trainer)
     assert losses and all(math.isfinite(loss) for loss in losses)
     assert trainer._backend.forwards > 0  # the rollout came from the cached sampler
+
+
+def test_reference_of_an_automodel_only_checkpoint_under_zero3_is_refused_with_the_ways_out(monkeypatch):
+    """A ZeRO-3-partitioned policy cannot be copied into a reference, and TRL cannot reload a Dream-style path."""
+    import hf_grpo.diffusion.trainer as diffusion_trainer
+
+    model = build_tiny_diffusion_model(TOKENIZER, seed=0)
+    model.config._name_or_path, model.config.auto_map = "/ckpt/dream-like", {"AutoModel": "modeling.DreamModel"}
+    args = DiffuGRPOConfig(output_dir="/tmp/unused", report_to=[], use_cpu=True, beta=0.04, max_completion_length=8,
+                           block_length=4, diffusion_steps=4, per_device_train_batch_size=8, num_generations=4)
+    copied = DiffuGRPOTrainer._in_code_reference(model, args, None)
+    assert copied is not None and copied is not model  # without ZeRO-3: a frozen copy
+    monkeypatch.setattr(diffusion_trainer, "is_zero3_partitioned", lambda m: True)
+    with pytest.raises(ValueError, match=r"beta=0.04 needs a reference model.*--use_peft"):
+        DiffuGRPOTrainer._in_code_reference(model, args, None)
+    model.config.auto_map = {"AutoModelForCausalLM": "modeling.LLaDAModelLM"}
+    assert DiffuGRPOTrainer._in_code_reference(model, args, None) is None  # TRL reloads it from the path
