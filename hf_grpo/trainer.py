@@ -41,7 +41,7 @@ from . import autosize, token_budget
 from .config import GRPOConfig
 from .generation import GenerationBackend, dense_mirror, resolve_backend
 from .logprob_head import install_chunked_lm_head
-from .oom import SizeKnob, generate_with_backoff
+from .oom import SizeKnob, generate_with_backoff, min_over_ranks
 from .stats import PerformanceStats
 
 logger = logging.getLogger("hf_grpo")
@@ -264,13 +264,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             if not dense_mirror.is_zero3_partitioned(model):
                 return None  # no ZeRO-3, or not partitioned yet (a model built in code, before DeepSpeed wraps it)
             self._mirror_decided = True
-            device = self.accelerator.device
-
-            def min_over_ranks(value: int) -> int:
-                return int(self.accelerator.gather(torch.tensor([value], device=device)).min())
-
-            self._mirror_choice = dense_mirror.choose(
-                self.args.zero3_generation_mirror, model, self.args.generation_backend, device, min_over_ranks)
+            self._mirror_choice = dense_mirror.choose(self.args.zero3_generation_mirror, model,
+                                                      self.args.generation_backend, self.accelerator.device,
+                                                      min_over_ranks)
             if self._mirror_choice is not None and self.accelerator.is_main_process:
                 logger.info("ZeRO-3 generation mirror: %s", self._mirror_choice)
         return None if self._mirror_choice is None else self._mirror_choice.mirror

@@ -62,9 +62,14 @@ def model_device(model: torch.nn.Module) -> torch.device:
         return torch.device("cpu")
 
 
+def is_zero3_param(param: torch.Tensor) -> bool:
+    """Whether DeepSpeed ZeRO-3 manages this parameter (it carries a ``ds_id``)."""
+    return hasattr(param, "ds_id")
+
+
 def is_zero3_partitioned(model: torch.nn.Module) -> bool:
-    """Whether DeepSpeed ZeRO-3 manages the model's parameters (they carry a ``ds_id``)."""
-    return any(hasattr(p, "ds_id") for p in model.parameters())
+    """Whether DeepSpeed ZeRO-3 manages the model's parameters."""
+    return any(is_zero3_param(p) for p in model.parameters())
 
 
 def padded_length(prompt_ids: Sequence[Sequence[int]], pad_to_multiple_of: int | None = None) -> int:

@@ -258,8 +258,8 @@ class CudaGraphBackend(GenerationBackend):
         for chunk in chunks:
             p = padded_length(chunk, pad_to_multiple_of)
             steps = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 20) - p
-            plan.append((chunk, max(0, int(steps))))
-        need = max(padded_length(chunk, pad_to_multiple_of) + s for chunk, s in plan)
+            plan.append((chunk, p, max(0, int(steps))))
+        need = max(p + s for _, p, s in plan)
         reason = self._call_reason(model, gc, cache_len_ladder(need, self.min_cache_len))
         if reason is not None:
             if reason not in self._warned:
@@ -279,7 +279,7 @@ class CudaGraphBackend(GenerationBackend):
         completions: list[list[int]] = []
         with torch.no_grad():
             decoder = self._decoder(model, batch, need, sampling)
-            for chunk, steps in plan:
+            for chunk, _, steps in plan:
                 n_real = len(chunk)
                 rows = list(chunk) + [chunk[0]] * (batch - n_real)  # dummy rows, dropped below
                 input_ids, attention_mask = left_pad(rows, pad_token_id, device, pad_to_multiple_of)

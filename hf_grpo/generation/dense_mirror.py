@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import is_zero3_partitioned
+from .base import is_zero3_param, is_zero3_partitioned
 
 logger = logging.getLogger(__name__)
 
@@ -52,14 +52,10 @@ def _live_base(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _is_zero3_param(param: torch.Tensor) -> bool:
-    return hasattr(param, "ds_id")
-
-
 @contextlib.contextmanager
 def _gathered(params: list[torch.nn.Parameter]) -> Iterator[None]:
     """ZeRO-3: gather ``params`` for reading (re-partitioned on exit); otherwise nothing to do."""
-    if not any(_is_zero3_param(p) for p in params):
+    if not any(is_zero3_param(p) for p in params):
         yield
         return
     import deepspeed
@@ -190,7 +186,7 @@ def _materialize(mirror: torch.nn.Module, base: torch.nn.Module, device: torch.d
                     mirror_module._parameters[name] = made[id(meta)]
                     continue
                 live = getattr(source, name)
-                shape = live.ds_shape if _is_zero3_param(live) else live.shape
+                shape = live.ds_shape if is_zero3_param(live) else live.shape
                 if tuple(shape) != tuple(meta.shape):
                     raise ValueError(
                         f"{name} of {type(mirror_module).__name__}: the policy holds {tuple(shape)} but its config "
