@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from fractions import Fraction
 from typing import Any
 
@@ -64,10 +64,9 @@ class BatchPlan:
     @classmethod
     def from_fields(cls, values: Mapping[str, Any], world_size: int) -> BatchPlan:
         """The plan of a config's fields (any mapping holding them, extra keys ignored)."""
-        optional = {"max_tokens_per_micro_batch", "auto_batch_fields", "generation_mirror", "generation_mirror_bytes",
-                    "generation_mirror_dtype"}  # a mapping without it means "unset"
+        # A field with a default is optional: a mapping without it means "unset".
         given = {f.name: values[f.name] for f in fields(cls) if f.name != "world_size" and
-                 (f.name in values or f.name not in optional)}
+                 (f.name in values or f.default is MISSING)}
         return cls(**given, world_size=world_size)
 
     # ---- derived figures -------------------------------------------------------------
