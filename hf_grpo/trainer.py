@@ -240,7 +240,14 @@ class GRPOTrainer(trl.GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _longest_prompt(self, limit: int = 200_000) -> int | None:
+    def _longest_prompt(self) -> int | None:
+        """Tokens in the training set's longest prompt (scanned once: the cache sizing and the "auto" probe
+        both ask)."""
+        if not hasattr(self, "_longest_prompt_tokens"):
+            self._longest_prompt_tokens = self._scan_longest_prompt()
+        return self._longest_prompt_tokens
+
+    def _scan_longest_prompt(self, limit: int = 200_000) -> int | None:
         """Tokens in the training set's longest prompt, tokenized as TRL tokenizes them; None when unknown
         (no plain "prompt" column, images, or more than ``limit`` prompts, where the scan would cost too much)."""
         dataset = self.train_dataset
