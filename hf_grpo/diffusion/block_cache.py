@@ -39,13 +39,18 @@ from .model import base_module
 BLOCK_CACHES = ("prefix", "dual")
 
 
-def check_block_cache(block_cache, model: torch.nn.Module, logits_shift: bool, padding_style: str) -> None:
-    """A ValueError naming ``block_cache`` when it is unknown or the model cannot take it."""
-    if block_cache is None:
-        return
-    if block_cache not in BLOCK_CACHES:
+def check_block_cache_name(block_cache) -> None:
+    """A ValueError naming ``block_cache`` when it is neither None nor one of ``BLOCK_CACHES``."""
+    if block_cache is not None and block_cache not in BLOCK_CACHES:
         raise ValueError(f"block_cache must be None (exact, the default) or one of {BLOCK_CACHES} (approximate), "
                          f"got {block_cache!r}")
+
+
+def check_block_cache(block_cache, model: torch.nn.Module, logits_shift: bool, padding_style: str) -> None:
+    """A ValueError naming ``block_cache`` when it is unknown or the model cannot take it."""
+    check_block_cache_name(block_cache)
+    if block_cache is None:
+        return
     if cache_kwarg(model) is None or "position_ids" not in _parameters(model):
         raise ValueError(f"block_cache={block_cache!r} needs a model whose forward takes position_ids and a "
                          f"key/value cache (cache= or past_key_values=); {type(base_module(model)).__name__}"

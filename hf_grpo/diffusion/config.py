@@ -38,7 +38,7 @@ from ..config import (
     preset_config,
     resolve_batch_fields,
 )
-from .block_cache import BLOCK_CACHES
+from .block_cache import BLOCK_CACHES, check_block_cache_name
 
 logger = logging.getLogger("hf_grpo")
 
@@ -169,9 +169,7 @@ class DiffuGRPOConfig(GRPOConfig):
                 f"beyond one token per step commits nothing: use diffusion_steps <= {blocks * block} "
                 f"(one token per step)"
             )
-        if self.block_cache not in (None, *BLOCK_CACHES):
-            raise ValueError(f"block_cache must be None (exact, the default) or one of {BLOCK_CACHES} (approximate), "
-                             f"got {self.block_cache!r}")
+        check_block_cache_name(self.block_cache)
         if self.remasking not in REMASKING:
             raise ValueError(f"remasking must be one of {REMASKING}, got {self.remasking!r}")
         if isinstance(self.cfg_scale, bool) or not isinstance(self.cfg_scale, (int, float)) or not (

@@ -41,7 +41,14 @@ import torch
 from transformers import GenerationConfig
 
 from ..generation.base import GenerationBackend, cut_after_eos, iter_chunks, model_device
-from .block_cache import BLOCK_CACHES, BlockKVCache, cache_kwarg, check_block_cache, recomputed_columns, returned_cache
+from .block_cache import (
+    BlockKVCache,
+    cache_kwarg,
+    check_block_cache,
+    check_block_cache_name,
+    recomputed_columns,
+    returned_cache,
+)
 from .model import HeadBypass, accepts_kwarg, left_pad_tensors, pack_rows, padding_kwargs, slot_columns
 
 logger = logging.getLogger("hf_grpo")
@@ -208,9 +215,7 @@ class DiffusionSampler(GenerationBackend):
         autocast: Callable[[], object] | None = None,
         block_cache: str | None = None,
     ):
-        if block_cache not in (None, *BLOCK_CACHES):
-            raise ValueError(f"block_cache must be None (exact, the default) or one of {BLOCK_CACHES} (approximate), "
-                             f"got {block_cache!r}")
+        check_block_cache_name(block_cache)
         self.block_length, self.steps, self.mask_token_id = block_length, steps, mask_token_id
         self.remasking, self.cfg_scale, self.logits_shift = remasking, cfg_scale, logits_shift
         self.padding_style, self.block_cache = padding_style, block_cache
