@@ -22,8 +22,8 @@ def _bytes(count: int) -> str:
     return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
 
 
-def _nearest(value: int, ok, *, limit: int = 1 << 20) -> list[int]:
-    """The closest integers >= 1 to ``value`` for which ``ok`` holds (one below, one above)."""
+def nearest_valid(value: int, ok, *, limit: int = 1 << 20) -> list[int]:
+    """The closest integers >= 1 to ``value`` for which ``ok`` holds (one below, one above), closest first."""
     found = []
     for lower in range(value - 1, 0, -1):
         if ok(lower):
@@ -141,8 +141,8 @@ class BatchPlan:
             self.world_size,
         )
         if (P * S * W) % G:
-            nearest_p = _nearest(P, lambda p: (p * S * W) % G == 0)
-            nearest_s = _nearest(S, lambda s: (s * P * W) % G == 0 and (s % A == 0 or A % s == 0))
+            nearest_p = nearest_valid(P, lambda p: (p * S * W) % G == 0)
+            nearest_s = nearest_valid(S, lambda s: (s * P * W) % G == 0 and (s % A == 0 or A % s == 0))
             found.append(
                 f"per_device_train_batch_size ({P}) x steps_per_generation ({S}) x world size ({W}) = "
                 f"{P * S * W} completions per rollout is not a multiple of num_generations ({G}), so a "
@@ -150,7 +150,7 @@ class BatchPlan:
                 + (f" (or steps_per_generation: {_either(nearest_s)})" if nearest_s else "")
             )
         if S % A and A % S:
-            nearest_s = _nearest(S, lambda s: s % A == 0 or A % s == 0)
+            nearest_s = nearest_valid(S, lambda s: s % A == 0 or A % s == 0)
             found.append(
                 f"steps_per_generation ({S}) and gradient_accumulation_steps ({A}) must divide one another, "
                 f"so that a rollout of {P} x {S} x {W} = {P * S * W} completions covers whole optimizer steps "

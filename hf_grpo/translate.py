@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from .plan import BatchPlan
+from .plan import BatchPlan, nearest_valid
 
 
 class TranslationError(ValueError):
@@ -141,13 +141,6 @@ def _required(framework: str, values: Mapping[str, Any], *keys: str, why: str = 
 
 # ---- arithmetic with messages -----------------------------------------------------------------------
 
-def _nearest(value: int, ok: Callable[[int], bool], limit: int = 1 << 16) -> list[int]:
-    """The closest integers >= 1 to ``value`` for which ``ok`` holds, one below and one above."""
-    below = next((v for v in range(value - 1, 0, -1) if ok(v)), None)
-    above = next((v for v in range(value + 1, value + limit) if ok(v)), None)
-    return [v for v in (below, above) if v is not None]
-
-
 Fixes = Mapping[str, tuple[int, Callable[[int], bool]]]
 
 
@@ -158,8 +151,11 @@ def _divide(framework: str, what: str, value: int, by_what: str, by: int, why: s
         return value // by
     if fixes is None:
         fixes = {what: (value, lambda v: v % by == 0), by_what: (by, lambda d: value % d == 0)}
-    options = [f"{name}: {' or '.join(map(str, near))}"
-               for name, (current, ok) in fixes.items() if (near := _nearest(current, ok))]
+    options = []
+    for name, (current, ok) in fixes.items():
+        near = sorted(nearest_valid(current, ok, limit=1 << 16))  # the one below, then the one above
+        if near:
+            options.append(f"{name}: {' or '.join(map(str, near))}")
     raise TranslationError(f"{framework}: {what} = {value} is not a multiple of {by_what} = {by}, so {why}; "
                            f"nearest valid " + "; or ".join(options))
 
