@@ -234,8 +234,11 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
         if kwargs.get("batch_size") is not None and self.args.max_tokens_per_micro_batch is not None:
             # TRL's no-grad scoring of the rollout (old policy, reference) in row chunks: keep them in the budget too
-            kwargs["batch_size"] = token_budget.scoring_rows(self.args.max_tokens_per_micro_batch, input_ids.shape[1],
-                                                             kwargs["batch_size"])
+            rows = token_budget.scoring_rows(self.args.max_tokens_per_micro_batch, input_ids.shape[1],
+                                             kwargs["batch_size"])
+            # The same chunk on every rank (widths differ per rank): each chunk's head agrees on out-of-memory
+            # with the other ranks (hf_grpo.oom), so unequal chunk counts left a 2-process ZeRO-2 run hanging.
+            kwargs["batch_size"] = min_over_ranks(rows)
         with self.perf.phase("logprob"):
             return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
 
