@@ -1,6 +1,7 @@
-"""Processes started side by side (two "nodes" of one launch): a free port, waiting for all, stopping all.
+"""Launches run from the tests: one to its end within a time limit, or several side by side (two "nodes").
 
-Imported by the tests that run a multi-node launch as two processes on this machine.
+A launcher starts its ranks as children: on a time-out the whole process group is stopped, and the
+test fails with the output so far, instead of leaving ranks behind that wait on each other or on a lock.
 """
 
 from __future__ import annotations
@@ -31,6 +32,23 @@ def stop(process: subprocess.Popen) -> None:
             process.wait(timeout=10)
         except subprocess.TimeoutExpired:
             continue
+
+
+def run_to_end(command: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(command, capture_output=True, text=True, **kwargs)``, stopping the process group on a time-out.
+
+    The failure then shows where the launch got to (the tails of its output), since a hang shows no error.
+    """
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True, **kwargs)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop(process)
+        stdout, stderr = process.communicate()
+        raise AssertionError(f"timed out after {timeout} s: {' '.join(map(str, command))}\n"
+                             f"--- stdout (tail) ---\n{stdout[-2000:]}\n--- stderr (tail) ---\n{stderr[-6000:]}") from None
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def wait_for_all(processes: list[subprocess.Popen], timeout: float) -> str | None:

@@ -4,11 +4,11 @@ import json
 import math
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 import torch
+from side_by_side import run_to_end
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -22,14 +22,13 @@ def launch(config, script, *args, processes=2):
     ]
     command += [str(ROOT / script), *map(str, args)]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    result = run_to_end(command, 900, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     return result
 
 
 def python(script, *args):
-    result = subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], capture_output=True, text=True,
-                            timeout=900, cwd=ROOT)
+    result = run_to_end([sys.executable, str(ROOT / script), *map(str, args)], 900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-6000:]
     return result
 

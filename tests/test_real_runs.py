@@ -14,12 +14,12 @@ import json
 import math
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
+from side_by_side import free_port, run_to_end
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -118,12 +118,6 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _command(launch: str | None, recipe: str, args) -> list[str]:
     script = str(ROOT / "recipes" / f"{recipe}.py")
     if launch is None:  # one process: plain python, as the recipes' docstrings show
@@ -131,12 +125,11 @@ def _command(launch: str | None, recipe: str, args) -> list[str]:
     # the shipped config as is (bf16, 8 processes): only the process count and a free port on the command line
     return [sys.executable, "-m", "accelerate.commands.launch",
             "--config_file", str(ROOT / "accelerate_configs" / f"{launch}.yaml"),
-            "--num_processes", "2", "--main_process_port", str(_free_port()), script, *map(str, args)]
+            "--num_processes", "2", "--main_process_port", str(free_port()), script, *map(str, args)]
 
 
 def _run(launch: str | None, recipe: str, *args, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(_command(launch, recipe, args), capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env=_clean_env())
+    return run_to_end(_command(launch, recipe, args), timeout, cwd=ROOT, env=_clean_env())
 
 
 def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

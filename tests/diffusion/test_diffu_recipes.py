@@ -8,11 +8,11 @@ import os
 import pathlib
 import shutil
 import string
-import subprocess
 import sys
 
 import pytest
 import torch
+from side_by_side import run_to_end
 from transformers import GenerationConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -161,7 +161,7 @@ def test_diffu_quickstart_under_zero2_with_two_processes(tmp_path):
                "--output_dir", str(tmp_path), "--max_steps", "2", "--per_device_train_batch_size", "8",
                "--gradient_accumulation_steps", "2", "--num_iterations", "2", "--beta", "0.04", *QUICK]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    result = run_to_end(command, 900, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     assert "hf-grpo batch plan (world size 2)" in result.stderr
     assert "hf-grpo diffusion plan" in result.stderr

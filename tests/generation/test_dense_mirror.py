@@ -14,11 +14,11 @@ import copy
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 import torch
+from side_by_side import run_to_end
 from transformers import GenerationConfig, Qwen2ForCausalLM
 
 from hf_grpo.generation import dense_mirror
@@ -292,7 +292,7 @@ def test_zero3_grpo_run_generates_from_a_layerwise_refreshed_mirror(tmp_path, va
                str(ROOT / "tests" / "scripts" / "zero3_dense_mirror.py"), str(tmp_path),
                *([variant] if variant != "plain" else [])]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    result = run_to_end(command, 900, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     found = json.loads((tmp_path / "result.json").read_text())
     assert found["mirror"] == "on" and found["mirror_bytes"] > 0
