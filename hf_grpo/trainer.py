@@ -38,6 +38,7 @@ from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
 from . import autosize, token_budget
+from .build_locks import warn_about_stale_build_locks
 from .config import GRPOConfig
 from .generation import GenerationBackend, dense_mirror, resolve_backend
 from .logprob_head import install_chunked_lm_head
@@ -146,6 +147,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         checkpoint = autosize.checkpoint_dir(resume_from_checkpoint, self.args.output_dir)
         if autosize.resolve_auto_sizes(self, checkpoint):
             self.perf = PerformanceStats(self.accelerator.device)  # the probes are not part of the run's figures
+        if self.is_deepspeed_enabled:  # DeepSpeed builds ops (CPU Adam) as it prepares the optimizer
+            warn_about_stale_build_locks(self.accelerator.is_main_process)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
