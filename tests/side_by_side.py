@@ -46,8 +46,9 @@ def run_to_end(command: list[str], timeout: float, **kwargs) -> subprocess.Compl
     except subprocess.TimeoutExpired:
         stop(process)
         stdout, stderr = process.communicate()
-        raise AssertionError(f"timed out after {timeout} s: {' '.join(map(str, command))}\n"
-                             f"--- stdout (tail) ---\n{stdout[-2000:]}\n--- stderr (tail) ---\n{stderr[-6000:]}") from None
+        raise AssertionError(
+            f"timed out after {timeout} s: {' '.join(map(str, command))}\n"
+            f"--- stdout (tail) ---\n{stdout[-2000:]}\n--- stderr (tail) ---\n{stderr[-6000:]}") from None
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
