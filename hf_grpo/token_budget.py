@@ -85,7 +85,8 @@ Design (read against trl 1.16.0 / transformers 5.24):
 
 * A row longer than the budget cannot be run in any pass: a ``ValueError`` names ``max_tokens_per_micro_batch``,
   the budget and the row's tokens (no silent pass over budget, which is the memory the user capped).
-  ``config_problems`` refuses a budget below ``max_completion_length + 1`` up front.
+  ``config_problems`` refuses a budget below ``max_completion_length + 1`` up front, and ``check_longest_row``
+  (at train start) one below the training set's longest prompt + ``max_completion_length``.
 """
 
 from __future__ import annotations
@@ -415,6 +416,24 @@ def packed_loss(accelerator, model, inputs: Mapping[str, Any], budget: int, loss
     with uneven_row_gathers(accelerator):
         return run_passes(passes, compute, lambda loss: accelerator.backward(loss, **kwargs),
                           lambda: deferred_sync(accelerator, model))
+
+
+def check_longest_row(config: Any, longest_prompt: int | None) -> None:
+    """Refuse at train start a budget that the training set's longest prompt with a full-length completion exceeds.
+
+    Such a row cannot run in any pass (``_check_rows_fit``); found at the first step that samples it, the error
+    would end a run hours in. ``longest_prompt`` is None when the trainer could not scan the prompts.
+    """
+    budget = getattr(config, FIELD, None)
+    if budget is None or longest_prompt is None:
+        return
+    needed = longest_prompt + config.max_completion_length
+    if needed > budget:
+        raise ValueError(
+            f"{FIELD}={budget} cannot hold the training set's longest prompt ({longest_prompt} tokens) with a "
+            f"completion of max_completion_length={config.max_completion_length} tokens: {needed} tokens in one "
+            f"row; set {FIELD} >= {needed}, lower max_completion_length, or drop the longest prompts"
+        )
 
 
 def check_trainer(trainer) -> None:

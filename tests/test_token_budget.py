@@ -73,6 +73,21 @@ def test_a_row_longer_than_the_budget_is_an_error_naming_field_budget_and_length
         plan_passes(ext, budget=10)
 
 
+def test_a_budget_the_longest_prompt_cannot_fill_is_refused_at_train_start(tmp_path):
+    """Not at the first step that happens to sample a full-length completion for that prompt, maybe hours in."""
+    trainer = make_trainer(tmp_path, max_tokens_per_micro_batch=64, max_completion_length=6)
+    longest = trainer._longest_prompt()
+    assert longest > 0
+    trainer.args.max_tokens_per_micro_batch = longest + 5  # one token short of the longest prompt's full row
+    with pytest.raises(ValueError, match=rf"max_tokens_per_micro_batch={longest + 5} .*longest prompt \({longest} "
+                                         rf"tokens\) .*max_completion_length=6 .*>= {longest + 6}"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    trainer.args.max_tokens_per_micro_batch = longest + 6  # exactly enough: trains
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
 def micro_batch(rows=8, prompt_width=5, completion_width=7, vary_prompts=False, seed=0):
     """A TRL micro-batch: left-padded prompts, right-padded completions of 1..completion_width tokens."""
     g = torch.Generator().manual_seed(seed)
