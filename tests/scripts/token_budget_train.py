@@ -80,6 +80,9 @@ def main(out_dir, budget):
         max_completion_length=4, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", save_strategy="no",
         logging_steps=1, disable_tqdm=True, gradient_checkpointing=False, max_grad_norm=0.0, loss_type="bnpo",
         max_tokens_per_micro_batch=budget,
+        # two updates per rollout: TRL scores the old policy's log-probs in row chunks cut to the budget, whose
+        # widths differ per rank; every rank must run as many chunks (a 2-process run once hung there)
+        num_iterations=2,
     )
     trainer = GRPOTrainer(
         model=float64_rope(build_tiny_model(TOKENIZER, seed=0, dtype=torch.float64)), reward_funcs=reward,
