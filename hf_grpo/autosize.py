@@ -188,7 +188,8 @@ def read_saved_sizes(checkpoint: str | None) -> dict[str, Any] | None:
 
 def save_sizes(args, directory: str) -> None:
     """Write the run's current sizes (after "auto" and any OOM back-off) to ``directory/SIZES_FILE``."""
-    sizes = {name: getattr(args, name) for name in (*AUTO_FIELDS, "gradient_accumulation_steps", "steps_per_generation")}
+    sizes = {name: getattr(args, name) for name in (*AUTO_FIELDS, "gradient_accumulation_steps", "steps_per_generation",
+                                                    "max_tokens_per_micro_batch")}
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, SIZES_FILE), "w") as handle:
         json.dump(sizes, handle, indent=2)
@@ -222,7 +223,7 @@ def apply_sizes(trainer, sizes: dict[str, Any], fields: Sequence[str]) -> None:
 def _backed_off(saved: dict[str, Any], args) -> list[str]:
     """Chunk sizes the saved run had shrunk below this config's (an OOM back-off): a resume keeps them."""
     found = []
-    for name in ("per_device_generation_batch_size", "tensor_batch_size"):
+    for name in ("per_device_generation_batch_size", "tensor_batch_size", "max_tokens_per_micro_batch"):
         old, now = saved.get(name), getattr(args, name)
         if isinstance(old, int) and old >= 1 and (now is None or old < now):
             found.append(name)

@@ -17,7 +17,9 @@ ZeRO-3 forward all-gathers per layer): a rank failing halfway would leave its pe
 The trainer therefore wraps only collective-free units: one rollout's generation (parameters are
 gathered before it; not so under ZeRO-3 with ``ds3_gather_for_generation=False``, where an OOM inside
 ``generate`` still leaves the other ranks waiting) and the log-prob head after the backbone's forward.
-An OOM in the backbone's forward or in the backward is not caught: it ends the run as before.
+An OOM in the backbone's forward or in the backward escapes them: in a one-process run
+``hf_grpo.train_backoff`` retries the micro-batch in token-budget passes; with several processes it ends
+the run, since that backward all-reduces as it goes.
 
 Cost: with several processes, one all-reduce of one integer (and a host sync) per wrapped unit, i.e.
 per rollout and per log-prob forward; none with one process.
@@ -99,12 +101,12 @@ class SizeKnob:
         return getattr(self.owner, self.field)
 
     def run(self, attempt: Callable[[int | None], Any], *, full: Callable[[], int] | None = None,
-            on_retry: Callable[[], None] | None = None) -> Any:
+            on_retry: Callable[[], None] | None = None, floor: Callable[[], int] | None = None) -> Any:
         """``attempt(size)`` with the current size, halving it on every rank until no rank runs out of memory.
 
         ``full()`` gives the rows a ``None`` size stands for (required if the size can be None);
         ``on_retry()`` runs before each retry (free caches, restore the RNG). Raises the out-of-memory
-        error's message as ``torch.OutOfMemoryError`` once the size would drop below 1.
+        error's message as ``torch.OutOfMemoryError`` once the size would drop below ``floor()`` (default 1).
         """
         if not self.enabled:
             return attempt(self.value)
@@ -121,12 +123,13 @@ class SizeKnob:
             if not max_over_ranks(int(failed)):
                 return result
             result = None  # a rank that succeeded redoes its part at the smaller size, like the others
-            self._halve(size, full, failed, message)
+            self._halve(size, full, failed, message, 1 if floor is None else floor())
             free_memory()
             if on_retry is not None:
                 on_retry()
 
-    def _halve(self, size: int | None, full: Callable[[], int] | None, failed_here: bool, message: str) -> None:
+    def _halve(self, size: int | None, full: Callable[[], int] | None, failed_here: bool, message: str,
+               floor: int) -> None:
         if size is None:
             if full is None:
                 raise ValueError(f"{self.field} is None (no chunking) and no row count was given to halve")
@@ -134,9 +137,11 @@ class SizeKnob:
             size = max(rows, 1)
         new = size // 2
         where = f"on rank {_rank()}" if failed_here else f"on another rank (rank {_rank()} follows)"
-        if new < 1:
+        if new < floor:
+            smallest = ("1, the smallest chunk" if floor == 1
+                        else f"{size}, and half of it is below {floor}, the smallest that works")
             raise torch.OutOfMemoryError(
-                f"out of memory {where} with {self.field}=1, the smallest chunk: lower another size "
+                f"out of memory {where} with {self.field}={smallest}: lower another size "
                 f"(per_device_train_batch_size, max_completion_length) or free device memory. {message}"
             )
         logger.warning(

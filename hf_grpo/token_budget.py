@@ -436,21 +436,28 @@ def check_longest_row(config: Any, longest_prompt: int | None) -> None:
         )
 
 
-def check_trainer(trainer) -> None:
-    """Refuse, at trainer init, what only the trainer knows: a router aux loss, a replaced ``_compute_loss``."""
-    budget = getattr(trainer.args, FIELD, None)
-    if budget is None:
-        return
+def trainer_problems(trainer, budget: int) -> list[str]:
+    """What only the trainer knows that ``budget`` cannot run exactly with: a router aux loss, a replaced loss."""
     import trl
 
+    found = []
     if type(trainer)._compute_loss is not trl.GRPOTrainer._compute_loss:
-        raise ValueError(
+        found.append(
             f"{FIELD}={budget} is not supported by {type(trainer).__name__}: it replaces TRL's GRPO loss, whose "
             f"normalisation the token-budget passes reproduce; set {FIELD}=None"
         )
     if getattr(trainer, "aux_loss_enabled", False):
-        raise ValueError(
+        found.append(
             f"{FIELD}={budget} cannot be combined with the MoE router's auxiliary loss (router_aux_loss_coef="
             f"{trainer.router_aux_loss_coef}): it is a statistic of each forward pass, so splitting a "
             f"micro-batch would change it; set router_aux_loss_coef=0.0 or {FIELD}=None"
         )
+    return found
+
+
+def check_trainer(trainer) -> None:
+    """Refuse, at trainer init, what only the trainer knows (``trainer_problems``) for the configured budget."""
+    budget = getattr(trainer.args, FIELD, None)
+    found = [] if budget is None else trainer_problems(trainer, budget)
+    if found:
+        raise ValueError(found[0])

@@ -37,7 +37,7 @@ import trl
 from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
-from . import autosize, token_budget
+from . import autosize, token_budget, train_backoff
 from .build_locks import warn_about_stale_build_locks
 from .config import GRPOConfig
 from .generation import GenerationBackend, dense_mirror, resolve_backend
@@ -111,7 +111,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._mirror_decided = False
         # chunk sizes halved on every rank after an out-of-memory, and kept so (hf_grpo.oom)
         self._oom_knobs = {name: SizeKnob(self.args, name, lambda *_: self.perf.add("oom_backoffs", 1))
-                           for name in ("per_device_generation_batch_size", "tensor_batch_size")}
+                           for name in ("per_device_generation_batch_size", "tensor_batch_size",
+                                        token_budget.FIELD)}
+        # a training micro-batch's out-of-memory: retried in token-budget passes, where that is safe (one process)
+        self._train_backoff_unavailable = train_backoff.reason_unavailable(self)
+        self._train_backoff = None if self._train_backoff_unavailable else train_backoff.MicroBatchBackoff(
+            self._oom_knobs[token_budget.FIELD], self.loss_type, self.accelerator,
+            lambda: self.model.zero_grad(set_to_none=True), lambda: self._metrics["train"], self._longest_row)
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         head = dict(temperature=self.temperature, chunk_rows=self._oom_knobs["tensor_batch_size"],
                     cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32)
@@ -148,6 +154,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         checkpoint = autosize.checkpoint_dir(resume_from_checkpoint, self.args.output_dir)
         if autosize.resolve_auto_sizes(self, checkpoint):
             self.perf = PerformanceStats(self.accelerator.device)  # the probes are not part of the run's figures
+        if self._train_backoff is None and self.accelerator.is_main_process:
+            logger.info("an out-of-memory in a training micro-batch will end the run (no retry: %s)",
+                        self._train_backoff_unavailable)
         if self.is_deepspeed_enabled:  # DeepSpeed builds ops (CPU Adam) as it prepares the optimizer
             warn_about_stale_build_locks(self.accelerator.is_main_process)
         return super().train(resume_from_checkpoint, *args, **kwargs)
@@ -165,7 +174,15 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         budget = self.args.max_tokens_per_micro_batch
-        if budget is None or return_outputs or not self.model.training:
+        if return_outputs or not self.model.training:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self._train_backoff is not None:
+            # Forward and backward run here, again at half the token budget after an out-of-memory
+            # (hf_grpo.train_backoff); the Trainer's backward gets a leaf and reaches no parameter.
+            compute = functools.partial(super().compute_loss, model)
+            loss = self._train_backoff.step(model, compute, inputs, last_of_step=self.accelerator.sync_gradients)
+            return loss.requires_grad_()
+        if budget is None:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # The micro-batch in token-budget passes, all but the last backpropagated there (hf_grpo.token_budget)
         compute = functools.partial(super().compute_loss, model)
@@ -268,6 +285,12 @@ class GRPOTrainer(trl.GRPOTrainer):
                 return None
             longest = max(longest, max((len(ids) for ids in prompt_ids), default=0))
         return longest or None
+
+    def _longest_row(self, inputs) -> int:
+        """Tokens of the longest row the run can meet: longest prompt (the training set's, else this micro-batch's)
+        plus max_completion_length. A token budget below it could not hold some rollout's row."""
+        prompt = self._longest_prompt() or max(token_budget.extents(inputs).prompt)
+        return prompt + self.max_completion_length
 
     def _zero3_mirror(self) -> dense_mirror.DenseMirror | None:
         """Under ZeRO-3, the dense copy of the weights generation reads (``zero3_generation_mirror``), else None.

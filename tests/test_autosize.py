@@ -192,7 +192,7 @@ def test_checkpoints_hold_the_sizes_and_a_resume_reads_them_instead_of_probing(t
     checkpoint = tmp_path / "out" / "checkpoint-1"
     saved = json.loads((checkpoint / SIZES_FILE).read_text())
     assert saved == {"per_device_train_batch_size": 8, "per_device_generation_batch_size": 8, "tensor_batch_size": 8,
-                     "gradient_accumulation_steps": 1, "steps_per_generation": 1}
+                     "gradient_accumulation_steps": 1, "steps_per_generation": 1, "max_tokens_per_micro_batch": None}
     monkeypatch.setattr(hf_grpo.logprob_head, "chunked_logprobs", real)
 
     # As a probe on a GPU would have chosen: micro-batches of 4, twice as many of them.
