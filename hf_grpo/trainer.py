@@ -9,7 +9,8 @@ Each is thin and calls TRL's own code wherever it can:
   rollout). Every other path is TRL's, unchanged. Under ZeRO-3 with ``zero3_generation_mirror`` on, nothing is
   gathered there: the rollout decodes from a dense mirror refreshed layer by layer (``generation.dense_mirror``).
 - ``compute_loss`` (public, TRL's): with ``max_tokens_per_micro_batch``, one micro-batch runs as token-budget
-  passes (``hf_grpo.token_budget``), each through TRL's own ``compute_loss``.
+  passes (``hf_grpo.token_budget``), each through TRL's own ``compute_loss``. In a one-process run it also
+  runs the backward, so that an out-of-memory there can be retried (``hf_grpo.train_backoff``).
 - ``_calculate_rewards``: timed only (TRL's None/NaN handling is kept: see the README).
 - ``_get_per_token_logps_and_entropies``: timed; with ``max_tokens_per_micro_batch``, TRL's no-grad scoring
   chunks (``batch_size``) are cut to fit the budget.
@@ -20,8 +21,9 @@ Also: ``_prepare_inputs`` (TRL's, calls it and counts the micro-batch's tokens),
 ``_tokenize_prompts`` called once over the training prompts to size the ``cuda_graph`` cache for the
 run (``_longest_prompt``), and the public
 ``training_step`` (time accounting) and ``log`` (``perf/`` figures), and ``train`` (settles "auto" sizes
-first: ``hf_grpo.autosize``). A generation chunk or a head chunk that runs out of memory is halved on every
-rank and retried (``hf_grpo.oom``).
+first: ``hf_grpo.autosize``; refuses a token budget the longest prompt cannot fit; names stale DeepSpeed build
+locks). A generation chunk or a head chunk that runs out of memory is halved on every rank and retried
+(``hf_grpo.oom``).
 """
 
 from __future__ import annotations
