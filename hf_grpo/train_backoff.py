@@ -15,9 +15,10 @@ that only an out-of-memory costs, no memory at all. Their losses were already re
 appends while they run again are cut off, so each micro-batch is logged once.
 
 Where: one process, without DeepSpeed or FSDP (``reason_unavailable`` says why not otherwise). With
-several processes the backward all-reduces gradients as it goes (DDP buckets, ZeRO's reductions): a rank
-that runs out of memory half-way leaves the others waiting inside that collective, where no agreement
-can reach them. Those runs keep the up-front bound, ``max_tokens_per_micro_batch``.
+several processes the backward all-reduces gradients as it goes (DDP buckets, ZeRO's reductions), and
+TRL's loss gathers its metrics across ranks during the forward: a rank that runs out of memory half-way
+leaves the others waiting inside one of those collectives, where no agreement can reach them. Those runs
+keep the up-front bound, ``max_tokens_per_micro_batch``.
 
 The micro-batch's backward therefore happens here, inside ``compute_loss``; the Trainer's own backward
 then receives a detached copy of the loss (a leaf: its backward reaches no parameter).
@@ -124,7 +125,6 @@ class MicroBatchBackoff:
         else:
             self.window.append(inputs)
         return loss
-
 
 
 def _padded_tokens(inputs: Mapping[str, Any]) -> int:
