@@ -55,10 +55,15 @@ def reason_unavailable(trainer) -> str | None:
         return "use_adaptive_entropy: its controller counts each micro-batch's backward"
     # The retry runs the micro-batch in token-budget passes: what those cannot run exactly, it cannot retry.
     probe = copy.copy(args)
-    probe.max_tokens_per_micro_batch = args.max_tokens_per_micro_batch or args.max_completion_length + 1
-    problems = (token_budget.config_problems(probe)
-                + token_budget.trainer_problems(trainer, probe.max_tokens_per_micro_batch))
-    return problems[0] if problems else None
+    budget = probe.max_tokens_per_micro_batch = args.max_tokens_per_micro_batch or args.max_completion_length + 1
+    problems = token_budget.config_problems(probe) + token_budget.trainer_problems(trainer, budget)
+    if not problems:
+        return None
+    # The problem without its fix ("; set ..."), and without a budget the user never set.
+    problem = problems[0].split("; ")[0]
+    if args.max_tokens_per_micro_batch is None:
+        problem = problem.replace(f"{token_budget.FIELD}={budget}", token_budget.FIELD)
+    return f"its token-budget passes would not be exact: {problem}"
 
 
 def _metric_lengths(metrics: Mapping[str, list]) -> dict[str, int]:

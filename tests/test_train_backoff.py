@@ -130,7 +130,10 @@ def test_where_a_retry_is_not_safe_the_reason_is_given(tmp_path):
     assert "2 processes" in train_backoff.reason_unavailable(launched(2, DistributedType.MULTI_CPU))
     assert "DEEPSPEED manages the gradients" in train_backoff.reason_unavailable(launched(1, DistributedType.DEEPSPEED))
     trainer.args.top_entropy_quantile = 0.5  # the passes could not keep the quantile exact
-    assert "top_entropy_quantile=0.5" in train_backoff.reason_unavailable(trainer)
+    reason = train_backoff.reason_unavailable(trainer)
+    assert reason.startswith("its token-budget passes would not be exact: max_tokens_per_micro_batch cannot be "
+                             "combined with top_entropy_quantile=0.5"), reason
+    assert "set " not in reason  # the user set no budget: no advice about one
 
 
 def test_a_resume_keeps_the_halved_budget(tmp_path):
