@@ -3,7 +3,8 @@
 DeepSpeed compiles some of its ops on first use (CPU Adam for an offloaded optimizer, the CPU
 communication op) through torch's extension builder, which holds a ``lock`` file in the build
 directory while it compiles. A build killed half-way (Ctrl-C, a job time-out) leaves the file,
-and every later run waits on it silently. Naming the file before that wait turns a hang into a fix.
+and every later run waits on it silently. Naming the file before that wait turns a hang into a fix:
+the config does it as it is built, under DeepSpeed, before DeepSpeed builds its first op.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ import logging
 import os
 import pathlib
 import time
-
-from torch.utils.cpp_extension import get_default_build_root
+from typing import Any
 
 logger = logging.getLogger("hf_grpo")
 # A build of DeepSpeed's largest CPU op takes about a minute on two cores: a lock this old is left over.
@@ -22,7 +22,11 @@ STALE_AFTER_S = 600.0
 
 def extensions_root() -> pathlib.Path:
     """Where torch builds extensions: ``TORCH_EXTENSIONS_DIR``, else its per-user cache folder."""
-    return pathlib.Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return pathlib.Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    from torch.utils.cpp_extension import get_default_build_root  # imports setuptools: only when asked
+
+    return pathlib.Path(get_default_build_root())
 
 
 def stale_build_locks(root: pathlib.Path | None = None, older_than_s: float = STALE_AFTER_S) -> list[pathlib.Path]:
@@ -35,6 +39,12 @@ def stale_build_locks(root: pathlib.Path | None = None, older_than_s: float = ST
     cutoff = time.time() - older_than_s
     found = [*root.glob("*/lock"), *root.glob("*/*/lock")]
     return sorted(path for path in found if path.is_file() and path.stat().st_mtime < cutoff)
+
+
+def launched_with_deepspeed(deepspeed_field: Any) -> bool:
+    """Whether this process trains under DeepSpeed: a ``deepspeed`` config given, or ``accelerate launch``'s
+    DeepSpeed launcher (which says so in ``ACCELERATE_USE_DEEPSPEED``)."""
+    return bool(deepspeed_field) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
 
 
 def warn_about_stale_build_locks(is_main_process: bool = True) -> list[pathlib.Path]:

@@ -21,6 +21,7 @@ from typing import Any
 import trl
 
 from .autosize import AUTO, take_auto
+from .build_locks import launched_with_deepspeed, warn_about_stale_build_locks
 from .generation import BACKEND_NAMES
 from .generation.dense_mirror import validate_setting as validate_mirror_setting
 from .plan import BatchPlan
@@ -317,6 +318,8 @@ class GRPOConfig(trl.GRPOConfig):
         if self.generation_backend == "vllm":
             self.use_vllm = True
         validate_mirror_setting(self.zero3_generation_mirror)
+        if launched_with_deepspeed(self.deepspeed):  # before DeepSpeed builds its first op (TRL's checks below)
+            warn_about_stale_build_locks(is_main_process=os.environ.get("RANK", "0") == "0")
         fraction = self.auto_memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"auto_memory_fraction must be a number in (0, 1], e.g. 0.9, got {fraction!r}")

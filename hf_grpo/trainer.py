@@ -21,9 +21,8 @@ Also: ``_prepare_inputs`` (TRL's, calls it and counts the micro-batch's tokens),
 ``_tokenize_prompts`` called once over the training prompts to size the ``cuda_graph`` cache for the
 run (``_longest_prompt``), and the public
 ``training_step`` (time accounting) and ``log`` (``perf/`` figures), and ``train`` (settles "auto" sizes
-first: ``hf_grpo.autosize``; refuses a token budget the longest prompt cannot fit; names stale DeepSpeed build
-locks). A generation chunk or a head chunk that runs out of memory is halved on every rank and retried
-(``hf_grpo.oom``).
+first: ``hf_grpo.autosize``; refuses a token budget the longest prompt cannot fit). A generation chunk or a
+head chunk that runs out of memory is halved on every rank and retried (``hf_grpo.oom``).
 """
 
 from __future__ import annotations
@@ -40,7 +39,6 @@ from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
 from . import autosize, token_budget, train_backoff
-from .build_locks import warn_about_stale_build_locks
 from .config import GRPOConfig
 from .generation import GenerationBackend, dense_mirror, resolve_backend
 from .logprob_head import install_chunked_lm_head
@@ -159,8 +157,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self._train_backoff is None and self.accelerator.is_main_process:
             logger.info("an out-of-memory in a training micro-batch will end the run (no retry: %s)",
                         self._train_backoff_unavailable)
-        if self.is_deepspeed_enabled:  # DeepSpeed builds ops (CPU Adam) as it prepares the optimizer
-            warn_about_stale_build_locks(self.accelerator.is_main_process)
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):

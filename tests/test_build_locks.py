@@ -37,3 +37,24 @@ def test_the_warning_names_the_file_and_how_to_remove_it(tmp_path, monkeypatch, 
     assert caplog.text == ""
     lock.unlink()
     assert warn_about_stale_build_locks() == []
+
+
+def test_deepspeed_runs_are_told_when_the_config_is_built(tmp_path, monkeypatch, caplog, make_config):
+    """The config is built before DeepSpeed's first op build (its CPU communication op) can wait on a lock."""
+    from hf_grpo import config
+    from hf_grpo.build_locks import launched_with_deepspeed
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    lock = _lock(tmp_path / "ext" / "deepspeed_shm_comm" / "lock", 3600)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+    assert not launched_with_deepspeed(None)
+    with caplog.at_level(logging.WARNING, logger="hf_grpo"):
+        make_config()
+    assert str(lock) not in caplog.text  # no DeepSpeed, no word about its locks
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # as accelerate launch's DeepSpeed launcher sets it
+    assert launched_with_deepspeed(None) and launched_with_deepspeed("ds_config.json")
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    monkeypatch.setattr(config, "launched_with_deepspeed", lambda field: True)
+    with caplog.at_level(logging.WARNING, logger="hf_grpo"):
+        make_config()
+    assert f"rm {lock}" in caplog.text
