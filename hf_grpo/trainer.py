@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import trl
 from transformers import TrainerCallback
+from tqdm.auto import tqdm
 from trl.models import unwrap_model_for_generation
 
 from . import autosize, token_budget, train_backoff
@@ -46,6 +47,8 @@ from .oom import SizeKnob, generate_with_backoff, min_over_ranks
 from .stats import PerformanceStats
 
 logger = logging.getLogger("hf_grpo")
+# Prompts from which the one scan of the training set (tokenized as TRL does) shows a progress bar.
+SCAN_PROGRESS_FROM = 20_000
 
 
 def backend_counts(backend: GenerationBackend) -> dict[str, int]:
@@ -277,7 +280,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         if dataset is None or "prompt" not in names or len(dataset) > limit:
             return None
         longest = 0
-        for start in range(0, len(dataset), 1024):
+        starts = range(0, len(dataset), 1024)
+        quiet = len(dataset) < SCAN_PROGRESS_FROM or self.args.disable_tqdm or not self.accelerator.is_main_process
+        for start in tqdm(starts, desc="hf-grpo: longest prompt", unit="k prompts", disable=quiet):
             prompt_ids, images, fields = self._tokenize_prompts(dataset[start:start + 1024]["prompt"])
             if images is not None or fields:
                 return None
