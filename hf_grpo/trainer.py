@@ -177,7 +177,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         budget = self.args.max_tokens_per_micro_batch
         if return_outputs or not self.model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self._train_backoff is not None:
+        if self._train_backoff is not None and torch.is_grad_enabled():
             # Forward and backward run here, again at half the token budget after an out-of-memory
             # (hf_grpo.train_backoff); the Trainer's backward gets a leaf and reaches no parameter.
             compute = functools.partial(super().compute_loss, model)
