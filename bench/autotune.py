@@ -19,6 +19,11 @@ Scenarios (``--scenario``; ``all`` runs every one, each in a subprocess):
   MiB of the cap free, so generation runs out of memory; the back-off halves the chunk on the spot and
   the run goes on (the record says how often and to what size). On CPU (``--tiny``) the out-of-memory
   is injected into ``model.generate`` instead.
+* ``oom_train``: the default sizes, but the micro-batches of optimizer step 2 run their forward and
+  backward next to a hog that leaves free 60% of what step 1's forward and backward took, so the training
+  step runs out of memory; in a one-process run the micro-batch is run again in token-budget passes of half
+  its size (``max_tokens_per_micro_batch``, kept for the rest of the run). On CPU (``--tiny``) the
+  out-of-memory is raised once from a gradient hook, half-way through a backward.
 
 One JSON line per run on stdout (``RESULT {...}``; also appended to ``--out``): steps done, train
 wall time (probing included, and ``probe_s`` alone), step times, generated tokens per second,
@@ -47,7 +52,8 @@ import time
 import torch
 from transformers import TrainerCallback
 
-SCENARIOS = ("default", "auto", "hand", "oom")
+SCENARIOS = ("default", "auto", "hand", "oom", "oom_train")
+_PEAK_BEFORE_RESET = [0]  # oom_train resets the peak to measure step 1's training; the run's peak is kept here
 
 
 def parse_args(argv=None):
@@ -176,6 +182,52 @@ def hog_rollouts(trainer, args, rollouts=(2, 3)):
     trainer._generate_single_turn = hogged
 
 
+def hog_training(trainer, args, steps=(2,)):
+    """oom_train: step 1's forward/backward is measured; those of ``steps`` run next to a hog leaving 60% of it."""
+    compute = trainer.compute_loss
+    measured = {"train_bytes": 0}
+    if args.device == "cpu":  # the allocator cannot be filled: raise once, half-way through step 2's first backward
+        fired = []
+
+        def hook(grad):
+            if trainer.state.global_step + 1 in steps and not fired:
+                fired.append(True)
+                raise torch.OutOfMemoryError("injected by bench/autotune.py")
+            return grad
+
+        trainer.model.model.layers[0].self_attn.q_proj.weight.register_hook(hook)
+        return
+
+    def hogged(model, inputs, *a, **k):
+        step, hog = trainer.state.global_step + 1, None
+        if step == 1:
+            torch.cuda.synchronize()
+            _PEAK_BEFORE_RESET[0] = max(_PEAK_BEFORE_RESET[0], torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            try:
+                return compute(model, inputs, *a, **k)
+            finally:
+                torch.cuda.synchronize()
+                measured["train_bytes"] = max(measured["train_bytes"], torch.cuda.max_memory_allocated() - base)
+        if step in steps and measured["train_bytes"]:
+            torch.cuda.empty_cache()
+            cap = torch.cuda.get_device_properties(0).total_memory * args.memory_fraction
+            size = int(cap - torch.cuda.memory_reserved() - 0.6 * measured["train_bytes"])
+            while hog is None and size > 0:
+                try:
+                    hog = torch.empty(size, dtype=torch.uint8, device="cuda")
+                except torch.OutOfMemoryError:
+                    size -= 32 * 2**20
+        try:
+            return compute(model, inputs, *a, **k)
+        finally:
+            del hog
+
+    trainer.compute_loss = hogged
+    trainer._bench_train_bytes = measured
+
+
 def run_one(args, scenario) -> dict:
     import hf_grpo.autosize
     from hf_grpo import GRPOConfig, GRPOTrainer
@@ -196,6 +248,8 @@ def run_one(args, scenario) -> dict:
                           args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock])
     if scenario == "oom":
         hog_rollouts(trainer, args)
+    if scenario == "oom_train":
+        hog_training(trainer, args)
     probe = {"s": 0.0, "chosen": None}
     resolve = hf_grpo.autosize.resolve_auto_sizes
 
@@ -220,7 +274,7 @@ def run_one(args, scenario) -> dict:
         memory_fraction=args.memory_fraction if args.device == "cuda" else None,
         sizes={name: getattr(trainer.args, name) for name in (
             "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
-            "per_device_generation_batch_size", "tensor_batch_size")},
+            "per_device_generation_batch_size", "tensor_batch_size", "max_tokens_per_micro_batch")},
         completions_per_step=trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps,
         steps_done=trainer.state.global_step, train_s=round(train_s, 2), probe_s=round(probe["s"], 2),
         step_s=[round(t, 3) for t in clock.times],
@@ -229,9 +283,13 @@ def run_one(args, scenario) -> dict:
         train_tokens_per_s=round(stats["train_tokens_per_s"], 1),
         oom_backoffs=sum(entry.get("perf/oom_backoffs", 0) for entry in logged),
         generation_backend=getattr(trainer._backend, "name", None),
+        train_micro_batches_rerun=getattr(trainer._train_backoff, "replays", None),
     )
+    if scenario == "oom_train" and args.device == "cuda":
+        record["step1_train_gib"] = round(trainer._bench_train_bytes["train_bytes"] / 2**30, 3)
     if args.device == "cuda":
-        record.update(peak_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
+        peak = max(torch.cuda.max_memory_allocated(), _PEAK_BEFORE_RESET[0])
+        record.update(peak_allocated_gib=round(peak / 2**30, 3),
                       peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3),
                       cap_gib=round(torch.cuda.get_device_properties(0).total_memory * args.memory_fraction / 2**30, 2))
     return record

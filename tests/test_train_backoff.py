@@ -146,3 +146,20 @@ def test_a_resume_keeps_the_halved_budget(tmp_path):
     assert resumed.args.max_tokens_per_micro_batch is None
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.global_step == 2 and resumed.args.max_tokens_per_micro_batch == budget
+
+
+def test_the_gpu_benchmark_scenario_survives_its_injected_oom_on_cpu(tmp_path):
+    """bench/autotune.py --scenario oom_train, the CPU smoke run: what the GPU run will measure is recorded."""
+    import importlib.util
+    import json
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "autotune.py"
+    spec = importlib.util.spec_from_file_location("bench_autotune", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "autotune.jsonl"
+    assert bench.main(["--tiny", "--scenario", "oom_train", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["steps_done"] == 2 and record["oom_backoffs"] == 1
+    assert isinstance(record["sizes"]["max_tokens_per_micro_batch"], int)
