@@ -10,6 +10,11 @@ line per budget (``RESULT {...}``; also appended to ``--out``): peak allocated m
 passes, padded tokens actually run, and the gradient's relative difference to the one-pass gradient
 (``out_of_memory: true`` where a run did not fit).
 
+Beside them, what a user does without a budget (``--fixed_rows``): a smaller fixed micro-batch of k rows,
+accumulated over B / k micro-batches, each padded to the whole rollout's width as TRL's micro-batches are.
+Its record says ``fixed_rows`` instead of ``budget``. No run retries at a smaller size after an
+out-of-memory (``hf_grpo.train_backoff`` is off): the bench measures each setting as given.
+
 On the GPU machine, from the repository root:
 
     python bench/token_budget.py --out bench/results/raw/token_budget.jsonl
@@ -44,6 +49,7 @@ def parse_args(argv=None):
     parser.add_argument("--max_completion", type=int, default=4096)
     parser.add_argument("--long_fraction", type=float, default=0.15, help="share of completions of full length")
     parser.add_argument("--budgets", default="none,8192,16384,32768")
+    parser.add_argument("--fixed_rows", default="2,4,8", help="fixed micro-batches of k rows (k divides --rows)")
     parser.add_argument("--loss_type", default="grpo")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -51,7 +57,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.tiny:
         args.rows, args.min_prompt, args.max_prompt, args.max_completion = 8, 3, 12, 24
-        args.budgets, args.repeats = "none,48,96", 1
+        args.budgets, args.repeats, args.fixed_rows = "none,48,96", 1, "2,4"
     return args
 
 
@@ -93,10 +99,24 @@ def build_trainer(args, budget_max: int, output_dir: str) -> GRPOTrainer:
                           train_dataset=Dataset.from_dict({"prompt": ["a"] * args.rows}), processing_class=tokenizer)
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
+    trainer._train_backoff = None  # measure each setting as given, not a retry at half the budget
     return trainer
 
 
-def measure(trainer, inputs, budget, repeats):
+def fixed_micro_batches(trainer, inputs, rows_per_micro_batch: int):
+    """The rows in fixed micro-batches of ``rows_per_micro_batch`` (full width each), gradients accumulated;
+    each loss scaled by its share of the whole micro-batch's, so the sum is the one-pass gradient."""
+    rows = inputs["prompt_ids"].shape[0]
+    if rows % rows_per_micro_batch:
+        raise SystemExit(f"--fixed_rows {rows_per_micro_batch} must divide --rows {rows}")
+    for start in range(0, rows, rows_per_micro_batch):
+        part = {key: value[start:start + rows_per_micro_batch] if value.dim() and value.shape[0] == rows else value
+                for key, value in inputs.items()}
+        scale = token_budget.pass_scale(trainer.loss_type, part, inputs)
+        trainer.accelerator.backward(trainer.compute_loss(trainer.model, part) * scale)
+
+
+def measure(trainer, inputs, budget, repeats, fixed_rows=None):
     trainer.args.max_tokens_per_micro_batch = budget
     cuda = inputs["prompt_ids"].is_cuda
     times = []
@@ -107,7 +127,10 @@ def measure(trainer, inputs, budget, repeats):
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        trainer.accelerator.backward(trainer.compute_loss(trainer.model, inputs))
+        if fixed_rows is None:
+            trainer.accelerator.backward(trainer.compute_loss(trainer.model, inputs))
+        else:
+            fixed_micro_batches(trainer, inputs, fixed_rows)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -124,21 +147,28 @@ def main(argv=None):
         inputs = micro_batch(args, trainer.accelerator.device, len(build_char_tokenizer()))
         ext = token_budget.extents(inputs)
         reference = None
-        for budget in budgets:
-            passes = [list(range(args.rows))] if budget is None else token_budget.plan_passes(ext, budget)
+        settings = [(budget, None) for budget in budgets] + [(None, int(k)) for k in args.fixed_rows.split(",") if k]
+        for budget, fixed in settings:
+            if fixed is not None:
+                passes = [list(range(start, start + fixed)) for start in range(0, args.rows, fixed)]
+            else:
+                passes = [list(range(args.rows))] if budget is None else token_budget.plan_passes(ext, budget)
             try:
-                seconds, peak, grad = measure(trainer, inputs, budget, args.repeats)
+                seconds, peak, grad = measure(trainer, inputs, budget, args.repeats, fixed)
                 oom = False
             except torch.cuda.OutOfMemoryError:  # the one-pass baseline may not fit: that is the point
                 seconds, peak, grad, oom = None, None, None, True
                 trainer.model.zero_grad(set_to_none=True)
                 torch.cuda.empty_cache()
-            reference = grad if reference is None and budget is None else reference
+            reference = grad if reference is None and budget is None and fixed is None else reference
             diff = None if reference is None or grad is None else ((grad - reference).norm() / reference.norm()).item()
+            full_width = inputs["prompt_ids"].shape[1] + inputs["completion_ids"].shape[1]
             record = {
-                "budget": budget, "rows": args.rows, "loss_type": args.loss_type, "passes": len(passes),
+                "budget": budget, "fixed_rows": fixed, "rows": args.rows, "loss_type": args.loss_type,
+                "passes": len(passes),
                 "rows_per_pass": [len(rows) for rows in passes],
-                "padded_tokens": sum(token_budget.pass_tokens(rows, ext) for rows in passes),
+                "padded_tokens": (sum(token_budget.pass_tokens(rows, ext) for rows in passes) if fixed is None
+                                  else args.rows * full_width),
                 "real_tokens": int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()),
                 "out_of_memory": oom, "seconds": seconds, "peak_allocated_gib": peak, "grad_rel_diff_vs_one_pass": diff,
                 "device": torch.cuda.get_device_name() if inputs["prompt_ids"].is_cuda else "cpu",

@@ -358,3 +358,22 @@ def test_two_processes_needing_different_pass_counts_run_equally_many_and_match(
     one_pass, packed = update(tmp_path / "one_pass"), update(tmp_path / "packed")
     assert one_pass.norm() > 0
     assert ((packed - one_pass).norm() / one_pass.norm()).item() < rtol
+
+
+def test_the_gpu_benchmark_runs_budgets_and_fixed_micro_batches_to_the_one_pass_gradient(capsys):
+    """bench/token_budget.py --tiny: every setting it will measure on the GPU gives the one-pass gradient."""
+    import importlib.util
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "token_budget.py"
+    spec = importlib.util.spec_from_file_location("bench_token_budget", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    bench.main(["--tiny"])
+    records = [json.loads(line[len("RESULT "):]) for line in capsys.readouterr().out.splitlines()
+               if line.startswith("RESULT ")]
+    assert [(r["budget"], r["fixed_rows"]) for r in records] == [(None, None), (48, None), (96, None), (None, 2),
+                                                                   (None, 4)]
+    assert all(not r["out_of_memory"] and r["grad_rel_diff_vs_one_pass"] < 1e-5 for r in records), records
+    one_pass = records[0]["padded_tokens"]
+    assert all(r["padded_tokens"] < one_pass for r in records if r["budget"])  # the budgets cut padding
+    assert all(r["padded_tokens"] == one_pass for r in records if r["fixed_rows"])  # fixed ones keep it all
