@@ -145,6 +145,23 @@ def sizes_for(args, scenario):
                 steps_per_generation=4 if not args.tiny else 2, tensor_batch_size=1024 if not args.tiny else 64)
 
 
+def allocate_hog(args, free_bytes: float):
+    """A tensor filling the per-process cap but ``free_bytes`` (None when nothing is left to fill).
+
+    The cap counts reserved memory; the size steps down 32 MiB at a time so that what is left stays near
+    ``free_bytes`` (a 5% step once left a whole GiB, and nothing ran out of memory).
+    """
+    torch.cuda.empty_cache()
+    cap = torch.cuda.get_device_properties(0).total_memory * args.memory_fraction
+    size = int(cap - torch.cuda.memory_reserved() - free_bytes)
+    while size > 0:
+        try:
+            return torch.empty(size, dtype=torch.uint8, device="cuda")
+        except torch.OutOfMemoryError:
+            size -= 32 * 2**20
+    return None
+
+
 def hog_rollouts(trainer, args, rollouts=(2, 3)):
     """oom: rollouts 2 and 3 run next to a hog tensor that leaves ``hog_free_mib`` of the cap (GPU), or
     with ``model.generate`` failing above 2 sequences (CPU)."""
@@ -161,16 +178,7 @@ def hog_rollouts(trainer, args, rollouts=(2, 3)):
         hog = None
         if count[0] in rollouts:
             if args.device == "cuda":
-                torch.cuda.empty_cache()
-                total = torch.cuda.get_device_properties(0).total_memory * args.memory_fraction
-                # the cap counts reserved memory; step down 32 MiB at a time so that what is left stays near
-                # hog_free_mib (a 5% step once left a whole GiB, and nothing ran out of memory)
-                size = int(total - torch.cuda.memory_reserved() - args.hog_free_mib * 2**20)
-                while hog is None and size > 0:
-                    try:
-                        hog = torch.empty(size, dtype=torch.uint8, device="cuda")
-                    except torch.OutOfMemoryError:
-                        size -= 32 * 2**20
+                hog = allocate_hog(args, args.hog_free_mib * 2**20)
             else:
                 trainer.model.generate = failing_generate
         try:
@@ -211,14 +219,7 @@ def hog_training(trainer, args, steps=(2,)):
                 torch.cuda.synchronize()
                 measured["train_bytes"] = max(measured["train_bytes"], torch.cuda.max_memory_allocated() - base)
         if step in steps and measured["train_bytes"]:
-            torch.cuda.empty_cache()
-            cap = torch.cuda.get_device_properties(0).total_memory * args.memory_fraction
-            size = int(cap - torch.cuda.memory_reserved() - 0.6 * measured["train_bytes"])
-            while hog is None and size > 0:
-                try:
-                    hog = torch.empty(size, dtype=torch.uint8, device="cuda")
-                except torch.OutOfMemoryError:
-                    size -= 32 * 2**20
+            hog = allocate_hog(args, 0.6 * measured["train_bytes"])
         try:
             return compute(model, inputs, *a, **k)
         finally:
