@@ -1,21 +1,14 @@
 """The README's main command: the quickstart trains a tiny model and its reward clearly rises."""
 
-import importlib.util
 import json
 import pathlib
 import subprocess
 import sys
 
 import pytest
+from project_files import load_recipe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def load_recipe(name):
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow

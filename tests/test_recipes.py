@@ -1,10 +1,10 @@
 """Recipes with --tiny: each runs offline end to end on CPU."""
 
-import importlib.util
 import json
 import pathlib
 
 import pytest
+from project_files import load_recipe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 QUICK = ["--tiny", "--max_steps", "2", "--per_device_train_batch_size", "8", "--max_completion_length", "12",
@@ -12,10 +12,7 @@ QUICK = ["--tiny", "--max_steps", "2", "--per_device_train_batch_size", "8", "--
 
 
 def run_recipe(name, *args):
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main([*QUICK, *map(str, args)])
+    return load_recipe(name).main([*QUICK, *map(str, args)])
 
 
 def logged(output_dir):

@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+from project_files import load_bench
 from scripts.token_budget_train import float64_rope
 from test_launch import launch
 from test_trainer import TOKENIZER, assert_same_update, make_trainer, train_one_step
@@ -362,12 +363,7 @@ def test_two_processes_needing_different_pass_counts_run_equally_many_and_match(
 
 def test_the_gpu_benchmark_runs_budgets_and_fixed_micro_batches_to_the_one_pass_gradient(capsys):
     """bench/token_budget.py --tiny: every setting it will measure on the GPU gives the one-pass gradient."""
-    import importlib.util
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "token_budget.py"
-    spec = importlib.util.spec_from_file_location("bench_token_budget", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("token_budget")
     bench.main(["--tiny"])
     records = [json.loads(line[len("RESULT "):]) for line in capsys.readouterr().out.splitlines()
                if line.startswith("RESULT ")]

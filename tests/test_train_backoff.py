@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 from accelerate.utils import DistributedType
+from project_files import load_bench
 from scripts.token_budget_train import float64_rope
 from test_trainer import TOKENIZER, make_trainer
 
@@ -150,14 +151,9 @@ def test_a_resume_keeps_the_halved_budget(tmp_path):
 
 def test_the_gpu_benchmark_scenario_survives_its_injected_oom_on_cpu(tmp_path):
     """bench/autotune.py --scenario oom_train, the CPU smoke run: what the GPU run will measure is recorded."""
-    import importlib.util
     import json
-    import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "autotune.py"
-    spec = importlib.util.spec_from_file_location("bench_autotune", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench("autotune")
     out = tmp_path / "autotune.jsonl"
     assert bench.main(["--tiny", "--scenario", "oom_train", "--out", str(out)]) == 0
     record = json.loads(out.read_text())

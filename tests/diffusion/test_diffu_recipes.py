@@ -1,7 +1,6 @@
 """Recipes end to end: the diffusion quickstart learns, the countdown recipe runs --tiny and on a trust_remote_code
 checkpoint written here (its own modelling file + auto_map), and a 2-process ZeRO-2 launch."""
 
-import importlib.util
 import json
 import math
 import os
@@ -12,18 +11,12 @@ import sys
 
 import pytest
 import torch
+from project_files import load_file, load_recipe
 from side_by_side import run_to_end
 from transformers import GenerationConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 HERE = pathlib.Path(__file__).resolve().parent
-
-
-def load_recipe(name):
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def metrics(output_dir):
@@ -38,9 +31,7 @@ def write_remote_checkpoint(directory, auto_class: str):
     under ``auto_class`` (LLaDA registers AutoModelForCausalLM; Dream registers AutoModel only)."""
     from hf_grpo.diffusion.tiny import build_diffusion_tokenizer
 
-    spec = importlib.util.spec_from_file_location("modeling_tiny_llada", HERE / "remote_llada.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_file(HERE / "remote_llada.py", "modeling_tiny_llada")
     tokenizer = build_diffusion_tokenizer(string.printable)
     config = module.TinyLLaDAConfig(vocab_size=len(tokenizer), mask_token_id=tokenizer.mask_token_id,
                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)

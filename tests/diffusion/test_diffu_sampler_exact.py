@@ -8,11 +8,11 @@ noise elsewhere never matters: those positions are not committed), both commit t
 same steps. float64 model, so no near-tie decides anything.
 """
 
-import importlib.util
 import pathlib
 
 import pytest
 import torch
+from project_files import load_file
 
 from hf_grpo.diffusion import sampler as sampler_module
 from hf_grpo.diffusion.model import left_pad_tensors
@@ -26,10 +26,7 @@ GEN, BLOCK, STEPS = 12, 4, 6  # 3 blocks, 2 steps per block, 2 tokens per step
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("diffu_llada_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(BENCH, "diffu_llada_bench")
 
 
 @pytest.fixture(scope="module")
