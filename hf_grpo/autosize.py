@@ -34,6 +34,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
 
 from .oom import (
+    BACKOFF_FIELDS,
     free_memory,
     is_oom,
     max_over_ranks,
@@ -188,8 +189,8 @@ def read_saved_sizes(checkpoint: str | None) -> dict[str, Any] | None:
 
 def save_sizes(args, directory: str) -> None:
     """Write the run's current sizes (after "auto" and any OOM back-off) to ``directory/SIZES_FILE``."""
-    sizes = {name: getattr(args, name) for name in (*AUTO_FIELDS, "gradient_accumulation_steps", "steps_per_generation",
-                                                    "max_tokens_per_micro_batch")}
+    names = dict.fromkeys((*AUTO_FIELDS, "gradient_accumulation_steps", "steps_per_generation", *BACKOFF_FIELDS))
+    sizes = {name: getattr(args, name) for name in names}
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, SIZES_FILE), "w") as handle:
         json.dump(sizes, handle, indent=2)
@@ -223,7 +224,7 @@ def apply_sizes(trainer, sizes: dict[str, Any], fields: Sequence[str]) -> None:
 def _backed_off(saved: dict[str, Any], args) -> list[str]:
     """Chunk sizes the saved run had shrunk below this config's (an OOM back-off): a resume keeps them."""
     found = []
-    for name in ("per_device_generation_batch_size", "tensor_batch_size", "max_tokens_per_micro_batch"):
+    for name in BACKOFF_FIELDS:
         old, now = saved.get(name), getattr(args, name)
         if isinstance(old, int) and old >= 1 and (now is None or old < now):
             found.append(name)

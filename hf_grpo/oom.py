@@ -37,6 +37,10 @@ import torch.distributed as dist
 
 logger = logging.getLogger("hf_grpo")
 
+# The sizes an out-of-memory halves (each a SizeKnob of the trainer): kept on the config for the rest of the
+# run, saved in checkpoints and kept by a resume (hf_grpo.autosize).
+BACKOFF_FIELDS = ("per_device_generation_batch_size", "tensor_batch_size", "max_tokens_per_micro_batch")
+
 # Error texts of allocation failures raised as a plain RuntimeError (cuBLAS/cuDNN workspaces, older torch).
 _OOM_TEXTS = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed")
 

@@ -35,15 +35,15 @@ from typing import Any
 
 import torch
 import trl
-from transformers import TrainerCallback
 from tqdm.auto import tqdm
+from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
 from . import autosize, token_budget, train_backoff
 from .config import GRPOConfig
 from .generation import GenerationBackend, dense_mirror, resolve_backend
 from .logprob_head import install_chunked_lm_head
-from .oom import SizeKnob, generate_with_backoff, min_over_ranks
+from .oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
 from .stats import PerformanceStats
 
 logger = logging.getLogger("hf_grpo")
@@ -114,8 +114,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._mirror_decided = False
         # chunk sizes halved on every rank after an out-of-memory, and kept so (hf_grpo.oom)
         self._oom_knobs = {name: SizeKnob(self.args, name, lambda *_: self.perf.add("oom_backoffs", 1))
-                           for name in ("per_device_generation_batch_size", "tensor_batch_size",
-                                        token_budget.FIELD)}
+                           for name in BACKOFF_FIELDS}
         # a training micro-batch's out-of-memory: retried in token-budget passes, where that is safe (one process)
         self._train_backoff_unavailable = train_backoff.reason_unavailable(self)
         self._train_backoff = None if self._train_backoff_unavailable else train_backoff.MicroBatchBackoff(
@@ -177,16 +176,15 @@ class GRPOTrainer(trl.GRPOTrainer):
         budget = self.args.max_tokens_per_micro_batch
         if return_outputs or not self.model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        compute = functools.partial(super().compute_loss, model)  # TRL's loss of one micro-batch or pass
         if self._train_backoff is not None and torch.is_grad_enabled():
             # Forward and backward run here, again at half the token budget after an out-of-memory
             # (hf_grpo.train_backoff); the Trainer's backward gets a leaf and reaches no parameter.
-            compute = functools.partial(super().compute_loss, model)
             loss = self._train_backoff.step(model, compute, inputs, last_of_step=self.accelerator.sync_gradients)
             return loss.requires_grad_()
         if budget is None:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            return compute(inputs)
         # The micro-batch in token-budget passes, all but the last backpropagated there (hf_grpo.token_budget)
-        compute = functools.partial(super().compute_loss, model)
         return token_budget.packed_loss(self.accelerator, model, inputs, budget, self.loss_type, compute)
 
     def _prepare_inputs(self, generation_batch):
