@@ -13,7 +13,9 @@ backend generates the same number of tokens), 64-token prompts.
 (b) ``hf``: ``HFGenerateBackend`` (``model.generate`` per chunk).
 (c) ``cuda_graph``: ``CudaGraphBackend`` (decode step compiled with ``torch.compile`` when
     available, then captured; its defaults); ``cuda_graph_sdpa``: the same with
-    ``decode_attention="sdpa"``; ``cuda_graph_nocompile``: captured without compiling.
+    ``decode_attention="sdpa"``; ``cuda_graph_nocompile``: captured without compiling;
+    ``cuda_graph_whole_model``: the whole one-token forward compiled (``compile_scope="model"``)
+    instead of one decoder layer.
 
 Each backend's first full-length call (cold: cuDNN plans for every KV length, compiling,
 capturing) is not timed; it is reported as ``first_call_s``. The ``hf`` backend runs after
@@ -135,7 +137,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--backends", default="trl,hf,cuda_graph",
         help="from: trl, hf, cuda_graph (defaults: compiled decode step when available, "
-        "decode_attention='matmul'), cuda_graph_sdpa (decode_attention='sdpa'), cuda_graph_nocompile",
+        "decode_attention='matmul'), cuda_graph_sdpa (decode_attention='sdpa'), cuda_graph_nocompile, "
+        "cuda_graph_whole_model (compile_scope='model')",
     )
     parser.add_argument("--repeats", type=int, default=1, help="timed calls per backend (the fastest is kept)")
     parser.add_argument("--chunk-size", type=int, default=0, help="hf/cuda_graph chunk size (0: all completions at once)")
@@ -168,6 +171,7 @@ def main(argv=None) -> int:
             "cuda_graph": CudaGraphBackend(),
             "cuda_graph_sdpa": CudaGraphBackend(decode_attention="sdpa"),
             "cuda_graph_nocompile": CudaGraphBackend(compile=False),
+            "cuda_graph_whole_model": CudaGraphBackend(compile_scope="model"),
         }
         trl_tps, warmed = {}, {}
         for n in [int(x) for x in args.completions.split(",") if x.strip()]:

@@ -53,19 +53,22 @@ def build_tiny_model(
 ) -> Qwen2ForCausalLM:
     """A randomly initialised Qwen2-shaped causal LM; ``"tiny"`` (~80k parameters) suits CPU tests.
 
-    ``config_overrides`` go to ``Qwen2Config`` (the diffusion models pass ``is_causal=False`` and a mask id).
+    ``config_overrides`` go to ``Qwen2Config`` and win over the shape's values (the diffusion models
+    pass ``is_causal=False`` and a mask id; tests pass ``num_hidden_layers``).
     """
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {sorted(SHAPES)}, got {shape!r}")
     dims = dict(SHAPES[shape])
     dims["vocab_size"] = dims["vocab_size"] or len(tokenizer)
     config = Qwen2Config(
-        **dims,
-        max_position_embeddings=4096,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
-        **config_overrides,
+        **{
+            **dims,
+            "max_position_embeddings": 4096,
+            "pad_token_id": tokenizer.pad_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "bos_token_id": tokenizer.eos_token_id,
+            **config_overrides,
+        }
     )
     if attn_implementation is not None:
         config._attn_implementation = attn_implementation

@@ -68,6 +68,7 @@ from .base import (
 )
 from .hf import HFGenerateBackend
 from .sampling import SamplingSettings, unsupported_generation_setting
+from .regional_compile import CompiledLayers
 from .static_decoder import (
     GQA_DECODE_ATTENTION,
     StaticDecoder,
@@ -100,6 +101,8 @@ SUPPORTED_ATTENTION = frozenset({"sdpa", "eager"})
 # RoPE variants that read the largest position id on the host (a sync, and a value baked into the graph).
 UNSUPPORTED_ROPE_TYPES = frozenset({"dynamic", "longrope"})
 
+COMPILE_SCOPES = ("layers", "model")
+
 __all__ = ["CudaGraphBackend", "cache_len_ladder"]
 
 
@@ -131,6 +134,11 @@ class CudaGraphBackend(GenerationBackend):
             and Triton is available. A failed compile falls back to capturing the eager
             forward, with a warning. Compiling costs tens of seconds once per shape, less when
             torch's compile cache (``TORCHINDUCTOR_CACHE_DIR``) holds it from an earlier run.
+        compile_scope: what is compiled: "layers" (default: one decoder layer, whose compiled code
+            every layer runs, see ``regional_compile``; a few seconds to compile instead of tens)
+            or "model" (the whole one-token forward: one fusion more per layer boundary, and a
+            compile that grows with the depth). A model without a recognisable list of decoder
+            layers is compiled whole.
         decode_attention: how the compiled step attends for sdpa models with grouped KV heads
             (see ``static_decoder._gqa_decode``): "matmul" (default: explicit matmuls + float32
             softmax, as transformers' eager attention computes it; 4-7% faster end to end on an
@@ -147,6 +155,7 @@ class CudaGraphBackend(GenerationBackend):
         max_cached_graphs: int = 2,
         use_cuda_graph: bool = True,
         compile: bool | None = None,
+        compile_scope: str = "layers",
         decode_attention: str = "matmul",
     ) -> None:
         if check_every < 1:
@@ -162,6 +171,10 @@ class CudaGraphBackend(GenerationBackend):
         if compile is None:
             compile = use_cuda_graph and torch.cuda.is_available() and _compile_available() is None
         self.compile = bool(compile)
+        if compile_scope not in COMPILE_SCOPES:
+            raise ValueError(f"compile_scope must be one of {list(COMPILE_SCOPES)}, got {compile_scope!r}")
+        self.compile_scope = compile_scope
+        self._compiled_layers = CompiledLayers()
         if decode_attention not in GQA_DECODE_ATTENTION:
             raise ValueError(
                 f"decode_attention must be one of {sorted(GQA_DECODE_ATTENTION)}, got {decode_attention!r}"
@@ -339,7 +352,7 @@ class CudaGraphBackend(GenerationBackend):
                 batch=batch,
                 cache_len=cache_len,
                 sampling=sampling,
-                compiled_forward=self._compiled_forward(batch, cache_len, dtype),
+                **self._compiled_step(model, batch, cache_len, dtype),
                 decode_attention=self.decode_attention,
             )
             decoder.signature = signature
@@ -349,20 +362,27 @@ class CudaGraphBackend(GenerationBackend):
         self._entries.move_to_end(key)
         return decoder
 
-    def _compiled_forward(self, batch: int, cache_len: int, dtype: torch.dtype):
-        """The compiled one-token forward for a new decoder (None: eager), counting new shapes."""
+    def _compiled_step(self, model: torch.nn.Module, batch: int, cache_len: int, dtype: torch.dtype) -> dict:
+        """What a new decoder compiles (``compiled_forward`` or ``compiled_layers``; neither: eager), counting new shapes."""
         if not (self.compile and self.use_cuda_graph and self.compile_error is None):
-            return None
-        if self._compiled_fn is None:
-            # Shapes are fixed per decoder (batch, cache length), so no dynamic shapes; the ladder
-            # (or one reserved length) keeps the number of shapes, and so of recompiles, small.
-            self._compiled_fn = torch.compile(last_logits, dynamic=False)
+            return {}
         shape = (batch, cache_len, dtype)
         if shape not in self._compiled_shapes:
             self._compiled_shapes.add(shape)
             self.num_compiles += 1
             self._warn_past_recompile_limit()
-        return self._compiled_fn
+        if self.compile_scope == "layers":
+            reason = CompiledLayers.unavailable_reason(base_model(model))
+            if reason is None:
+                return {"compiled_layers": self._compiled_layers}
+            if "compile_scope" not in self._warned:
+                self._warned.add("compile_scope")
+                logger.info("cuda_graph backend: %s; compiling the whole decode step instead", reason)
+        if self._compiled_fn is None:
+            # Shapes are fixed per decoder (batch, cache length), so no dynamic shapes; the ladder
+            # (or one reserved length) keeps the number of shapes, and so of recompiles, small.
+            self._compiled_fn = torch.compile(last_logits, dynamic=False)
+        return {"compiled_forward": self._compiled_fn}
 
     def _warn_past_recompile_limit(self) -> None:
         # Past dynamo's limit the decode step silently runs uncompiled (still captured, ~2x slower).

@@ -34,6 +34,7 @@ from contextlib import contextmanager
 import torch
 
 from .base import model_device
+from .regional_compile import CompiledLayers
 from .sampling import SamplingSettings, draw_tokens, process_logits_
 
 logger = logging.getLogger(__name__)
@@ -218,6 +219,8 @@ class StaticDecoder:
         cache_len: positions in the cache: the longest padded prompt plus new tokens it can serve.
         sampling: the settings the captured step bakes in.
         compiled_forward: ``torch.compile(last_logits)`` to run the one-token forward with, or None (eager).
+        compiled_layers: instead of ``compiled_forward``, one compiled decoder layer that every layer
+            runs while the step is compiled and captured (``regional_compile``); the rest stays eager.
         decode_attention: the packed-GQA variant used while the compiled forward is traced/captured.
     """
 
@@ -229,6 +232,7 @@ class StaticDecoder:
         cache_len: int,
         sampling: SamplingSettings,
         compiled_forward: Callable | None = None,
+        compiled_layers: CompiledLayers | None = None,
         decode_attention: str | None = None,
     ) -> None:
         from transformers import StaticCache
@@ -240,6 +244,7 @@ class StaticDecoder:
         self.cache_len = cache_len
         self.sampling = sampling
         self.compiled_forward = compiled_forward
+        self.compiled_layers = compiled_layers
         self.compile_error: str | None = None  # why compiling failed, once it has
         self.decode_attention = decode_attention
         self.signature: tuple | None = None
@@ -366,20 +371,35 @@ class StaticDecoder:
         logits = self._forward(model, self.tok, self.pos, decode=True)
         self._advance(logits)
 
+    @property
+    def compiles(self) -> bool:
+        return self.compiled_forward is not None or self.compiled_layers is not None
+
+    @contextmanager
+    def _compiled_step(self, model):
+        """The decode step as it is compiled and captured: packed-GQA attention, layers routed if regional."""
+        with decode_attention(model, self.decode_attention if self.compiles else None):
+            if self.compiled_layers is None:
+                yield
+            else:
+                with self.compiled_layers.route(base_model(model), self.cache):
+                    yield
+
     def _capture(self, model) -> None:
         """Warm up the decode step on a side stream, then capture it (the state it leaves is reset after)."""
-        if self.compiled_forward is not None:
-            with decode_attention(model, self.decode_attention):
-                try:  # the first call compiles; do it outside the capture
+        if self.compiles:
+            try:  # the first call compiles; do it outside the capture
+                with self._compiled_step(model):
                     self._decode_step(model)
-                except Exception as err:  # noqa: BLE001 - any compiler failure: capture the eager forward
-                    self.compile_error = f"{type(err).__name__}: {err}"
-                    logger.warning(
-                        "cuda_graph backend: torch.compile failed (%s); capturing the eager forward", self.compile_error
-                    )
-                    self.compiled_forward = None
-                torch.cuda.synchronize()
-        with decode_attention(model, self.decode_attention if self.compiled_forward is not None else None):
+            except Exception as err:  # noqa: BLE001 - any compiler failure: capture the eager forward
+                self.compile_error = f"{type(err).__name__}: {err}"
+                logger.warning(
+                    "cuda_graph backend: torch.compile failed (%s); capturing the eager forward", self.compile_error
+                )
+                self.compiled_forward = None
+                self.compiled_layers = None
+            torch.cuda.synchronize()
+        with self._compiled_step(model):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):

@@ -31,12 +31,12 @@ def tokenizer():
 
 
 @pytest.fixture(autouse=True)
-def _room_for_recompiles(monkeypatch):
+def _room_for_recompiles():
     """Each compiled test model/shape is one more dynamo entry for the shared decode function;
-    the default limit (8) would silently send later tests to the eager forward."""
-    dynamo_config = getattr(getattr(torch, "_dynamo", None), "config", None)
-    if dynamo_config is not None and hasattr(dynamo_config, "recompile_limit"):
-        monkeypatch.setattr(dynamo_config, "recompile_limit", 64)
+    the default limit (8) would silently send later tests to the eager forward. (Through dynamo's
+    own ``config.patch``: pytest's monkeypatch deletes the key on undo, which hides it from torch.)"""
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
 
 
 def _prompts(tokenizer, n: int, seed: int = 0, max_len: int = 12) -> list[list[int]]:
@@ -261,15 +261,16 @@ def test_a_reserved_length_sizes_one_cache_for_the_whole_run(tokenizer, monkeypa
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize(
-    "compile,attention", [(False, "sdpa"), (True, "sdpa"), (True, "matmul")],
-    ids=["eager-graph", "compiled-sdpa", "compiled-matmul"],
+    "compile,attention,scope",
+    [(False, "sdpa", "layers"), (True, "sdpa", "layers"), (True, "matmul", "layers"), (True, "matmul", "model")],
+    ids=["eager-graph", "compiled-sdpa", "compiled-matmul", "compiled-matmul-whole-model"],
 )
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_greedy_identical_to_generate(tokenizer, family, compile, attention):
+def test_greedy_identical_to_generate(tokenizer, family, compile, attention, scope):
     model = (build_tiny_model(tokenizer) if family == "qwen2" else _llama(tokenizer)).cuda().eval()
     prompts = _prompts(tokenizer, 11)
     _bias_eos(model, prompts, 40, "cuda")
-    backend = CudaGraphBackend(compile=compile, decode_attention=attention)
+    backend = CudaGraphBackend(compile=compile, decode_attention=attention, compile_scope=scope)
     assert backend.unsupported_reason(model) is None
     expected, got = _greedy_case(model, prompts, chunk_size=4, backend=backend)  # 4 + 4 + 3 (padded)
     lengths = [len(c) for c in expected]

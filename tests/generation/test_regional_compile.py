@@ -1,0 +1,137 @@
+"""Regional compile of the decode step: one compiled decoder layer serves every layer, with each its own cache.
+
+Run on CPU through the decoder's own compile-and-capture context (``StaticDecoder._compiled_step``)
+with a graph-counting ``torch.compile`` backend that runs the traced graph as it is, so the test
+sees how many graphs dynamo made and whether routing the layers changed any number.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from hf_grpo.generation.cuda_graph import CudaGraphBackend
+from hf_grpo.generation.regional_compile import CompiledLayers, decoder_layers
+from hf_grpo.generation.sampling import SamplingSettings
+from hf_grpo.generation.static_decoder import StaticDecoder, decode_attention
+from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+
+PAD, EOS = 0, 1
+LAYERS = 5
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_char_tokenizer()
+
+
+class CountingBackend:
+    """A torch.compile backend that records each graph dynamo hands it and runs it unchanged."""
+
+    def __init__(self):
+        self.graphs = []
+        self.calls = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+
+        def run(*args):
+            self.calls += 1
+            return gm.forward(*args)
+
+        return run
+
+
+def _model(tokenizer, seed=0):
+    return build_tiny_model(tokenizer, seed=seed, num_hidden_layers=LAYERS, attn_implementation="sdpa").eval()
+
+
+def _batch(tokenizer, n=3, seed=0):
+    rng = random.Random(seed)
+    rows = [tokenizer("".join(rng.choice("abcdefgh 123") for _ in range(rng.randint(2, 9))))["input_ids"]
+            for _ in range(n)]
+    width = max(map(len, rows))
+    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def _decoder(model, **kwargs):
+    gc = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    sampling = SamplingSettings.from_config(gc, [EOS], PAD)
+    return StaticDecoder(model, batch=3, cache_len=32, sampling=sampling, decode_attention="matmul", **kwargs)
+
+
+def _decode(model, decoder, ids, mask, steps, routed):
+    """Prefill eagerly, then ``steps`` decode steps: in the compile-and-capture context, or eagerly
+    with the same packed attention (the reference)."""
+    with torch.no_grad():
+        decoder._prefill(model, ids, mask)
+        for _ in range(steps):
+            if routed:
+                with decoder._compiled_step(model):
+                    decoder._decode_step(model)
+            else:
+                with decode_attention(model, "matmul"):
+                    decoder._decode_step(model)
+
+
+def _assert_same_state(got: StaticDecoder, ref: StaticDecoder):
+    assert torch.equal(got.out, ref.out)
+    for i, (a, b) in enumerate(zip(got.cache.layers, ref.cache.layers)):
+        # each layer wrote its own slice: a view routed to the wrong layer would differ here
+        assert torch.equal(a.keys, b.keys), f"layer {i} keys"
+        assert torch.equal(a.values, b.values), f"layer {i} values"
+
+
+def test_one_graph_serves_every_layer_and_changes_no_number(tokenizer):
+    model = _model(tokenizer)
+    ids, mask = _batch(tokenizer)
+    counting = CountingBackend()
+    got = _decoder(model, compiled_layers=CompiledLayers(backend=counting))
+    ref = _decoder(model)
+    _decode(model, got, ids, mask, steps=6, routed=True)
+    _decode(model, ref, ids, mask, steps=6, routed=False)
+
+    assert len(counting.graphs) == 1, f"{len(counting.graphs)} graphs for {LAYERS} layers"
+    assert counting.calls == LAYERS * 6
+    _assert_same_state(got, ref)
+    # Outside the block the layers are the model's own again: training and generate never see the route.
+    assert all("forward" not in vars(layer) for layer in decoder_layers(model))
+
+
+def test_lora_layers_share_one_graph_too(tokenizer):
+    peft = pytest.importorskip("peft")
+    model = _model(tokenizer, seed=1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"],
+                             init_lora_weights=False)
+    model = peft.get_peft_model(model, config).eval()
+    ids, mask = _batch(tokenizer, seed=2)
+    counting = CountingBackend()
+    got = _decoder(model, compiled_layers=CompiledLayers(backend=counting))
+    ref = _decoder(model)
+    _decode(model, got, ids, mask, steps=4, routed=True)
+    _decode(model, ref, ids, mask, steps=4, routed=False)
+    assert len(counting.graphs) == 1
+    _assert_same_state(got, ref)
+
+
+def test_a_layer_with_a_replaced_forward_is_compiled_whole(tokenizer):
+    model = _model(tokenizer)
+    backend = CudaGraphBackend(compile=True)
+    assert set(backend._compiled_step(model, 3, 32, torch.float32)) == {"compiled_layers"}
+
+    layer = decoder_layers(model)[2]
+    layer.forward = lambda *args, **kwargs: type(layer).forward(layer, *args, **kwargs)  # an offloading hook, say
+    assert "replaced" in CompiledLayers.unavailable_reason(model)
+    fresh = CudaGraphBackend(compile=True)
+    assert set(fresh._compiled_step(model, 3, 32, torch.float32)) == {"compiled_forward"}
+    assert fresh.num_compiles == 1
+
+
+def test_compile_scope_is_validated():
+    with pytest.raises(ValueError, match=r"compile_scope must be one of \['layers', 'model'\], got 'layer'"):
+        CudaGraphBackend(compile_scope="layer")
