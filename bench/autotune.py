@@ -20,8 +20,10 @@ Scenarios (``--scenario``; ``all`` runs every one, each in a subprocess):
   the run goes on (the record says how often and to what size). On CPU (``--tiny``) the out-of-memory
   is injected into ``model.generate`` instead.
 * ``oom_train``: the default sizes, but the micro-batches of optimizer step 2 run their forward and
-  backward next to a hog that leaves free 60% of what step 1's forward and backward took, so the training
-  step runs out of memory; in a one-process run the micro-batch is run again in token-budget passes of half
+  backward next to a hog that leaves free the gradient buffers' bytes plus ``--train_free_share`` (0.75)
+  of what step 1's first forward and backward took beyond them, so the training step runs out of memory
+  while a smaller micro-batch can still fit (the gradients are needed whatever the micro-batch size: a
+  hog leaving less than them could be survived by no back-off); in a one-process run the micro-batch is run again in token-budget passes of half
   its size (``max_tokens_per_micro_batch``, kept for the rest of the run). On CPU (``--tiny``) the
   out-of-memory is raised once from a gradient hook, half-way through a backward.
 
@@ -72,6 +74,8 @@ def parse_args(argv=None):
     parser.add_argument("--max_prompt", type=int, default=384)
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--hog_free_mib", type=int, default=160, help="oom: MiB of the cap left free by the hog")
+    parser.add_argument("--train_free_share", type=float, default=0.75,
+                        help="oom_train: share of step 1's training memory beyond the gradients left free by the hog")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="append each JSON record to this file")
     args = parser.parse_args(argv)
@@ -191,7 +195,8 @@ def hog_rollouts(trainer, args, rollouts=(2, 3)):
 
 
 def hog_training(trainer, args, steps=(2,)):
-    """oom_train: step 1's forward/backward is measured; those of ``steps`` run next to a hog leaving 60% of it."""
+    """oom_train: step 1's forward/backward is measured; those of ``steps`` run next to a hog leaving the
+    gradient buffers plus ``train_free_share`` of the rest of it."""
     compute = trainer.compute_loss
     measured = {"train_bytes": 0}
     if args.device == "cpu":  # the allocator cannot be filled: raise once, half-way through step 2's first backward
@@ -219,7 +224,10 @@ def hog_training(trainer, args, steps=(2,)):
                 torch.cuda.synchronize()
                 measured["train_bytes"] = max(measured["train_bytes"], torch.cuda.max_memory_allocated() - base)
         if step in steps and measured["train_bytes"]:
-            hog = allocate_hog(args, 0.6 * measured["train_bytes"])
+            grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+            measured["grad_bytes"] = grads
+            beyond = max(measured["train_bytes"] - grads, 0)
+            hog = allocate_hog(args, grads + args.train_free_share * beyond)
         try:
             return compute(model, inputs, *a, **k)
         finally:
@@ -288,6 +296,8 @@ def run_one(args, scenario) -> dict:
     )
     if scenario == "oom_train" and args.device == "cuda":
         record["step1_train_gib"] = round(trainer._bench_train_bytes["train_bytes"] / 2**30, 3)
+        record["grad_gib"] = round(trainer._bench_train_bytes.get("grad_bytes", 0) / 2**30, 3)
+        record["train_free_share"] = args.train_free_share
     if args.device == "cuda":
         peak = max(torch.cuda.max_memory_allocated(), _PEAK_BEFORE_RESET[0])
         record.update(peak_allocated_gib=round(peak / 2**30, 3),
