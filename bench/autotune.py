@@ -23,7 +23,8 @@ Scenarios (``--scenario``; ``all`` runs every one, each in a subprocess):
   backward next to a hog that leaves free the gradient buffers' bytes plus ``--train_free_share`` (0.75)
   of what step 1's first forward and backward took beyond them, so the training step runs out of memory
   while a smaller micro-batch can still fit (the gradients are needed whatever the micro-batch size: a
-  hog leaving less than them could be survived by no back-off); in a one-process run the micro-batch is run again in token-budget passes of half
+  hog leaving less than them could be survived by no back-off). Gradient checkpointing is off in this
+  scenario, so that the activations, which halve with the micro-batch, are most of that memory; in a one-process run the micro-batch is run again in token-budget passes of half
   its size (``max_tokens_per_micro_batch``, kept for the rest of the run). On CPU (``--tiny``) the
   out-of-memory is raised once from a gradient hook, half-way through a backward.
 
@@ -251,6 +252,9 @@ def run_one(args, scenario) -> dict:
         logging_steps=1, save_strategy="no", report_to=[], bf16=not args.tiny, use_cpu=args.tiny,
         disable_tqdm=True, seed=args.seed, generation_backend=args.backend,
         auto_memory_fraction=args.auto_memory_fraction, **sizes_for(args, scenario),
+        # oom_train: without checkpointing the activations, which a smaller micro-batch shrinks, outweigh
+        # what it does not (the gradients, one LM-head chunk), so the hog's OOM is one a back-off can survive.
+        gradient_checkpointing=scenario != "oom_train",
     )
     clock = StepClock(args.device)
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [random.random() for _ in completions],
