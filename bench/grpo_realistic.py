@@ -11,7 +11,8 @@ processes, so that their peak memory does not mix):
 * the wall time of the whole ``trainer.train()``;
 * GPU memory: the weights held right before training (policy + reference model), then
   ``torch.cuda.max_memory_allocated()`` / ``max_memory_reserved()`` over training (peak statistics
-  are reset after the models are loaded);
+  are reset after the models are loaded), the allocated peak also split into the highest peak inside
+  a generation and outside one (scoring, training);
 * the completion lengths TRL logs each step (``completions/mean_length``, min, max,
   ``clipped_ratio``, from ``trainer.state.log_history``), generated tokens, GPU name, versions;
 * for ``--impl hf_grpo`` also ``trainer.get_performance_stats()`` (less its batch plan).
@@ -341,12 +342,23 @@ def main(argv=None) -> int:
 
     rollouts = []
     generate = trainer._generate_single_turn
+    # Peak memory by phase: the allocator's peak is read and reset at each generation's start and end,
+    # so "generation" is the highest peak inside a rollout's generation, "other" outside (scoring, training).
+    phase_peaks = {"generation": 0, "other": 0}
+
+    def close_phase(phase):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            phase_peaks[phase] = max(phase_peaks[phase], torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
 
     def timed_generate(*a, **k):
+        close_phase("other")
         cuda_sync(device)
         t0 = time.perf_counter()
         out = generate(*a, **k)
         cuda_sync(device)
+        close_phase("generation")
         lengths = [len(ids) for ids in out[0]]
         rollouts.append(dict(s=time.perf_counter() - t0, completions=len(lengths), tokens=sum(lengths),
                              max_len=max(lengths)))
@@ -364,6 +376,7 @@ def main(argv=None) -> int:
     trainer.train()
     cuda_sync(device)
     train_s = time.perf_counter() - t0
+    close_phase("other")
 
     steps = [entry for entry in trainer.state.log_history if "completions/mean_length" in entry]
     lengths = {key: [round(entry[f"completions/{key}"], 1) for entry in steps]
@@ -410,7 +423,9 @@ def main(argv=None) -> int:
     if device == "cuda":
         record.update(
             weights_gib=round(weights_gib, 3),
-            peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3),
+            peak_mem_gib=round(max(phase_peaks.values()) / 2**30, 3),
+            peak_generation_gib=round(phase_peaks["generation"] / 2**30, 3),
+            peak_outside_generation_gib=round(phase_peaks["other"] / 2**30, 3),
             peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3),
             gpu=torch.cuda.get_device_name(),
         )

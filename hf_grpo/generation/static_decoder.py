@@ -210,6 +210,22 @@ def deepspeed_hooks_lifted(model: torch.nn.Module):
             hooks.update(original)
 
 
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The one side stream that warms up and captures every decode step on ``device``.
+
+    cuBLAS gets a workspace (32 MiB and more on Hopper) for each stream it runs on, and torch keeps
+    it until the process ends: a fresh stream per capture held one more workspace per rollout, which
+    the training step then ran beside (+0.25 GiB at its peak after 8 rollouts on an H100).
+    """
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _CAPTURE_STREAMS[index]
+
+
 class StaticDecoder:
     """Static cache, buffers and (once captured) the decode-step graph for one (model, batch, cache length).
 
@@ -400,13 +416,13 @@ class StaticDecoder:
                 self.compiled_layers = None
             torch.cuda.synchronize()
         with self._compiled_step(model):
-            stream = torch.cuda.Stream()
+            stream = capture_stream(self.tok.device)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
                     self._decode_step(model)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with deepspeed_hooks_lifted(model), torch.cuda.graph(graph):
+            with deepspeed_hooks_lifted(model), torch.cuda.graph(graph, stream=stream):
                 self._decode_step(model)
         self.graph = graph
