@@ -67,8 +67,8 @@ from .base import (
     padded_length,
 )
 from .hf import HFGenerateBackend
-from .sampling import SamplingSettings, unsupported_generation_setting
 from .regional_compile import CompiledLayers
+from .sampling import SamplingSettings, unsupported_generation_setting
 from .static_decoder import (
     GQA_DECODE_ATTENTION,
     StaticDecoder,
@@ -132,8 +132,9 @@ class CudaGraphBackend(GenerationBackend):
             the dozens of small element-wise kernels of each layer) before capturing it. The
             prefill and the sampling stay eager. ``None`` (default): on when capturing graphs
             and Triton is available. A failed compile falls back to capturing the eager
-            forward, with a warning. Compiling costs tens of seconds once per shape, less when
-            torch's compile cache (``TORCHINDUCTOR_CACHE_DIR``) holds it from an earlier run.
+            forward, with a warning. Compiling costs seconds once per shape (one layer; tens of
+            seconds for the whole model), less when torch's compile cache
+            (``TORCHINDUCTOR_CACHE_DIR``) holds it from an earlier run.
         compile_scope: what is compiled: "layers" (default: one decoder layer, whose compiled code
             every layer runs, see ``regional_compile``; a few seconds to compile instead of tens)
             or "model" (the whole one-token forward: one fusion more per layer boundary, and a
