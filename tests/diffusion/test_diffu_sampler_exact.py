@@ -8,11 +8,9 @@ noise elsewhere never matters: those positions are not committed), both commit t
 same steps. float64 model, so no near-tie decides anything.
 """
 
-import pathlib
-
 import pytest
 import torch
-from project_files import load_file
+from project_files import load_bench
 
 from hf_grpo.diffusion import sampler as sampler_module
 from hf_grpo.diffusion.model import left_pad_tensors
@@ -21,17 +19,12 @@ from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusi
 
 TOKENIZER = build_diffusion_tokenizer()
 MASK = TOKENIZER.mask_token_id
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "diffu_llada.py"
 GEN, BLOCK, STEPS = 12, 4, 6  # 3 blocks, 2 steps per block, 2 tokens per step
-
-
-def load_bench():
-    return load_file(BENCH, "diffu_llada_bench")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_bench()
+    return load_bench("diffu_llada")
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +99,7 @@ def test_plain_transfer_counts_match_the_block_schedule(bench):
 
 def test_bench_tiny_run_reports_every_measurement():
     """``python bench/diffu_llada.py --tiny`` (a CPU smoke run of the GPU benchmark) produces every record."""
-    records = load_bench().main(["--tiny", "--caches", "dual", "--gen-batches", "2", "--tensor-batch-sizes", "16",
+    records = load_bench("diffu_llada").main(["--tiny", "--caches", "dual", "--gen-batches", "2", "--tensor-batch-sizes", "16",
                                  "--iterations", "1"])
     kinds = [(r["what"], r.get("impl")) for r in records]
     assert kinds == [("setup", None), ("rollout", "plain"), ("rollout", "ours"), ("rollout", "ours_cache_dual"),
