@@ -418,14 +418,18 @@ def packed_loss(accelerator, model, inputs: Mapping[str, Any], budget: int, loss
                           lambda: deferred_sync(accelerator, model))
 
 
-def check_longest_row(config: Any, longest_prompt: int | None) -> None:
+def check_longest_row(config: Any, longest_prompt: Callable[[], int | None]) -> None:
     """Refuse at train start a budget that the training set's longest prompt with a full-length completion exceeds.
 
     Such a row cannot run in any pass (``_check_rows_fit``); found at the first step that samples it, the error
-    would end a run hours in. ``longest_prompt`` is None when the trainer could not scan the prompts.
+    would end a run hours in. ``longest_prompt()`` scans the training set, so it is asked only when a budget is
+    set; it gives None when the trainer could not scan the prompts.
     """
     budget = getattr(config, FIELD, None)
-    if budget is None or longest_prompt is None:
+    if budget is None:
+        return
+    longest_prompt = longest_prompt()
+    if longest_prompt is None:
         return
     needed = longest_prompt + config.max_completion_length
     if needed > budget:

@@ -151,7 +151,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         return stats
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        token_budget.check_longest_row(self.args, self._longest_prompt())  # before any probe or step
+        token_budget.check_longest_row(self.args, self._longest_prompt)  # before any probe or step
         # "auto" sizes are settled before TRL and transformers size the dataloader and the accumulation
         checkpoint = autosize.checkpoint_dir(resume_from_checkpoint, self.args.output_dir)
         if autosize.resolve_auto_sizes(self, checkpoint):

@@ -89,6 +89,14 @@ def test_a_budget_the_longest_prompt_cannot_fill_is_refused_at_train_start(tmp_p
     assert trainer.state.global_step == 1
 
 
+def test_without_a_budget_train_start_does_not_scan_the_training_set(tmp_path):
+    """The scan tokenizes every prompt: a run that sets no budget (and no "auto", no cuda_graph cache) skips it."""
+    trainer = make_trainer(tmp_path, max_tokens_per_micro_batch=None, max_completion_length=6)
+    trainer._scan_longest_prompt = lambda *a, **k: pytest.fail("the training set was scanned")
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
 def micro_batch(rows=8, prompt_width=5, completion_width=7, vary_prompts=False, seed=0):
     """A TRL micro-batch: left-padded prompts, right-padded completions of 1..completion_width tokens."""
     g = torch.Generator().manual_seed(seed)
