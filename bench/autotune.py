@@ -24,8 +24,9 @@ Scenarios (``--scenario``; ``all`` runs every one, each in a subprocess):
   of what step 1's first forward and backward took beyond them, so the training step runs out of memory
   while a smaller micro-batch can still fit (the gradients are needed whatever the micro-batch size: a
   hog leaving less than them could be survived by no back-off). Gradient checkpointing is off in this
-  scenario, so that the activations, which halve with the micro-batch, are most of that memory; in a one-process run the micro-batch is run again in token-budget passes of half
-  its size (``max_tokens_per_micro_batch``, kept for the rest of the run). On CPU (``--tiny``) the
+  scenario, so that the activations, which halve with the micro-batch, are most of that memory; in a
+  one-process run the micro-batch is run again in token-budget passes of half its size
+  (``max_tokens_per_micro_batch``, kept for the rest of the run). On CPU (``--tiny``) the
   out-of-memory is raised once from a gradient hook, half-way through a backward.
 
 One JSON line per run on stdout (``RESULT {...}``; also appended to ``--out``): steps done, train
