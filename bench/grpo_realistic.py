@@ -76,6 +76,7 @@ import os
 import platform
 import random
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -117,6 +118,38 @@ class StepTimer(TrainerCallback):
                 and state.global_step < state.max_steps):
             self.stopped_early = True
             control.should_training_stop = True
+
+
+class StepProfiler(TrainerCallback):
+    """``torch.profiler`` over one optimizer step (``--profile_step``): a table of the ops that took the most
+    device and host time, and the Chrome trace (gzipped), written to ``--profile_dir``."""
+
+    def __init__(self, step: int, directory: str, label: str):
+        self.step, self.directory, self.label = step, directory, label
+        self.profiler = None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step + 1 == self.step:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
+            self.profiler.__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.profiler is None:
+            return
+        cuda_sync("cuda" if torch.cuda.is_available() else "cpu")
+        self.profiler.__exit__(None, None, None)
+        os.makedirs(self.directory, exist_ok=True)
+        stem = os.path.join(self.directory, f"profile_{self.label}_step{self.step}")
+        averages = self.profiler.key_averages()
+        with open(stem + ".txt", "w") as handle:
+            for key in ("self_cuda_time_total", "self_cpu_time_total", "cpu_time_total"):
+                handle.write(f"== sorted by {key}\n{averages.table(sort_by=key, row_limit=45)}\n")
+        self.profiler.export_chrome_trace(stem + ".json")
+        subprocess.run(["gzip", "-f", stem + ".json"], check=False)
+        self.profiler = None
 
 
 # ---- the model, its EOS row and the prompts ------------------------------------------------------
@@ -277,9 +310,16 @@ def parse_args(argv=None):
                         help="activation (gradient) checkpointing; default: TRL's default (on)")
     parser.add_argument("--tensor_batch_size", type=int, default=1024, help="hf_grpo only")
     parser.add_argument("--per_device_generation_batch_size", type=int, default=None, help="hf_grpo only")
+    parser.add_argument("--cudnn_attention", choices=["default", "on", "off"], default="default",
+                        help="cuDNN's SDPA kernel: each implementation's default (TRL: torch's, on; hf_grpo: off), "
+                        "or on / off for both (for TRL through torch.backends.cuda.enable_cudnn_sdp)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--label", default=None, help="free text kept in the record (e.g. 'cold compile cache')")
     parser.add_argument("--out", default=None, help="append the JSON record to this file")
+    parser.add_argument("--profile_step", type=int, default=None,
+                        help="profile this optimizer step (1-based) with torch.profiler: a table and a trace")
+    parser.add_argument("--profile_dir", default=os.environ.get("OUT", "bench/results/raw"),
+                        help="where --profile_step writes (default $OUT)")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but CUDA is not available (use --device cpu --shape tiny for a smoke test)")
@@ -333,11 +373,19 @@ def main(argv=None) -> int:
     if args.impl == "hf_grpo":
         common.update(generation_backend=args.backend, tensor_batch_size=args.tensor_batch_size,
                       per_device_generation_batch_size=args.per_device_generation_batch_size)
+        if args.cudnn_attention != "default":
+            common["cudnn_attention"] = args.cudnn_attention == "on"
+    elif args.cudnn_attention != "default":
+        torch.backends.cuda.enable_cudnn_sdp(args.cudnn_attention == "on")
     config = GRPOConfig(**common)
 
     timer = StepTimer(device, args.max_seconds)
+    callbacks = [timer]
+    if args.profile_step is not None:
+        label = args.impl if args.impl == "trl" else f"{args.impl}_{args.backend}"
+        callbacks.append(StepProfiler(args.profile_step, args.profile_dir, args.label or label))
     trainer = GRPOTrainer(model=model, reward_funcs=random_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[timer])
+                          processing_class=tokenizer, callbacks=callbacks)
     assert (trainer.ref_model is not None) == (args.beta != 0), "the reference model is missing"
 
     rollouts = []
@@ -399,6 +447,7 @@ def main(argv=None) -> int:
         tensor_batch_size=args.tensor_batch_size if args.impl == "hf_grpo" else None,
         per_device_generation_batch_size=(trainer.args.per_device_generation_batch_size
                                           if args.impl == "hf_grpo" else None),
+        cudnn_attention=torch.backends.cuda.cudnn_sdp_enabled() if args.impl == "trl" else config.cudnn_attention,
         label=args.label, compile_cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         max_steps=args.max_steps, steps_done=trainer.state.global_step, stopped_early=timer.stopped_early,
         # times: every step, the first (warm-up) included

@@ -44,7 +44,8 @@ class PerformanceStats:
         self.sync()
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"hf_grpo/{name}"):  # a named span in profiler traces
+                yield
         finally:
             self.sync()
             self.add(f"{name}_s", time.perf_counter() - start)
