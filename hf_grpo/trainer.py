@@ -40,6 +40,7 @@ from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
 from . import autosize, token_budget, train_backoff
+from .attention import cudnn_attention
 from .config import GRPOConfig
 from .generation import GenerationBackend, dense_mirror, resolve_backend
 from .logprob_head import install_chunked_lm_head
@@ -151,15 +152,17 @@ class GRPOTrainer(trl.GRPOTrainer):
         return stats
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        token_budget.check_longest_row(self.args, self._longest_prompt)  # before any probe or step
-        # "auto" sizes are settled before TRL and transformers size the dataloader and the accumulation
-        checkpoint = autosize.checkpoint_dir(resume_from_checkpoint, self.args.output_dir)
-        if autosize.resolve_auto_sizes(self, checkpoint):
-            self.perf = PerformanceStats(self.accelerator.device)  # the probes are not part of the run's figures
-        if self._train_backoff is None and self.accelerator.is_main_process:
-            logger.info("an out-of-memory in a training micro-batch will end the run (no retry: %s)",
-                        self._train_backoff_unavailable)
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        # no per-shape cuDNN kernel builds (hf_grpo.attention), in the "auto" probes as in training
+        with cudnn_attention(self.args.cudnn_attention):
+            token_budget.check_longest_row(self.args, self._longest_prompt)  # before any probe or step
+            # "auto" sizes are settled before TRL and transformers size the dataloader and the accumulation
+            checkpoint = autosize.checkpoint_dir(resume_from_checkpoint, self.args.output_dir)
+            if autosize.resolve_auto_sizes(self, checkpoint):
+                self.perf = PerformanceStats(self.accelerator.device)  # the probes are not part of the run's figures
+            if self._train_backoff is None and self.accelerator.is_main_process:
+                logger.info("an out-of-memory in a training micro-batch will end the run (no retry: %s)",
+                            self._train_backoff_unavailable)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         inner_before = self.perf.total("generation_s") + self.perf.total("reward_s")

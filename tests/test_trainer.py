@@ -7,6 +7,7 @@ import pytest
 import torch
 import trl
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from hf_grpo import GRPOConfig, GRPOTrainer
 from hf_grpo.generation import HFGenerateBackend
@@ -296,3 +297,33 @@ def test_the_scan_for_the_longest_prompt_shows_progress_on_large_sets(tmp_path, 
     monkeypatch.setattr(hf_grpo.trainer, "SCAN_PROGRESS_FROM", 17)  # below it: no bar
     assert make_trainer(tmp_path / "small", disable_tqdm=False)._longest_prompt() > 0
     assert "hf-grpo: longest prompt" not in capsys.readouterr().err
+
+
+class _RecordCudnnAttention(TrainerCallback):
+    """What SDPA may use while the step runs: read where the forward and backward run, and at each step."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_cudnn_attention_is_left_out_of_training_unless_asked_and_put_back_after(tmp_path, allowed):
+    """cuDNN's SDPA kernel builds a kernel per new sequence shape (seconds per run of varied prompts on an H100):
+    train() switches it off unless cudnn_attention=True, also inside the backward, and restores the switch."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    trainer = make_trainer(tmp_path, cudnn_attention=allowed, max_steps=2)
+    recorder = _RecordCudnnAttention()
+    trainer.add_callback(recorder)
+    in_backward = []
+    hook = trainer.model.model.layers[0].mlp.down_proj.weight.register_hook(
+        lambda grad: in_backward.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    try:
+        trainer.train()
+    finally:
+        hook.remove()
+    assert recorder.seen == [allowed, allowed]
+    assert in_backward and set(in_backward) == {allowed}
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
