@@ -300,12 +300,18 @@ class StaticDecoder:
         """Decode ``steps`` tokens for one chunk of ``batch`` left-padded prompts; [batch, <=steps] on the CPU."""
         if steps == 0:
             return torch.empty((self.batch, 0), dtype=torch.long)
-        if use_graph and self.graph is None and steps > 1:
-            # The warm-up and capture advance the cache; prefill once to give them valid state,
-            # capture, then prefill again for real.
-            self._prefill(model, input_ids, attention_mask)
-            self._capture(model)
         self._prefill(model, input_ids, attention_mask)
+        if use_graph and self.graph is None and steps > 1:
+            # The warm-up and capture decode a few tokens from the prefilled state. They write the cache only
+            # past the prompt, where the real steps write again before attending, so putting back the small
+            # state they advanced is exact. Other caches (sliding windows that may roll over the prompt,
+            # recurrent states) are prefilled again: one more eager forward over the prompts.
+            state = self._decode_state() if self._capture_is_rewindable() else None
+            self._capture(model)
+            if state is None:
+                self._prefill(model, input_ids, attention_mask)
+            else:
+                self._rewind(state)
         done = 1
         while done < steps:
             if use_graph:
@@ -316,6 +322,25 @@ class StaticDecoder:
             if done % check_every == 0 and not bool(self.unfinished.any()):
                 break
         return self.out[:, :done].cpu()
+
+    def _capture_is_rewindable(self) -> bool:
+        """True for a cache of plain static layers, whose only state besides K/V is where the next K/V goes."""
+        from transformers.cache_utils import StaticLayer
+
+        return all(type(layer) is StaticLayer for layer in self.cache.layers)
+
+    def _decode_state(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of what a decode step advances, besides the cache past the prompt: (tensor, copy) pairs."""
+        tensors = [self.tok, self.pos, self.out, self.step, self.unfinished]
+        tensors += [layer.cumulative_length for layer in self.cache.layers]  # where the next K/V goes
+        if self.seen is not None:
+            tensors.append(self.seen)
+        return [(tensor, tensor.clone()) for tensor in tensors]
+
+    @staticmethod
+    def _rewind(state: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for tensor, saved in state:
+            tensor.copy_(saved)  # in place: the captured graph reads these addresses
 
     def _forward(self, model, input_ids, position_ids, *, decode: bool = False) -> torch.Tensor:
         """Last-position logits as float32 [B, V]; the one-token decode forward may be compiled."""

@@ -240,6 +240,52 @@ def test_prefill_in_pieces_gives_the_tokens_of_a_whole_prefill(tokenizer, monkey
                                                eos_token_ids=[EOS])
 
 
+class _EagerReplay:
+    """Stands in for a captured graph on CPU: each replay is one eager decode step."""
+
+    def __init__(self, decoder, model):
+        self.decoder, self.model = decoder, model
+
+    def replay(self):
+        self.decoder._decode_step(self.model)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_capture_rewinds_instead_of_prefilling_again_and_keeps_the_tokens(tokenizer, family, monkeypatch):
+    """On the GPU the first chunk's compile, warm-up and capture decode three throw-away tokens from the
+    prefilled state; the decoder then puts back the state they advanced rather than prefilling again.
+    Here the capture is simulated on CPU (three eager steps from another token, then an eager "graph"): one
+    prefill per chunk, and the greedy tokens of model.generate."""
+    from hf_grpo.generation import static_decoder
+
+    prefills = []
+
+    class EagerCapture(static_decoder.StaticDecoder):
+        def run(self, model, input_ids, attention_mask, steps, *, use_graph, check_every):
+            return super().run(model, input_ids, attention_mask, steps, use_graph=True, check_every=check_every)
+
+        def _prefill(self, model, input_ids, attention_mask):
+            prefills.append(input_ids.size(1))
+            super()._prefill(model, input_ids, attention_mask)
+
+        def _capture(self, model):
+            # The compile call and two warm-ups decode three tokens (the capture itself runs nothing); they
+            # are sampled on the GPU, so here they start from another token than the greedy one.
+            self.tok.fill_(EOS + 1)
+            for _ in range(3):
+                self._decode_step(model)
+            self.graph = _EagerReplay(self, model)
+
+    monkeypatch.setattr(cuda_graph, "StaticDecoder", EagerCapture)
+    model = (build_tiny_model(tokenizer) if family == "qwen2" else _llama(tokenizer)).eval()
+    prompts = _prompts(tokenizer, 6, seed=3)
+    _bias_eos(model, prompts, 20, "cpu")
+    expected, got = _greedy_case(model, prompts, chunk_size=3, max_new_tokens=20,
+                                 backend=CudaGraphBackend(use_cuda_graph=False, min_cache_len=32))
+    assert got == expected
+    assert len(prefills) == 2  # two chunks of three prompts, one prefill each
+
+
 def test_a_reserved_length_sizes_one_cache_for_the_whole_run(tokenizer, monkeypatch):
     model = build_tiny_model(tokenizer).eval()
     backend = CudaGraphBackend(use_cuda_graph=False, min_cache_len=32)
