@@ -2,6 +2,7 @@
 # Quickstart with a 0.5B-shaped model: one GPU, then 2 GPUs under DDP, ZeRO-2 and ZeRO-3.
 # Run from the repository root on a 2-GPU machine; per-rank performance.json files go to $RESULTS.
 #   RESULTS=bench/results/raw bash bench/run_multi_gpu.sh
+# CONFIGS picks the launch configs (default single_gpu multi_gpu zero2 zero3) from CONFIG_DIR (accelerate_configs).
 set -u
 RESULTS=${RESULTS:-bench/results/raw}
 mkdir -p "$RESULTS"
@@ -11,7 +12,7 @@ ARGS="--tiny_shape 0.5b --max_steps 5 --max_completion_length 128 --per_device_t
 for config in ${CONFIGS:-single_gpu multi_gpu zero2 zero3}; do
   processes=2; [ "$config" = single_gpu ] && processes=1
   out=/tmp/multi_gpu_$config
-  timeout 240 python3 -m accelerate.commands.launch --config_file "accelerate_configs/$config.yaml" --num_processes $processes \
+  timeout 240 python3 -m accelerate.commands.launch --config_file "${CONFIG_DIR:-accelerate_configs}/$config.yaml" --num_processes $processes \
     recipes/quickstart.py $ARGS --output_dir "$out" > "$RESULTS/multi_gpu_$config.log" 2>&1
   echo "$config exit=$?"
   cp "$out/performance.json" "$RESULTS/multi_gpu_$config.json" 2>/dev/null
