@@ -300,7 +300,7 @@ def test_the_scan_for_the_longest_prompt_shows_progress_on_large_sets(tmp_path, 
 
 
 class _RecordCudnnAttention(TrainerCallback):
-    """What SDPA may use while the step runs: read where the forward and backward run, and at each step."""
+    """cuDNN's SDPA switch as each optimizer step begins."""
 
     def __init__(self):
         self.seen = []
