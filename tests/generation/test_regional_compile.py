@@ -28,6 +28,15 @@ def tokenizer():
     return build_char_tokenizer()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test counts the graphs of its own compile. Dynamo keeps compiled code per function across tests,
+    and past its recompile limit it runs the layer eagerly without a word: after the GPU decode tests had
+    compiled the same layer class, the counting backend saw no graph at all (H100, torch 2.11)."""
+    torch._dynamo.reset()
+    yield
+
+
 class CountingBackend:
     """A torch.compile backend that records each graph dynamo hands it and runs it unchanged."""
 
