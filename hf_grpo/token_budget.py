@@ -428,13 +428,13 @@ def check_longest_row(config: Any, longest_prompt: Callable[[], int | None]) -> 
     budget = getattr(config, FIELD, None)
     if budget is None:
         return
-    longest_prompt = longest_prompt()
-    if longest_prompt is None:
+    longest = longest_prompt()
+    if longest is None:
         return
-    needed = longest_prompt + config.max_completion_length
+    needed = longest + config.max_completion_length
     if needed > budget:
         raise ValueError(
-            f"{FIELD}={budget} cannot hold the training set's longest prompt ({longest_prompt} tokens) with a "
+            f"{FIELD}={budget} cannot hold the training set's longest prompt ({longest} tokens) with a "
             f"completion of max_completion_length={config.max_completion_length} tokens: {needed} tokens in one "
             f"row; set {FIELD} >= {needed}, lower max_completion_length, or drop the longest prompts"
         )
