@@ -97,10 +97,10 @@ def test_plain_transfer_counts_match_the_block_schedule(bench):
     assert bench.plain_transfer_counts(block[:, :5], 3)[1].tolist() == sampler_module.transfer_schedule(5, 3)
 
 
-def test_bench_tiny_run_reports_every_measurement():
+def test_bench_tiny_run_reports_every_measurement(bench):
     """``python bench/diffu_llada.py --tiny`` (a CPU smoke run of the GPU benchmark) produces every record."""
-    records = load_bench("diffu_llada").main(["--tiny", "--caches", "dual", "--gen-batches", "2", "--tensor-batch-sizes", "16",
-                                 "--iterations", "1"])
+    records = bench.main(["--tiny", "--caches", "dual", "--gen-batches", "2", "--tensor-batch-sizes", "16",
+                          "--iterations", "1"])
     kinds = [(r["what"], r.get("impl")) for r in records]
     assert kinds == [("setup", None), ("rollout", "plain"), ("rollout", "ours"), ("rollout", "ours_cache_dual"),
                      ("score", "plain"), ("score", "ours"), ("train_step", "plain"), ("train_step", "ours"),
