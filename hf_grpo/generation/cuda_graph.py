@@ -66,9 +66,10 @@ from .base import (
     model_device,
     padded_length,
 )
+from .fused_projections import validate_parts
 from .hf import HFGenerateBackend
 from .regional_compile import CompiledLayers
-from .sampling import SamplingSettings, unsupported_generation_setting
+from .sampling import SamplingSettings, select_tokens_from_copies, unsupported_generation_setting
 from .static_decoder import (
     GQA_DECODE_ATTENTION,
     StaticDecoder,
@@ -144,6 +145,9 @@ class CudaGraphBackend(GenerationBackend):
             (see ``static_decoder._gqa_decode``): "matmul" (default: explicit matmuls + float32
             softmax, as transformers' eager attention computes it; 4-7% faster end to end on an
             H200 for Qwen2-0.5B shapes) or "sdpa" (torch SDPA on the packed query, cuDNN kernel).
+        fuse_projections: which projections the captured step runs as one GEMM on fused copies of
+            their weights (``fused_projections``): "qkv" (default; about the q/k/v weights' memory
+            while a decoder lives) and "gate_up" (about two thirds of the MLP weights' memory), or ().
     """
 
     name = "cuda_graph"
@@ -158,6 +162,7 @@ class CudaGraphBackend(GenerationBackend):
         compile: bool | None = None,
         compile_scope: str = "layers",
         decode_attention: str = "matmul",
+        fuse_projections: tuple[str, ...] = ("qkv",),
     ) -> None:
         if check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {check_every}")
@@ -181,7 +186,9 @@ class CudaGraphBackend(GenerationBackend):
                 f"decode_attention must be one of {sorted(GQA_DECODE_ATTENTION)}, got {decode_attention!r}"
             )
         self.decode_attention = decode_attention
+        self.fuse_projections = validate_parts(fuse_projections)
         self._compiled_fn = None
+        self._compiled_select = None
         self.compile_error: str | None = None  # why compiling failed, once it has
         self._entries: OrderedDict[tuple, StaticDecoder] = OrderedDict()
         self._fallback = HFGenerateBackend()
@@ -355,6 +362,7 @@ class CudaGraphBackend(GenerationBackend):
                 sampling=sampling,
                 **self._compiled_step(model, batch, cache_len, dtype),
                 decode_attention=self.decode_attention,
+                fuse_projections=self.fuse_projections if self.use_cuda_graph else (),
             )
             decoder.signature = signature
             self._entries[key] = decoder
@@ -372,10 +380,15 @@ class CudaGraphBackend(GenerationBackend):
             self._compiled_shapes.add(shape)
             self.num_compiles += 1
             self._warn_past_recompile_limit()
+        if self._compiled_select is None:
+            self._compiled_select = torch.compile(
+                select_tokens_from_copies, dynamic=False, backend=self._compiled_layers.backend
+            )
+        step = {"compiled_select": self._compiled_select}
         if self.compile_scope == "layers":
             reason = CompiledLayers.unavailable_reason(base_model(model))
             if reason is None:
-                return {"compiled_layers": self._compiled_layers}
+                return {**step, "compiled_layers": self._compiled_layers}
             if "compile_scope" not in self._warned:
                 self._warned.add("compile_scope")
                 logger.info("cuda_graph backend: %s; compiling the whole decode step instead", reason)
@@ -383,7 +396,7 @@ class CudaGraphBackend(GenerationBackend):
             # Shapes are fixed per decoder (batch, cache length), so no dynamic shapes; the ladder
             # (or one reserved length) keeps the number of shapes, and so of recompiles, small.
             self._compiled_fn = torch.compile(last_logits, dynamic=False)
-        return {"compiled_forward": self._compiled_fn}
+        return {**step, "compiled_forward": self._compiled_fn}
 
     def _warn_past_recompile_limit(self) -> None:
         # Past dynamo's limit the decode step silently runs uncompiled (still captured, ~2x slower).

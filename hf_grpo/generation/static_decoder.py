@@ -9,14 +9,15 @@ A ``StaticDecoder`` decodes chunks of ``batch`` left-padded prompts against a
   ``model.generate`` feeds the model, so greedy decoding gives the same tokens as
   ``model.generate`` with the same padding. After a row emits EOS it keeps emitting
   ``pad_token_id``, as ``generate`` does.
-* The one-token decode step (the forward, then ``sampling.process_logits_`` and
-  ``sampling.draw_tokens``) reads and writes only static buffers, so it can be captured once as
+* The one-token decode step (the forward, then ``sampling.select_tokens``) reads and writes only static buffers, so it can be captured once as
   a ``torch.cuda.CUDAGraph`` and replayed for every token. No host synchronisation per token:
   whether every row has finished is read back only every ``check_every`` steps.
 * The step's forward may be compiled with ``torch.compile`` before it is captured (inductor
   fuses each layer's dozens of small kernels; ~2x faster steps at 0.5B), with a packed
   grouped-query attention for the one-token query (``_gqa_decode``), because transformers'
-  sdpa path repeats the KV heads while being traced.
+  sdpa path repeats the KV heads while being traced. Where the step is compiled, the token
+  selection is compiled too (``compiled_select``), and the q/k/v and gate/up projections may run
+  as one GEMM each on fused copies of their weights (``fused_projections``).
 
 A graph stores the *addresses* of the tensors it reads, not their values: in-place weight
 updates are followed without capturing again, moved tensors are not (``weights_signature``
@@ -29,13 +30,14 @@ import inspect
 import logging
 import weakref
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 
 from .base import model_device
+from .fused_projections import FusedProjections
 from .regional_compile import CompiledLayers
-from .sampling import SamplingSettings, draw_tokens, process_logits_
+from .sampling import SamplingSettings, exponential_noise, select_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +88,9 @@ def weights_signature(model: torch.nn.Module) -> tuple:
     return ptrs, tuple(flags), model.training
 
 
-def last_logits(model, input_ids, attention_mask, position_ids, cache, cache_kw: str, logits_to_keep: bool):
-    """One forward against the static cache; the last position's logits as float32 [B, V]."""
+def last_logits(model, input_ids, attention_mask, position_ids, cache, cache_kw: str, logits_to_keep: bool,
+                float32: bool = True):
+    """One forward against the static cache; the last position's logits [B, V], as float32 unless told not to."""
     kwargs = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
@@ -99,7 +102,7 @@ def last_logits(model, input_ids, attention_mask, position_ids, cache, cache_kw:
         kwargs["logits_to_keep"] = 1
     out = model(**kwargs)
     logits = out.logits if hasattr(out, "logits") else out[0]
-    return logits[:, -1, :].float()
+    return logits[:, -1, :].float() if float32 else logits[:, -1, :]
 
 
 # While the decode step is traced by torch.compile, transformers' sdpa path cannot use its
@@ -238,6 +241,10 @@ class StaticDecoder:
         compiled_layers: instead of ``compiled_forward``, one compiled decoder layer that every layer
             runs while the step is compiled and captured (``regional_compile``); the rest stays eager.
         decode_attention: the packed-GQA variant used while the compiled forward is traced/captured.
+        compiled_select: ``torch.compile(sampling.select_tokens_from_copies)`` for the decode step's token
+            selection, or None (eager, in place).
+        fuse_projections: parts of ``fused_projections.PARTS`` to fuse in the captured step ("qkv",
+            "gate_up"); the fused copies cost about that share of the weights' memory while the decoder lives.
     """
 
     def __init__(
@@ -250,6 +257,8 @@ class StaticDecoder:
         compiled_forward: Callable | None = None,
         compiled_layers: CompiledLayers | None = None,
         decode_attention: str | None = None,
+        compiled_select: Callable | None = None,
+        fuse_projections: tuple[str, ...] = (),
     ) -> None:
         from transformers import StaticCache
 
@@ -263,6 +272,9 @@ class StaticDecoder:
         self.compiled_layers = compiled_layers
         self.compile_error: str | None = None  # why compiling failed, once it has
         self.decode_attention = decode_attention
+        self.compiled_select = compiled_select
+        self.fuse_projections = tuple(fuse_projections)
+        self.fused: FusedProjections | None = None  # made at the first capture
         self.signature: tuple | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.cache = StaticCache(config=base.config, max_cache_len=cache_len)
@@ -293,13 +305,15 @@ class StaticDecoder:
         for tensor in (self.tok, self.pos, self.mask2d, self.out, self.seen):
             if tensor is not None:
                 total += tensor.numel() * tensor.element_size()
-        return total
+        return total + (self.fused.nbytes() if self.fused is not None else 0)
 
     # ------------------------------------------------------------------ decoding
     def run(self, model, input_ids, attention_mask, steps: int, *, use_graph: bool, check_every: int) -> torch.Tensor:
         """Decode ``steps`` tokens for one chunk of ``batch`` left-padded prompts; [batch, <=steps] on the CPU."""
         if steps == 0:
             return torch.empty((self.batch, 0), dtype=torch.long)
+        if self.fused is not None:
+            self.fused.refresh()  # the weights changed since the last chunk (an optimizer step, say)
         self._prefill(model, input_ids, attention_mask)
         if use_graph and self.graph is None and steps > 1:
             # The warm-up and capture decode a few tokens from the prefilled state. They write the cache only
@@ -343,9 +357,15 @@ class StaticDecoder:
             tensor.copy_(saved)  # in place: the captured graph reads these addresses
 
     def _forward(self, model, input_ids, position_ids, *, decode: bool = False) -> torch.Tensor:
-        """Last-position logits as float32 [B, V]; the one-token decode forward may be compiled."""
+        """Last-position logits [B, V]; the one-token decode forward may be compiled.
+
+        Float32, except for a decode step whose compiled token selection makes its own float32 copy
+        (fused into its reads rather than written out).
+        """
         fn = self.compiled_forward if decode and self.compiled_forward is not None else last_logits
-        return fn(model, input_ids, self.mask2d, position_ids, self.cache, self._cache_kw, self._logits_to_keep)
+        float32 = not (decode and self.compiled_select is not None)
+        return fn(model, input_ids, self.mask2d, position_ids, self.cache, self._cache_kw, self._logits_to_keep,
+                  float32)
 
     def _prefill(self, model, input_ids, attention_mask) -> None:
         """Reset the cache and buffers for a new chunk, run the prompt and pick the first token."""
@@ -393,12 +413,19 @@ class StaticDecoder:
         per_position = self.batch * heads * self.cache_len * 4
         return max(16, PREFILL_SCORE_BYTES // per_position // 16 * 16)
 
-    def _advance(self, logits: torch.Tensor) -> None:
-        """Logits [B, V] float32 (this step's own copy) -> next token, written into the static buffers."""
+    def _advance(self, logits: torch.Tensor, select: Callable | None = None) -> None:
+        """Logits [B, V] -> next token, written into the static buffers.
+
+        Without ``select`` the logits are float32 and this step's own copy (filtered in place); ``select``
+        (the compiled ``select_tokens_from_copies``) leaves them as they are.
+        """
         s = self.sampling
         eos_blocked = self.eos_vocab_mask & (self.step < self.min_steps) if s.blocks_early_eos else None
-        scores = process_logits_(logits, s, seen=self.seen, eos_blocked=eos_blocked)
-        next_tokens = draw_tokens(scores, s.do_sample)
+        noise = exponential_noise(logits) if s.do_sample else None
+        if select is None:
+            next_tokens = select_tokens(logits, s, noise=noise, seen=self.seen, eos_blocked=eos_blocked)
+        else:
+            next_tokens = select(logits, s, noise, self.seen, eos_blocked)
         next_tokens = torch.where(self.unfinished, next_tokens, torch.full_like(next_tokens, s.pad_token_id))
         self.out.scatter_(1, self.step.view(1, 1).expand(self.batch, 1), next_tokens.unsqueeze(1))
         self.unfinished &= ~self.eos_vocab_mask[next_tokens]
@@ -410,7 +437,7 @@ class StaticDecoder:
 
     def _decode_step(self, model) -> None:
         logits = self._forward(model, self.tok, self.pos, decode=True)
-        self._advance(logits)
+        self._advance(logits, self.compiled_select)
 
     @property
     def compiles(self) -> bool:
@@ -418,13 +445,17 @@ class StaticDecoder:
 
     @contextmanager
     def _compiled_step(self, model):
-        """The decode step as it is compiled and captured: packed-GQA attention, layers routed if regional."""
-        with decode_attention(model, self.decode_attention if self.compiles else None):
-            if self.compiled_layers is None:
-                yield
-            else:
-                with self.compiled_layers.route(base_model(model), self.cache):
-                    yield
+        """The decode step as it is compiled and captured: packed-GQA attention, fused projections if
+        asked, layers routed if regional."""
+        if self.fuse_projections and self.fused is None:
+            self.fused = FusedProjections(base_model(model), self.fuse_projections)
+        with ExitStack() as stack:
+            stack.enter_context(decode_attention(model, self.decode_attention if self.compiles else None))
+            if self.fused:
+                stack.enter_context(self.fused.route())
+            if self.compiled_layers is not None:
+                stack.enter_context(self.compiled_layers.route(base_model(model), self.cache))
+            yield
 
     def _capture(self, model) -> None:
         """Warm up the decode step on a side stream, then capture it (the state it leaves is reset after)."""
@@ -439,6 +470,7 @@ class StaticDecoder:
                 )
                 self.compiled_forward = None
                 self.compiled_layers = None
+                self.compiled_select = None
             torch.cuda.synchronize()
         with self._compiled_step(model):
             stream = capture_stream(self.tok.device)

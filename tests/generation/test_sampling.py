@@ -14,7 +14,10 @@ from transformers import GenerationConfig
 from hf_grpo.generation.sampling import (
     SamplingSettings,
     draw_tokens,
+    exponential_noise,
     process_logits_,
+    select_tokens,
+    select_tokens_from_copies,
     unsupported_generation_setting,
 )
 from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
@@ -94,3 +97,34 @@ def test_unsupported_settings_are_named():
     assert unsupported_generation_setting(GenerationConfig(do_sample=True, top_k=3)) is None
     with pytest.raises(ValueError, match="temperature must be positive"):
         SamplingSettings.from_config(GenerationConfig(do_sample=True, temperature=0.0), [EOS], PAD)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_selection_picks_the_eager_tokens_and_leaves_its_inputs(dtype):
+    """The decode step compiles ``select_tokens_from_copies``; traced whole (one graph), it picks what the eager
+    in-place ``select_tokens`` picks from the same noise, and writes neither the logits nor the noise."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    settings = SamplingSettings.from_config(
+        GenerationConfig(**SETTINGS["everything"], pad_token_id=PAD, eos_token_id=EOS), [EOS], PAD)
+    torch.manual_seed(3)
+    logits = (3 * torch.randn(16, VOCAB)).to(dtype)
+    seen = torch.rand(16, VOCAB + 1) < 0.1
+    eos_blocked = torch.zeros(VOCAB, dtype=torch.bool)
+    eos_blocked[EOS] = True
+    noise = exponential_noise(logits)
+    inputs = logits.clone(), noise.clone()
+
+    got = torch.compile(select_tokens_from_copies, backend=counting, dynamic=False)(
+        logits, settings, noise, seen, eos_blocked)
+
+    want = select_tokens(logits.float(), settings, noise=noise.clone(), seen=seen, eos_blocked=eos_blocked)
+    assert torch.equal(got, want)
+    assert torch.equal(logits, inputs[0]) and torch.equal(noise, inputs[1])
+    assert len(graphs) == 1
+    assert len(set(got.tolist())) > 1  # sampled, not one token for every row
