@@ -41,6 +41,8 @@ def main(argv=None) -> int:
     parser.add_argument("--completion-len", type=int, default=256)
     parser.add_argument("--compile", choices=["on", "off"], default="on")
     parser.add_argument("--compile_scope", choices=["layers", "model"], default="layers")
+    parser.add_argument("--fuse", default="qkv",
+                        help="projections fused in the captured step: comma-separated parts, or 'none'")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -49,7 +51,8 @@ def main(argv=None) -> int:
 
     tokenizer = build_tokenizer()
     model = build_model(args.shape, tokenizer).eval()
-    backend = CudaGraphBackend(compile=args.compile == "on", compile_scope=args.compile_scope)
+    fuse = () if args.fuse == "none" else tuple(args.fuse.split(","))
+    backend = CudaGraphBackend(compile=args.compile == "on", compile_scope=args.compile_scope, fuse_projections=fuse)
     gc = trl_like_generation_config(args.completion_len)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, VOCAB, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
@@ -103,7 +106,7 @@ def main(argv=None) -> int:
     record = {
         "bench": "decode_profile", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
         "shape": args.shape, "batch": args.batch, "prompt_len": args.prompt_len, "cache_len": decoder.cache_len,
-        "compile": args.compile, "compile_scope": args.compile_scope, "first_call_s": round(first_call_s, 2), "replay_ms": round(replay_ms, 3),
+        "compile": args.compile, "compile_scope": args.compile_scope, "fuse": args.fuse, "first_call_s": round(first_call_s, 2), "replay_ms": round(replay_ms, 3),
         "kernels": count, "kernels_per_layer": round(count / layers, 1), "kernel_time_ms": round(total_us / 1e3, 3),
         "launch_gap_ms": round(replay_ms - total_us / 1e3, 3),
         "memory": {key: round(value, 3) for key, value in memory.items()},
