@@ -9,15 +9,16 @@ A ``StaticDecoder`` decodes chunks of ``batch`` left-padded prompts against a
   ``model.generate`` feeds the model, so greedy decoding gives the same tokens as
   ``model.generate`` with the same padding. After a row emits EOS it keeps emitting
   ``pad_token_id``, as ``generate`` does.
-* The one-token decode step (the forward, then ``sampling.select_tokens``) reads and writes only static buffers, so it can be captured once as
-  a ``torch.cuda.CUDAGraph`` and replayed for every token. No host synchronisation per token:
+* The one-token decode step (the forward, then ``sampling.select_tokens``) reads and writes only
+  static buffers, so it can be captured once as a ``torch.cuda.CUDAGraph`` and replayed for every token. No host synchronisation per token:
   whether every row has finished is read back only every ``check_every`` steps.
 * The step's forward may be compiled with ``torch.compile`` before it is captured (inductor
   fuses each layer's dozens of small kernels; ~2x faster steps at 0.5B), with a packed
   grouped-query attention for the one-token query (``_gqa_decode``), because transformers'
-  sdpa path repeats the KV heads while being traced. Where the step is compiled, the token
-  selection is compiled too (``compiled_select``), and the q/k/v and gate/up projections may run
-  as one GEMM each on fused copies of their weights (``fused_projections``).
+  sdpa path repeats the KV heads while being traced. Where the forward is compiled, the token
+  selection is compiled with it (``compiled_select``). In the captured step the q/k/v (and, if
+  asked, gate/up) projections run as one GEMM each on fused copies of their weights
+  (``fused_projections``).
 
 A graph stores the *addresses* of the tensors it reads, not their values: in-place weight
 updates are followed without capturing again, moved tensors are not (``weights_signature``
