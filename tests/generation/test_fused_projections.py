@@ -6,8 +6,6 @@ graph-counting backend that runs the traced graph as it is, against the same dec
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -18,6 +16,7 @@ from hf_grpo.generation.regional_compile import CompiledLayers
 from hf_grpo.generation.sampling import SamplingSettings
 from hf_grpo.generation.static_decoder import StaticDecoder, decode_attention
 from hf_grpo.tiny import build_char_tokenizer
+from test_regional_compile import CountingBackend, _batch  # the same prompts and graph counter
 
 PAD, EOS = 0, 1
 FAMILIES = ["qwen2", "llama", "qwen3", "mistral"]
@@ -35,17 +34,6 @@ def _fresh_dynamo():
     yield
 
 
-class CountingBackend:
-    """A torch.compile backend that records each graph dynamo hands it and runs it unchanged."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, gm, example_inputs):
-        self.graphs.append(gm)
-        return gm.forward
-
-
 def _model(tokenizer, family, seed=0):
     config = AutoConfig.for_model(
         family, vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=3,
@@ -56,16 +44,6 @@ def _model(tokenizer, family, seed=0):
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()
-
-
-def _batch(tokenizer, n=3, seed=0):
-    rng = random.Random(seed)
-    rows = [tokenizer("".join(rng.choice("abcdefgh 123") for _ in range(rng.randint(2, 9))))["input_ids"]
-            for _ in range(n)]
-    width = max(map(len, rows))
-    ids = torch.tensor([[PAD] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
 
 
 def _settings(**gen):
