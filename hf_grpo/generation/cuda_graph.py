@@ -76,6 +76,7 @@ from .static_decoder import (
     base_model,
     cache_len_ladder,
     last_logits,
+    sliding_windows,
     weights_signature,
 )
 
@@ -241,12 +242,10 @@ class CudaGraphBackend(GenerationBackend):
         reason = unsupported_generation_setting(gc)
         if reason is not None:
             return reason
-        config = base_model(model).config
-        layer_types = getattr(config, "layer_types", None) or []
-        window = getattr(config, "sliding_window", None)
-        if "sliding_attention" in layer_types and window is not None and cache_len > window:
+        windows = [w for w in sliding_windows(base_model(model).config) if w is not None]
+        if windows and cache_len > min(windows):
             # Past its window a StaticSlidingWindowLayer rolls its buffer with Python-side state.
-            return f"cache length {cache_len} exceeds the sliding window {window}"
+            return f"cache length {cache_len} exceeds the sliding window {min(windows)}"
         return None
 
     # ------------------------------------------------------------------ public entry point

@@ -72,6 +72,36 @@ def cache_len_ladder(need: int, minimum: int = 256) -> int:
         rung *= 2
 
 
+def sliding_windows(config) -> list[int | None]:
+    """Each decoder layer's sliding window as its static cache layer will have it (None: full attention).
+
+    Read from transformers' own dispatch: Mistral sets no ``layer_types``, yet every layer of a
+    Mistral with ``sliding_window`` gets a sliding cache layer.
+    """
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    _, per_layer = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return [kwargs.get("sliding_window") for kwargs in per_layer]
+
+
+def static_cache(config, cache_len: int):
+    """A ``StaticCache`` of ``cache_len`` positions whose sliding layers that never fill are plain layers.
+
+    A ``StaticSlidingWindowLayer`` keeps a Python int of its length, which a compiled step reads (its
+    roll-over branch): dynamo compiles the layer anew at every length (seen with Mistral's default
+    4096-token window). While ``cache_len`` fits the window the layer never rolls over and the model's
+    sliding mask cuts nothing, so a plain ``StaticLayer`` holds the same keys and values.
+    """
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    cache = StaticCache(config=config, max_cache_len=cache_len)
+    for i, (layer, window) in enumerate(zip(cache.layers, sliding_windows(config))):
+        if isinstance(layer, StaticSlidingWindowLayer) and window is not None and cache_len <= window:
+            cache.layers[i] = StaticLayer(max_cache_len=cache_len)
+    return cache
+
+
 def weights_signature(model: torch.nn.Module) -> tuple:
     """What a captured graph depends on besides shapes: tensor addresses and forward-path flags.
 
@@ -261,8 +291,6 @@ class StaticDecoder:
         compiled_select: Callable | None = None,
         fuse_projections: tuple[str, ...] = (),
     ) -> None:
-        from transformers import StaticCache
-
         device = model_device(model)
         base = base_model(model)
         self.model_ref = weakref.ref(model)
@@ -278,7 +306,7 @@ class StaticDecoder:
         self.fused: FusedProjections | None = None  # made at the first capture
         self.signature: tuple | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.cache = StaticCache(config=base.config, max_cache_len=cache_len)
+        self.cache = static_cache(base.config, cache_len)
         self.tok = torch.zeros((batch, 1), dtype=torch.long, device=device)  # input token of the next step
         self.pos = torch.zeros((batch, 1), dtype=torch.long, device=device)  # its position id
         self.mask2d = torch.ones((batch, cache_len), dtype=torch.long, device=device)  # prompt mask, then ones

@@ -2,6 +2,8 @@
 
 Run on CPU through the decoder's compile-and-capture context (``StaticDecoder._compiled_step``) with a
 graph-counting backend that runs the traced graph as it is, against the same decoder stepping unfused.
+The families' tiny models also carry the last two tests: a sliding-window model (Mistral's default
+window) compiles its decode layer once, and a cache past the window goes to ``model.generate``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ def _model(tokenizer, family, seed=0):
         family, vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
         pad_token_id=PAD, eos_token_id=EOS, bos_token_id=EOS,
-        sliding_window=None,  # Mistral's default window makes a sliding cache, compiled anew at every length
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
@@ -160,3 +161,37 @@ def test_lora_wrapped_attention_keeps_its_forward_and_the_plain_mlp_is_fused(tok
 def test_fuse_projections_names_are_validated():
     with pytest.raises(ValueError, match=r"unknown part\(s\) \['mlp'\]; valid parts are \['qkv', 'gate_up'\]"):
         CudaGraphBackend(fuse_projections=("qkv", "mlp"))
+
+
+def test_a_sliding_window_the_cache_fits_in_decodes_with_one_graph(tokenizer):
+    """Mistral's default window (4096) gives every layer a sliding cache layer, whose Python-side length made
+    dynamo compile the decode layer anew at every step. A cache that fits the window never rolls over, so the
+    decoder holds plain static layers: one graph, and the tokens and cache of the unrouted step."""
+    from transformers.cache_utils import StaticLayer
+
+    model = _model(tokenizer, "mistral")
+    assert model.config.sliding_window is not None and model.config.sliding_window >= 32
+    ids, mask = _batch(tokenizer, seed=6)
+    counting = CountingBackend()
+    got = _decoder(model, compiled_layers=CompiledLayers(backend=counting))
+    ref = _decoder(model)
+    _decode(model, got, ids, mask, steps=6, routed=True)
+    _decode(model, ref, ids, mask, steps=6, routed=False)
+    assert all(type(layer) is StaticLayer for layer in got.cache.layers)
+    assert len(counting.graphs) == 1
+    assert torch.equal(got.out, ref.out)
+    with torch.no_grad():  # and the plain layers decode what model.generate decodes with its own cache
+        expected = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=7, do_sample=False,
+                                  pad_token_id=PAD, eos_token_id=EOS)[:, ids.size(1):]
+    assert torch.equal(ref.out[:, : expected.size(1)], expected)
+
+
+def test_a_cache_longer_than_a_sliding_window_goes_to_generate(tokenizer):
+    """Past its window a sliding cache layer rolls over with Python-side state a graph cannot replay. Mistral
+    sets no layer_types, so the window is read from the cache layers transformers would build."""
+    model = _model(tokenizer, "mistral")
+    model.config.sliding_window = 16
+    backend = CudaGraphBackend()
+    gc = GenerationConfig(max_new_tokens=8, do_sample=False)
+    assert backend._call_reason(model, gc, 32) == "cache length 32 exceeds the sliding window 16"
+    assert backend._call_reason(model, gc, 16) is None
