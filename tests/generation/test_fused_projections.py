@@ -16,9 +16,15 @@ from hf_grpo.generation.cuda_graph import CudaGraphBackend
 from hf_grpo.generation.fused_projections import FusedProjections
 from hf_grpo.generation.regional_compile import CompiledLayers
 from hf_grpo.generation.sampling import SamplingSettings
-from hf_grpo.generation.static_decoder import StaticDecoder, decode_attention
+from hf_grpo.generation.static_decoder import StaticDecoder
 from hf_grpo.tiny import build_char_tokenizer
-from test_regional_compile import CountingBackend, _batch  # the same prompts and graph counter
+from test_regional_compile import (  # the same prompts, decoders and graph counter
+    CountingBackend,
+    _batch,
+    _decode,
+    _decoder,
+    _routed_and_reference,
+)
 
 PAD, EOS = 0, 1
 FAMILIES = ["qwen2", "llama", "qwen3", "mistral"]
@@ -50,21 +56,6 @@ def _model(tokenizer, family, seed=0):
 def _settings(**gen):
     gc = GenerationConfig(max_new_tokens=8, pad_token_id=PAD, eos_token_id=EOS, **gen)
     return SamplingSettings.from_config(gc, [EOS], PAD)
-
-
-def _decoder(model, sampling=None, **kwargs):
-    return StaticDecoder(model, batch=3, cache_len=32, sampling=sampling or _settings(do_sample=False),
-                         decode_attention="matmul", **kwargs)
-
-
-def _decode(model, decoder, ids, mask, steps, routed, seed=0):
-    """Prefill, then ``steps`` decode steps in the compile-and-capture context (or eagerly, the reference)."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        decoder._prefill(model, ids, mask)
-        for _ in range(steps):
-            with decoder._compiled_step(model) if routed else decode_attention(model, "matmul"):
-                decoder._decode_step(model)
 
 
 def _count_projection_calls(model):
@@ -150,11 +141,7 @@ def test_lora_wrapped_attention_keeps_its_forward_and_the_plain_mlp_is_fused(tok
     assert {cls.__name__ for cls in FusedProjections(base).forwards} == {"Qwen2MLP"}
 
     ids, mask = _batch(tokenizer, seed=5)
-    fused = _decoder(model, compiled_layers=CompiledLayers(backend=CountingBackend()),
-                     fuse_projections=("qkv", "gate_up"))
-    ref = _decoder(model)
-    _decode(model, fused, ids, mask, steps=5, routed=True)
-    _decode(model, ref, ids, mask, steps=5, routed=False)
+    fused, ref, _ = _routed_and_reference(model, ids, mask, steps=5, fuse_projections=("qkv", "gate_up"))
     assert torch.equal(fused.out, ref.out)
 
 
@@ -172,11 +159,7 @@ def test_a_sliding_window_the_cache_fits_in_decodes_with_one_graph(tokenizer):
     model = _model(tokenizer, "mistral")
     assert model.config.sliding_window is not None and model.config.sliding_window >= 32
     ids, mask = _batch(tokenizer, seed=6)
-    counting = CountingBackend()
-    got = _decoder(model, compiled_layers=CompiledLayers(backend=counting))
-    ref = _decoder(model)
-    _decode(model, got, ids, mask, steps=6, routed=True)
-    _decode(model, ref, ids, mask, steps=6, routed=False)
+    got, ref, counting = _routed_and_reference(model, ids, mask, steps=6)
     assert all(type(layer) is StaticLayer for layer in got.cache.layers)
     assert len(counting.graphs) == 1
     assert torch.equal(got.out, ref.out)

@@ -88,6 +88,17 @@ def _decode(model, decoder, ids, mask, steps, routed):
                     decoder._decode_step(model)
 
 
+def _routed_and_reference(model, ids, mask, steps, **decoder_kwargs):
+    """Decode ``steps`` tokens of the same prompts twice: routed through a graph-counting compile (the decoder
+    also gets ``decoder_kwargs``), and eagerly, the reference. Returns (routed, reference, counting backend)."""
+    counting = CountingBackend()
+    got = _decoder(model, compiled_layers=CompiledLayers(backend=counting), **decoder_kwargs)
+    ref = _decoder(model)
+    _decode(model, got, ids, mask, steps, routed=True)
+    _decode(model, ref, ids, mask, steps, routed=False)
+    return got, ref, counting
+
+
 def _assert_same_state(got: StaticDecoder, ref: StaticDecoder):
     assert torch.equal(got.out, ref.out)
     for i, (a, b) in enumerate(zip(got.cache.layers, ref.cache.layers)):
@@ -99,11 +110,7 @@ def _assert_same_state(got: StaticDecoder, ref: StaticDecoder):
 def test_one_graph_serves_every_layer_and_changes_no_number(tokenizer):
     model = _model(tokenizer)
     ids, mask = _batch(tokenizer)
-    counting = CountingBackend()
-    got = _decoder(model, compiled_layers=CompiledLayers(backend=counting))
-    ref = _decoder(model)
-    _decode(model, got, ids, mask, steps=6, routed=True)
-    _decode(model, ref, ids, mask, steps=6, routed=False)
+    got, ref, counting = _routed_and_reference(model, ids, mask, steps=6)
 
     assert len(counting.graphs) == 1, f"{len(counting.graphs)} graphs for {LAYERS} layers"
     assert counting.calls == LAYERS * 6
@@ -119,11 +126,7 @@ def test_lora_layers_share_one_graph_too(tokenizer):
                              init_lora_weights=False)
     model = peft.get_peft_model(model, config).eval()
     ids, mask = _batch(tokenizer, seed=2)
-    counting = CountingBackend()
-    got = _decoder(model, compiled_layers=CompiledLayers(backend=counting))
-    ref = _decoder(model)
-    _decode(model, got, ids, mask, steps=4, routed=True)
-    _decode(model, ref, ids, mask, steps=4, routed=False)
+    got, ref, counting = _routed_and_reference(model, ids, mask, steps=4)
     assert len(counting.graphs) == 1
     _assert_same_state(got, ref)
 
