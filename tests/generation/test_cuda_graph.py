@@ -393,9 +393,13 @@ def _constant_logit_model(tokenizer, seed: int = 0, device: str = "cuda"):
     return model, logits
 
 
-# On the GPU the sampled step is checked captured eagerly and captured compiled: the compiled token
-# selection must sample the same law, with fresh noise at every replay.
-CUDA_STEPS = [pytest.param(device, marks=[pytest.mark.gpu, needs_cuda]) for device in ("cuda", "cuda-compiled")]
+# (device, compile): on the GPU the sampled step is checked captured eagerly and captured compiled, since
+# the compiled token selection must sample the same law, with fresh noise at every replay.
+SAMPLED_STEPS = [
+    pytest.param("cpu", False, id="cpu"),
+    pytest.param("cuda", False, marks=[pytest.mark.gpu, needs_cuda], id="cuda"),
+    pytest.param("cuda", True, marks=[pytest.mark.gpu, needs_cuda], id="cuda-compiled"),
+]
 
 
 def _sample(model, n_rows: int, steps: int, compile: bool = False, **gen) -> list[list[int]]:
@@ -433,13 +437,13 @@ def _chi_square_ok(counts: collections.Counter, probs: torch.Tensor, n: int) -> 
     return stat <= df + 5 * math.sqrt(2 * df), stat, df
 
 
-@pytest.mark.parametrize("device", ["cpu", *CUDA_STEPS])
+@pytest.mark.parametrize(("device", "compile"), SAMPLED_STEPS)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_sampling_follows_softmax(tokenizer, temperature, device):
+def test_sampling_follows_softmax(tokenizer, temperature, device, compile):
     torch.manual_seed(1234)
-    model, logits = _constant_logit_model(tokenizer, device=device.removesuffix("-compiled"))
+    model, logits = _constant_logit_model(tokenizer, device=device)
     rows, steps = 256, 64
-    out = _sample(model, rows, steps, compile=device.endswith("compiled"), temperature=temperature, top_k=0, top_p=1.0)
+    out = _sample(model, rows, steps, compile=compile, temperature=temperature, top_k=0, top_p=1.0)
     assert all(len(r) == steps for r in out)
     scaled = logits / temperature
     scaled[EOS] = float("-inf")  # min_new_tokens blocks EOS
@@ -455,11 +459,11 @@ def test_sampling_follows_softmax(tokenizer, temperature, device):
     assert len({tuple(r) for r in out}) == rows
 
 
-@pytest.mark.parametrize("device", ["cpu", *CUDA_STEPS])
-def test_top_k_two_only_emits_the_two_most_likely(tokenizer, device):
+@pytest.mark.parametrize(("device", "compile"), SAMPLED_STEPS)
+def test_top_k_two_only_emits_the_two_most_likely(tokenizer, device, compile):
     torch.manual_seed(99)
-    model, logits = _constant_logit_model(tokenizer, seed=1, device=device.removesuffix("-compiled"))
-    out = _sample(model, 128, 32, compile=device.endswith("compiled"), temperature=1.0, top_k=2)
+    model, logits = _constant_logit_model(tokenizer, seed=1, device=device)
+    out = _sample(model, 128, 32, compile=compile, temperature=1.0, top_k=2)
     masked = logits.clone()
     masked[EOS] = float("-inf")
     top2 = set(torch.topk(masked, 2).indices.tolist())
@@ -472,21 +476,21 @@ def test_top_k_two_only_emits_the_two_most_likely(tokenizer, device):
     assert abs(seen[first] - n * p[0]) <= 5 * sd
 
 
-@pytest.mark.parametrize("device", ["cpu", *CUDA_STEPS])
-def test_top_p_and_min_p_cut_the_tail(tokenizer, device):
+@pytest.mark.parametrize(("device", "compile"), SAMPLED_STEPS)
+def test_top_p_and_min_p_cut_the_tail(tokenizer, device, compile):
     torch.manual_seed(7)
-    model, logits = _constant_logit_model(tokenizer, seed=2, device=device.removesuffix("-compiled"))
+    model, logits = _constant_logit_model(tokenizer, seed=2, device=device)
     masked = logits.clone()
     masked[EOS] = float("-inf")
     probs = masked.softmax(-1)
     order = probs.argsort(descending=True)
     # top_p = mass of the 3 most likely tokens (minus a hair) keeps exactly those 3.
     top_p = float(probs[order[:3]].sum()) - 1e-4
-    seen = collections.Counter(t for r in _sample(model, 128, 32, compile=device.endswith("compiled"), top_p=top_p) for t in r)
+    seen = collections.Counter(t for r in _sample(model, 128, 32, compile=compile, top_p=top_p) for t in r)
     assert set(seen) <= set(order[:3].tolist())
     # min_p = between the 2nd and 3rd token's ratio to the top keeps the 2 most likely.
     ratio2, ratio3 = float(probs[order[1]] / probs[order[0]]), float(probs[order[2]] / probs[order[0]])
-    seen = collections.Counter(t for r in _sample(model, 128, 32, compile=device.endswith("compiled"), min_p=(ratio2 + ratio3) / 2) for t in r)
+    seen = collections.Counter(t for r in _sample(model, 128, 32, compile=compile, min_p=(ratio2 + ratio3) / 2) for t in r)
     assert set(seen) <= set(order[:2].tolist())
 
 
