@@ -167,9 +167,12 @@ def select_tokens(
     seen: torch.Tensor | None = None,
     eos_blocked: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``process_logits_`` then one token per row: the Gumbel-max pick with ``noise`` when sampling, else the argmax.
+    """``process_logits_`` then one token per row: a sample from softmax(filtered scores), or the argmax.
 
-    ``scores`` (float32) and ``noise`` (``exponential_noise``, None for greedy decoding) are overwritten.
+    Gumbel-max: argmax_i (log p_i - log E_i) with E_i ~ Exp(1) picks i with probability p_i, and log p_i
+    differs from the filtered score_i by a per-row constant, so no softmax is needed; the clamp keeps
+    log(0) from winning. ``scores`` (float32) and ``noise`` (``exponential_noise``, None for greedy
+    decoding) are overwritten.
     """
     scores = process_logits_(scores, s, seen=seen, eos_blocked=eos_blocked)
     if not s.do_sample:
@@ -188,23 +191,3 @@ def select_tokens_from_copies(logits, s, noise, seen, eos_blocked) -> torch.Tens
     scores = logits.to(torch.float32, copy=True)
     noise = None if noise is None else noise.clone()
     return select_tokens(scores, s, noise=noise, seen=seen, eos_blocked=eos_blocked)
-
-
-def draw_tokens(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
-    """One token per row of filtered ``scores`` [B, V]: a sample from softmax(scores), or the argmax.
-
-    Gumbel-max: argmax_i (log p_i - log E_i) with E_i ~ Exp(1) picks i with probability p_i, and
-    log p_i differs from scores_i by a per-row constant, so no softmax is needed. ``scores`` is
-    overwritten (one noise buffer, turned into scores - log E in place); the clamp keeps log(0)
-    from winning.
-    """
-    noise = exponential_noise(scores) if do_sample else None
-    return select_tokens(scores, _PICK_ONLY[do_sample], noise=noise)
-
-
-# Settings under which select_tokens only picks (no filter applies): what draw_tokens needs.
-_PICK_ONLY = {
-    flag: SamplingSettings(do_sample=flag, temperature=1.0, top_k=0, top_p=1.0, min_p=None, repetition_penalty=1.0,
-                           min_new_tokens=0, min_length=0, eos_token_ids=(), pad_token_id=0)
-    for flag in (False, True)
-}

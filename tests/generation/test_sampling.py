@@ -13,7 +13,6 @@ from transformers import GenerationConfig
 
 from hf_grpo.generation.sampling import (
     SamplingSettings,
-    draw_tokens,
     exponential_noise,
     process_logits_,
     select_tokens,
@@ -74,16 +73,22 @@ def test_process_logits_equals_transformers_processors(model, name, generated):
     assert torch.equal(torch.isinf(got), torch.isinf(want))  # the same tokens are cut
 
 
-def test_draw_tokens_samples_softmax_of_the_filtered_scores():
+def _pick_only(do_sample: bool) -> SamplingSettings:
+    """Settings under which select_tokens applies no filter and only picks."""
+    gc = GenerationConfig(do_sample=do_sample, temperature=1.0, top_k=0, top_p=1.0)
+    return SamplingSettings.from_config(gc, [], PAD)
+
+
+def test_select_tokens_samples_softmax_of_the_filtered_scores():
     torch.manual_seed(0)
     scores = torch.tensor([[0.0, 1.0, 2.0, float("-inf")]]).expand(20_000, 4).contiguous()
-    tokens = draw_tokens(scores.clone(), do_sample=True)
+    tokens = select_tokens(scores.clone(), _pick_only(True), noise=exponential_noise(scores))
     freq = torch.bincount(tokens, minlength=4).double() / tokens.numel()
     expected = torch.softmax(scores[0].double(), dim=0)
     assert freq[3] == 0  # a cut token is never drawn
     # 20k draws: the standard error of each frequency is below 0.0035; 5 sigma
     torch.testing.assert_close(freq, expected, rtol=0, atol=0.018)
-    assert torch.equal(draw_tokens(scores.clone(), do_sample=False), torch.full((20_000,), 2))
+    assert torch.equal(select_tokens(scores.clone(), _pick_only(False), noise=None), torch.full((20_000,), 2))
 
 
 def test_repetition_penalty_without_seen_mask_is_a_clear_error():
