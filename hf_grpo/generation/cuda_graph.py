@@ -142,10 +142,11 @@ class CudaGraphBackend(GenerationBackend):
             or "model" (the whole one-token forward: one fusion more per layer boundary, and a
             compile that grows with the depth). A model without a recognisable list of decoder
             layers is compiled whole.
-        decode_attention: how the compiled step attends for sdpa models with grouped KV heads
-            (see ``static_decoder._gqa_decode``): "matmul" (default: explicit matmuls + float32
-            softmax, as transformers' eager attention computes it; 4-7% faster end to end on an
-            H200 for Qwen2-0.5B shapes) or "sdpa" (torch SDPA on the packed query, cuDNN kernel).
+        decode_attention: how the compiled step attends for sdpa models (see ``static_decoder._gqa_decode``):
+            "filled" (default: one Triton kernel that reads only the cache blocks the mask admits, the prompt
+            and the tokens so far, see ``filled_attention``; "matmul" where Triton or CUDA is missing),
+            "matmul" (explicit matmuls + float32 softmax over the whole cache, as transformers' eager
+            attention computes it) or "sdpa" (torch SDPA on the packed query, cuDNN kernel).
         fuse_projections: which projections the captured step runs as one GEMM on fused copies of
             their weights (``fused_projections``): "qkv" (default; about the q/k/v weights' memory
             while a decoder lives) and "gate_up" (about two thirds of the MLP weights' memory), or ().
@@ -162,7 +163,7 @@ class CudaGraphBackend(GenerationBackend):
         use_cuda_graph: bool = True,
         compile: bool | None = None,
         compile_scope: str = "layers",
-        decode_attention: str = "matmul",
+        decode_attention: str = "filled",
         fuse_projections: tuple[str, ...] = ("qkv",),
     ) -> None:
         if check_every < 1:

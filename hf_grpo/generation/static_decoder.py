@@ -35,6 +35,7 @@ from contextlib import ExitStack, contextmanager
 
 import torch
 
+from . import filled_attention
 from .base import model_device
 from .fused_projections import FusedProjections
 from .regional_compile import CompiledLayers
@@ -102,6 +103,11 @@ def static_cache(config, cache_len: int):
     return cache
 
 
+def _kv_heads(config) -> int:
+    text = config.get_text_config(decoder=True)
+    return getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 1) or 1
+
+
 def weights_signature(model: torch.nn.Module) -> tuple:
     """What a captured graph depends on besides shapes: tensor addresses and forward-path flags.
 
@@ -143,35 +149,59 @@ def last_logits(model, input_ids, attention_mask, position_ids, cache, cache_kw:
 # num_key_value_groups query heads sharing a KV head become the "query length" of one SDPA
 # call on the un-repeated cache. Head h maps to KV head h // groups, as in repeat_kv, and the
 # [B, 1, 1, L] mask broadcasts over both, so the result equals sdpa's.
-GQA_DECODE_ATTENTION = {"sdpa": "hf_grpo_gqa_decode_sdpa", "matmul": "hf_grpo_gqa_decode_matmul"}
+# "filled" packs the same way and hands the call to ``filled_attention``, whose kernel reads only the cache
+# blocks the mask lets a row attend to (the matmul variant serves where that kernel cannot: CPU, no Triton).
+GQA_DECODE_ATTENTION = {
+    "sdpa": "hf_grpo_gqa_decode_sdpa",
+    "matmul": "hf_grpo_gqa_decode_matmul",
+    "filled": "hf_grpo_gqa_decode_filled",
+}
 
 
 def _gqa_decode_attention(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
 ):
     """variant "sdpa": one torch SDPA call on the packed query (cuDNN/efficient kernels)."""
-    return _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, False, **kwargs)
+    return _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, "sdpa", **kwargs)
 
 
 def _gqa_decode_attention_matmul(
     module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
 ):
     """variant "matmul": two batched matmuls and a float32 softmax, which inductor fuses around."""
-    return _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, True, **kwargs)
+    return _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, "matmul", **kwargs)
 
 
-def _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, matmul, **kwargs):
+def _gqa_decode_attention_filled(
+    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
+):
+    """variant "filled": one kernel that skips the cache blocks the mask excludes (``filled_attention``)."""
+    return _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, "filled", **kwargs)
+
+
+def _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, variant, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, q_len, head_dim = query.shape
-    if q_len != 1 or groups == 1 or kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None:
+    filled = (
+        variant == "filled"
+        and q_len == 1
+        and attention_mask is not None
+        and attention_mask.shape[-1] == key.shape[2]
+        and filled_attention.usable(query, key, attention_mask)
+    )
+    special = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
+    if q_len != 1 or special or (groups == 1 and not filled):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     packed = query.reshape(batch, heads // groups, groups, head_dim)  # [B, KV heads, groups, D]
-    if matmul:
-        scale = head_dim**-0.5 if scaling is None else scaling
+    scale = head_dim**-0.5 if scaling is None else scaling
+    if filled:
+        valid = attention_mask[:, 0, -1, :].expand(batch, key.shape[2])  # [B, L]: this token's row of the mask
+        out = torch.ops.hf_grpo.filled_decode_attention(packed, key, value, valid, float(scale))
+    elif variant != "sdpa":
         scores = torch.matmul(packed, key.transpose(-1, -2)) * scale  # [B, KV heads, groups, L]
         if attention_mask is not None:
             if attention_mask.dtype == torch.bool:
@@ -191,7 +221,9 @@ def _register_gqa_decode_attention() -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    for variant, fn in (("sdpa", _gqa_decode_attention), ("matmul", _gqa_decode_attention_matmul)):
+    variants = (("sdpa", _gqa_decode_attention), ("matmul", _gqa_decode_attention_matmul),
+                ("filled", _gqa_decode_attention_filled))
+    for variant, fn in variants:
         name = GQA_DECODE_ATTENTION[variant]
         if name not in ALL_ATTENTION_FUNCTIONS:
             ALL_ATTENTION_FUNCTIONS.register(name, fn)
@@ -271,7 +303,8 @@ class StaticDecoder:
         compiled_forward: ``torch.compile(last_logits)`` to run the one-token forward with, or None (eager).
         compiled_layers: instead of ``compiled_forward``, one compiled decoder layer that every layer
             runs while the step is compiled and captured (``regional_compile``); the rest stays eager.
-        decode_attention: the packed-GQA variant used while the compiled forward is traced/captured.
+        decode_attention: the packed-GQA variant used while the compiled forward is traced/captured; "filled"
+            becomes "matmul" where ``filled_attention.serves`` says the kernel would not pay (few rows, no Triton).
         compiled_select: ``torch.compile(sampling.select_tokens_from_copies)`` for the decode step's token
             selection, or None (eager, in place).
         fuse_projections: parts of ``fused_projections.PARTS`` to fuse in the captured step ("qkv",
@@ -300,6 +333,8 @@ class StaticDecoder:
         self.compiled_forward = compiled_forward
         self.compiled_layers = compiled_layers
         self.compile_error: str | None = None  # why compiling failed, once it has
+        if decode_attention == "filled" and not filled_attention.serves(batch, _kv_heads(base.config), device):
+            decode_attention = "matmul"  # too few rows to fill the GPU with the kernel's programs
         self.decode_attention = decode_attention
         self.compiled_select = compiled_select
         self.fuse_projections = tuple(fuse_projections)

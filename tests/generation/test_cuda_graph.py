@@ -17,7 +17,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from hf_grpo.generation import HFGenerateBackend, resolve_backend
-from hf_grpo.generation import cuda_graph
+from hf_grpo.generation import cuda_graph, filled_attention
 from hf_grpo.generation.cuda_graph import CudaGraphBackend, cache_len_ladder
 from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
 
@@ -308,20 +308,29 @@ def test_a_reserved_length_sizes_one_cache_for_the_whole_run(tokenizer, monkeypa
 @needs_cuda
 @pytest.mark.parametrize(
     "compile,attention,scope",
-    [(False, "sdpa", "layers"), (True, "sdpa", "layers"), (True, "matmul", "layers"), (True, "matmul", "model")],
-    ids=["eager-graph", "compiled-sdpa", "compiled-matmul", "compiled-matmul-whole-model"],
+    [(False, "sdpa", "layers"), (True, "sdpa", "layers"), (True, "matmul", "layers"), (True, "matmul", "model"),
+     (True, "filled", "layers")],
+    ids=["eager-graph", "compiled-sdpa", "compiled-matmul", "compiled-matmul-whole-model", "compiled-filled"],
 )
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_greedy_identical_to_generate(tokenizer, family, compile, attention, scope):
+def test_greedy_identical_to_generate(tokenizer, family, compile, attention, scope, monkeypatch):
     model = (build_tiny_model(tokenizer) if family == "qwen2" else _llama(tokenizer)).cuda().eval()
     prompts = _prompts(tokenizer, 11)
     _bias_eos(model, prompts, 40, "cuda")
     backend = CudaGraphBackend(compile=compile, decode_attention=attention, compile_scope=scope)
     assert backend.unsupported_reason(model) is None
+    kernel_calls = []
+    triton_attention = filled_attention._triton_decode_attention
+    # 4 rows x 2 KV heads are fewer programs than SMs, where a decoder keeps the matmul attention
+    monkeypatch.setattr(filled_attention, "CONFIG", filled_attention.KernelConfig(min_programs=1))
+    monkeypatch.setattr(filled_attention, "_triton_decode_attention",
+                        lambda *args: kernel_calls.append(1) or triton_attention(*args))
     expected, got = _greedy_case(model, prompts, chunk_size=4, backend=backend)  # 4 + 4 + 3 (padded)
     lengths = [len(c) for c in expected]
     assert min(lengths) < 40 and max(lengths) == 40, lengths
     assert got == expected
+    # the "filled" step runs the Triton kernel (in the warm-up and the capture), not a fallback
+    assert bool(kernel_calls) == (attention == "filled")
     assert backend.num_captures == 1  # one capture serves every chunk, the padded last one included
     assert backend.compile_error is None
 
@@ -365,9 +374,10 @@ def test_greedy_with_penalty_min_tokens_and_padding_multiple(tokenizer):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("attention", ["sdpa", "matmul"])
-def test_bf16_model_runs_and_matches_mostly(tokenizer, attention):
+@pytest.mark.parametrize("attention", ["sdpa", "matmul", "filled"])
+def test_bf16_model_runs_and_matches_mostly(tokenizer, attention, monkeypatch):
     """bf16 and compiled: the benchmark's path; numerics may differ from generate in near-ties only."""
+    monkeypatch.setattr(filled_attention, "CONFIG", filled_attention.KernelConfig(min_programs=1))
     model = build_tiny_model(tokenizer, dtype=torch.bfloat16).cuda().eval()
     prompts = _prompts(tokenizer, 16, seed=5)
     backend = CudaGraphBackend(compile=True, decode_attention=attention)

@@ -1,0 +1,171 @@
+"""Decode attention that reads only the cache positions a row may attend to.
+
+A captured decode step attends over a static cache of ``cache_len`` positions, of which a rollout has
+filled, on average, the prompt plus half the completion. Two batched matmuls over the whole cache (the
+``matmul`` decode attention) read every position's keys and values at every step: a third of the step at
+1.5B x 128 rows (``bench/results/decode_profile_fused_h100.jsonl``). A graph cannot change the shapes it
+replays, but a kernel can read its bounds from memory at run time: this one walks the cache in blocks
+and skips a block, keys and values unread, when the attention mask allows none of its positions (the
+left padding, and everything past the current token).
+
+``filled_decode_attention(query, key, value, valid, scale)`` is a ``torch.library`` custom op, so a
+compiled step calls it as one opaque kernel:
+
+* query ``[B, KV heads, G, D]``: the G query heads that share a KV head, for the one decode token
+  (``static_decoder._gqa_decode`` packs them);
+* key, value ``[B, KV heads, L, D]``: the static cache;
+* valid ``[B, L]`` bool: the positions each row attends to;
+* result ``[B, KV heads, G, D]`` in the query's dtype.
+
+On CUDA with Triton it runs the block-skipping kernel (an online softmax in float32, as flash attention
+computes it), one program per (row, KV head); elsewhere the same math as the ``matmul`` decode
+attention, in torch. A decoder takes this attention only where the kernel has at least one program per SM
+(``serves``): with fewer, the matmul attention was as fast (32 rows of Qwen2-0.5B, H100,
+``bench/results/decode_attention_sweep_h100.jsonl``) and needs no Triton compile at a run's start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+
+import torch
+
+
+@dataclasses.dataclass
+class KernelConfig:
+    """Launch settings of the kernel (``bench/decode_attention.py`` sweeps them)."""
+
+    block: int = 128  # cache positions per step of the kernel's loop (64 was 10-25% slower, H100 sweep)
+    num_warps: int = 4
+    num_stages: int = 2
+    min_programs: int | None = None  # fewest (row, KV head) programs the kernel serves; None: the GPU's SMs
+
+
+CONFIG = KernelConfig()
+
+
+# Whether Triton can be imported, without importing it (it is, lazily, by the kernel's first call).
+TRITON = importlib.util.find_spec("triton") is not None
+
+
+def worth_the_kernel(programs: int, sms: int, min_programs: int | None = None) -> bool:
+    """One program per (row, KV head): the kernel pays where they are at least the SMs (or ``min_programs``)."""
+    return programs >= (sms if min_programs is None else min_programs)
+
+
+def serves(rows: int, kv_heads: int, device: torch.device) -> bool:
+    """True where a decoder of ``rows`` rows should attend with the kernel (decided once, outside any trace)."""
+    if device.type != "cuda" or not TRITON:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(index).multi_processor_count
+    return worth_the_kernel(rows * kv_heads, sms, CONFIG.min_programs)
+
+
+def usable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """True where the kernel can take this call's tensors (else the caller keeps its own attention)."""
+    return (
+        query.is_cuda
+        and TRITON
+        and mask is not None
+        and mask.dtype == torch.bool
+        and query.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and key.dtype == query.dtype
+        and query.size(-1) <= 256
+    )
+
+
+def reference_decode_attention(query, key, value, valid, scale: float) -> torch.Tensor:
+    """The same result with torch ops: scores, a float32 softmax over the valid positions, the weighted values."""
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # [B, KV heads, G, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    return torch.matmul(probs, value)
+
+
+@torch.library.custom_op("hf_grpo::filled_decode_attention", mutates_args=())
+def filled_decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, scale: float
+) -> torch.Tensor:
+    return reference_decode_attention(query, key, value, valid, scale)
+
+
+@filled_decode_attention.register_fake
+def _(query, key, value, valid, scale):
+    return torch.empty_like(query)
+
+
+@filled_decode_attention.register_kernel("cuda")
+def _(query, key, value, valid, scale):
+    if not TRITON:
+        return reference_decode_attention(query, key, value, valid, scale)
+    return _triton_decode_attention(query, key, value, valid, scale)
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def _triton_decode_attention(query, key, value, valid, scale):
+    batch, kv_heads, groups, dim = query.shape
+    valid_bytes = valid.view(torch.uint8)  # same strides; Triton reads uint8 where bool pointers vary by version
+    out = torch.empty_like(query)
+    config = CONFIG
+    _kernel()[(batch, kv_heads)](
+        query, key, value, valid_bytes, out, scale, key.size(2),
+        *query.stride(), *key.stride(), *value.stride(), *valid_bytes.stride(), *out.stride(),
+        GROUPS=groups, GROUPS_P=_pow2_at_least_16(groups), DIM=dim, DIM_P=_pow2_at_least_16(dim), BLOCK=config.block,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+@functools.cache
+def _kernel():
+    """Compile-on-first-use Triton kernel (defined here so that importing this module never needs Triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def attend(
+        Q, K, V, VALID, OUT, scale, length,
+        sq_b, sq_h, sq_g, sq_d, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv_l, sv_d, sm_b, sm_l,
+        so_b, so_h, so_g, so_d,
+        GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr,
+        BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        g = tl.arange(0, GROUPS_P)  # tl.dot needs 16 rows at least: the padded groups are masked
+        d = tl.arange(0, DIM_P)
+        g_ok = g < GROUPS
+        d_ok = d < DIM
+        q = tl.load(Q + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :] * sq_d,
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+        m_i = tl.full((GROUPS_P,), float("-inf"), tl.float32)
+        l_i = tl.zeros((GROUPS_P,), tl.float32)
+        acc = tl.zeros((GROUPS_P, DIM_P), tl.float32)
+        for start in range(0, length, BLOCK):
+            pos = start + tl.arange(0, BLOCK)
+            ok = tl.load(VALID + b * sm_b + pos * sm_l, mask=pos < length, other=0) != 0
+            if tl.max(ok.to(tl.int32), axis=0) > 0:  # a block nobody attends to is never read
+                k = tl.load(K + b * sk_b + h * sk_h + pos[None, :] * sk_l + d[:, None] * sk_d,
+                            mask=ok[None, :] & d_ok[:, None], other=0.0)  # [D, BLOCK]
+                scores = tl.dot(q, k, input_precision=PRECISION) * scale  # [G, BLOCK] float32
+                scores = tl.where(ok[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(scores - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(V + b * sv_b + h * sv_h + pos[:, None] * sv_l + d[None, :] * sv_d,
+                            mask=ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK, D]
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                m_i = m_new
+        result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that attends nowhere gives zeros
+        tl.store(OUT + b * so_b + h * so_h + g[:, None] * so_g + d[None, :] * so_d,
+                 result.to(OUT.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+    return attend

@@ -1,0 +1,139 @@
+"""The decode attention that reads only the cache blocks a row attends to (``filled_attention``).
+
+It must equal attention over the whole cache with the mask applied, never touch a position the mask
+excludes, and read its bounds at replay time (a captured graph serves every step of a rollout). The
+Triton kernel runs on CUDA only; on CPU the op is its torch reference, checked here against SDPA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_grpo.generation import filled_attention
+from hf_grpo.generation.filled_attention import filled_decode_attention, reference_decode_attention, worth_the_kernel
+
+needs_triton = pytest.mark.skipif(
+    not (torch.cuda.is_available() and filled_attention.TRITON), reason="needs CUDA and Triton"
+)
+
+
+def _case(batch, kv_heads, groups, dim, length, dtype, device, seed=0):
+    """A packed decode query, a cache, and a mask of left padding plus a causal cut at a random fill."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    query = torch.randn(batch, kv_heads, groups, dim, generator=g).to(device, dtype)
+    key = torch.randn(batch, kv_heads, length, dim, generator=g).to(device, dtype)
+    value = torch.randn(batch, kv_heads, length, dim, generator=g).to(device, dtype)
+    filled = int(torch.randint(1, length + 1, (1,), generator=g))  # positions written so far, this token's included
+    pads = torch.randint(0, filled, (batch,), generator=g)  # left padding of each row, fewer than filled
+    pos = torch.arange(length)
+    valid = (pos[None, :] >= pads[:, None]) & (pos[None, :] < filled)
+    return query, key, value, valid.to(device), filled
+
+
+def _sdpa(query, key, value, valid, scale):
+    """Plain SDPA with each KV head repeated for its query heads, on the unpacked [B, H, 1, D] query."""
+    batch, kv_heads, groups, dim = query.shape
+    q = query.reshape(batch, kv_heads * groups, 1, dim)
+    k = key.repeat_interleave(groups, dim=1)
+    v = value.repeat_interleave(groups, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(batch, kv_heads, groups, dim)
+
+
+def test_reference_equals_sdpa_on_the_unpacked_query():
+    query, key, value, valid, _ = _case(3, 2, 7, 16, 40, torch.float32, "cpu")
+    got = filled_decode_attention(query, key, value, valid, 0.25)  # CPU: the torch reference
+    torch.testing.assert_close(got, _sdpa(query, key, value, valid, 0.25), rtol=1e-5, atol=1e-6)
+
+
+def test_the_kernel_serves_decoders_with_a_program_for_every_sm():
+    assert worth_the_kernel(256, 132)  # 128 rows x 2 KV heads on an H100
+    assert not worth_the_kernel(64, 132)  # 32 rows x 2 KV heads: the matmul attention is as fast
+    assert worth_the_kernel(8, 132, min_programs=8)  # what the GPU tests set to run it on tiny models
+
+
+def test_a_cpu_decoder_asked_for_the_kernel_attends_with_matmul():
+    from transformers import GenerationConfig
+
+    from hf_grpo.generation.sampling import SamplingSettings
+    from hf_grpo.generation.static_decoder import StaticDecoder
+    from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+
+    model = build_tiny_model(build_char_tokenizer()).eval()
+    sampling = SamplingSettings.from_config(GenerationConfig(do_sample=False), eos_token_ids=[1], pad_token_id=0)
+    decoder = StaticDecoder(model, batch=2, cache_len=16, sampling=sampling, decode_attention="filled")
+    assert decoder.decode_attention == "matmul"
+
+
+# ------------------------------------------------------------------------------------------------ GPU
+
+SHAPES = [  # (batch, KV heads, groups, head dim, cache length)
+    pytest.param(3, 2, 7, 64, 96, id="qwen0.5b-heads-3rows"),
+    pytest.param(128, 2, 6, 128, 768, id="qwen1.5b-heads-128rows"),
+    pytest.param(128, 2, 7, 64, 700, id="qwen0.5b-heads-128rows-ragged-cache"),
+    pytest.param(2, 4, 1, 16, 50, id="no-grouping-short-cache"),
+    pytest.param(5, 1, 4, 80, 200, id="head-dim-80"),
+]
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("batch,kv_heads,groups,dim,length", SHAPES)
+def test_kernel_equals_attention_over_the_masked_cache(batch, kv_heads, groups, dim, length, dtype):
+    for seed in range(3):
+        query, key, value, valid, _ = _case(batch, kv_heads, groups, dim, length, dtype, "cuda", seed)
+        scale = dim**-0.5
+        got = filled_decode_attention(query, key, value, valid, scale)
+        expected = reference_decode_attention(query.float(), key.float(), value.float(), valid, scale)
+        tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        assert got.dtype == dtype and got.shape == query.shape
+        torch.testing.assert_close(got.float(), expected, **tol)
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("batch", [4, 128])
+def test_positions_the_mask_excludes_are_never_read(batch):
+    """NaN in every excluded position (stale or never-written cache) leaves the result finite and unchanged."""
+    query, key, value, valid, _ = _case(batch, 2, 6, 64, 300, torch.bfloat16, "cuda", seed=4)
+    expected = filled_decode_attention(query, key, value, valid, 0.125)
+    poisoned_key = key.masked_fill(~valid[:, None, :, None], float("nan"))
+    poisoned_value = value.masked_fill(~valid[:, None, :, None], float("nan"))
+    got = filled_decode_attention(query, poisoned_key, poisoned_value, valid, 0.125)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_a_captured_call_follows_the_mask_it_reads_at_replay():
+    """One graph, replayed as the cache fills: each replay attends over the mask of that step."""
+    query, key, value, _, _ = _case(16, 2, 7, 64, 512, torch.bfloat16, "cuda", seed=5)
+    mask = torch.zeros((16, 512), dtype=torch.bool, device="cuda")
+    mask[:, :40] = True
+    filled_decode_attention(query, key, value, mask, 0.125)  # compile the kernels outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = filled_decode_attention(query, key, value, mask, 0.125)
+    for filled in (41, 64, 65, 300, 512):
+        mask.zero_()
+        mask[:, 3:filled] = True
+        graph.replay()
+        expected = reference_decode_attention(query.float(), key.float(), value.float(), mask, 0.125)
+        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_the_op_compiles_as_one_opaque_call():
+    """Under torch.compile (as in the decode step) the op traces without a graph break and gives the same result."""
+    query, key, value, valid, _ = _case(8, 2, 7, 64, 256, torch.bfloat16, "cuda", seed=6)
+
+    def attend(q, k, v, m):
+        return filled_decode_attention(q * 1.0, k, v, m, 0.125) + 0.0
+
+    compiled = torch.compile(attend, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(query, key, value, valid), attend(query, key, value, valid))
