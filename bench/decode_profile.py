@@ -3,7 +3,9 @@
 Builds the random-init Qwen2 shape of ``hf_grpo.tiny`` in bf16, warms the backend up with one
 rollout (compile + capture, timed as ``first_call_s``), then:
 
-* ``replay_ms``: wall time of one graph replay (one token for every row), averaged over a rollout;
+* ``replay_ms``: wall time of one graph replay (one token for every row) on a full cache, averaged over 100;
+* ``rollout_ms_per_token``: a whole warm rollout (prefill, then every step on a cache that fills as it goes)
+  divided by the tokens a row generated: what the attention pays for the filled part of the cache only;
 * ``memory``: what a call allocates above the weights at its peak, and what it keeps after the call
   and after ``release()``;
 * ``kernels``: the kernels of one decode step as the profiler sees them when the compiled step runs
@@ -43,6 +45,7 @@ def main(argv=None) -> int:
     parser.add_argument("--compile_scope", choices=["layers", "model"], default="layers")
     parser.add_argument("--fuse", default="qkv",
                         help="projections fused in the captured step: comma-separated parts, or 'none'")
+    parser.add_argument("--attention", default=None, help="decode_attention (default: the backend's)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -52,7 +55,9 @@ def main(argv=None) -> int:
     tokenizer = build_tokenizer()
     model = build_model(args.shape, tokenizer).eval()
     fuse = () if args.fuse == "none" else tuple(args.fuse.split(","))
-    backend = CudaGraphBackend(compile=args.compile == "on", compile_scope=args.compile_scope, fuse_projections=fuse)
+    extra = {} if args.attention is None else {"decode_attention": args.attention}
+    backend = CudaGraphBackend(compile=args.compile == "on", compile_scope=args.compile_scope, fuse_projections=fuse,
+                               **extra)
     gc = trl_like_generation_config(args.completion_len)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, VOCAB, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
@@ -78,6 +83,11 @@ def main(argv=None) -> int:
         torch.cuda.synchronize()
         memory["second_call_peak_above_gib"] = torch.cuda.max_memory_allocated() / gib - memory["before_gib"]
         decoder = next(iter(backend._entries.values()))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = backend.generate(model, prompts, **call)  # warm: the graph is kept
+        torch.cuda.synchronize()
+        rollout_ms_per_token = (time.perf_counter() - start) * 1e3 / max(len(row) for row in out)
 
         torch.cuda.synchronize()
         start = time.perf_counter()
@@ -107,6 +117,8 @@ def main(argv=None) -> int:
         "bench": "decode_profile", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
         "shape": args.shape, "batch": args.batch, "prompt_len": args.prompt_len, "cache_len": decoder.cache_len,
         "compile": args.compile, "compile_scope": args.compile_scope, "fuse": args.fuse, "first_call_s": round(first_call_s, 2), "replay_ms": round(replay_ms, 3),
+        "decode_attention": decoder.decode_attention,  # as the decoder resolved the backend's setting
+        "rollout_ms_per_token": round(rollout_ms_per_token, 3),
         "kernels": count, "kernels_per_layer": round(count / layers, 1), "kernel_time_ms": round(total_us / 1e3, 3),
         "launch_gap_ms": round(replay_ms - total_us / 1e3, 3),
         "memory": {key: round(value, 3) for key, value in memory.items()},

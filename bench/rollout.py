@@ -12,8 +12,8 @@ backend generates the same number of tokens), 64-token prompts.
     instead; the record's ``trl_path`` says which.
 (b) ``hf``: ``HFGenerateBackend`` (``model.generate`` per chunk).
 (c) ``cuda_graph``: ``CudaGraphBackend`` (decode step compiled with ``torch.compile`` when
-    available, then captured; its defaults); ``cuda_graph_sdpa``: the same with
-    ``decode_attention="sdpa"``; ``cuda_graph_nocompile``: captured without compiling;
+    available, then captured; its defaults); ``cuda_graph_sdpa`` and ``cuda_graph_matmul``: the same with
+    ``decode_attention="sdpa"`` / ``"matmul"`` (attention over the whole cache); ``cuda_graph_nocompile``: captured without compiling;
     ``cuda_graph_whole_model``: the whole one-token forward compiled (``compile_scope="model"``)
     instead of one decoder layer.
 
@@ -137,7 +137,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--backends", default="trl,hf,cuda_graph",
         help="from: trl, hf, cuda_graph (defaults: compiled decode step when available, "
-        "decode_attention='matmul'), cuda_graph_sdpa (decode_attention='sdpa'), cuda_graph_nocompile, "
+        "decode_attention='filled'), cuda_graph_sdpa / cuda_graph_matmul (decode_attention='sdpa' / 'matmul'), "
+        "cuda_graph_nocompile, "
         "cuda_graph_whole_model (compile_scope='model')",
     )
     parser.add_argument("--repeats", type=int, default=1, help="timed calls per backend (the fastest is kept)")
@@ -170,6 +171,7 @@ def main(argv=None) -> int:
         graph_backends = {
             "cuda_graph": CudaGraphBackend(),
             "cuda_graph_sdpa": CudaGraphBackend(decode_attention="sdpa"),
+            "cuda_graph_matmul": CudaGraphBackend(decode_attention="matmul"),
             "cuda_graph_nocompile": CudaGraphBackend(compile=False),
             "cuda_graph_whole_model": CudaGraphBackend(compile_scope="model"),
         }
@@ -206,7 +208,8 @@ def main(argv=None) -> int:
                         record["chunk_size"] = chunk
                     elif backend in graph_backends:
                         be = graph_backends[backend]
-                        be.release()  # peak memory of this shape alone, and a fresh capture
+                        for other in graph_backends.values():
+                            other.release()  # peak memory of this backend alone, and a fresh capture
                         captures = be.num_captures
                         run = lambda: be.generate(model, prompts, generation_config=gen_config, chunk_size=chunk, **common)  # noqa: E731
                         record.update(chunk_size=chunk, compiled=be.compile, decode_attention=be.decode_attention)
@@ -226,7 +229,8 @@ def main(argv=None) -> int:
                     if backend == "trl" and trainer is not None:
                         trainer.generation_config = full
                     if backend.startswith("cuda_graph"):
-                        record.update(captures=be.num_captures - captures, compile_error=be.compile_error)
+                        record.update(captures=be.num_captures - captures, compile_error=be.compile_error,
+                                      decode_attention_used=sorted({d.decode_attention for d in be._entries.values()}))
                     record["first_call_s"] = None if first is None else round(first, 3)
                 tokens = sum(len(c) for c in out)
                 record.update(

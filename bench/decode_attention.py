@@ -1,0 +1,107 @@
+"""The decode attention alone: the block-skipping kernel against the matmul attention (GPU only).
+
+At the rollout table's head shapes (Qwen2-0.5B: 2 KV heads of 7 query heads, dim 64; 1.5B: 2 of 6,
+dim 128), a 768-position cache, left-padded rows, filled to the average of a 64 + 512 rollout (320) and
+to the end (768). Each variant is captured in a CUDA graph (20 calls) so launch gaps do not count; the
+matmul attention is compiled as the decode step compiles it. ``--sweep`` also times the kernel's launch
+settings (``filled_attention.KernelConfig``). One JSON object per line: ms per call and the K/V bytes
+the mask admits per ms (``gb_per_s``). The op is called directly, so the kernel is timed at 32 rows too,
+where a decoder keeps the matmul attention (fewer programs than SMs, ``filled_attention.serves``).
+
+The sweep in ``bench/results/decode_attention_sweep_h100.jsonl`` was taken with an earlier form of the
+kernel that also split the cache over several programs per row (``programs_per_sm``), since removed.
+
+    python bench/decode_attention.py [--sweep] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from hf_grpo.generation import filled_attention  # noqa: E402
+from hf_grpo.generation.filled_attention import KernelConfig, reference_decode_attention  # noqa: E402
+
+SHAPES = {"0.5b-x32": (32, 2, 7, 64), "0.5b-x128": (128, 2, 7, 64), "1.5b-x128": (128, 2, 6, 128)}
+CACHE_LEN = 768
+
+
+def _inputs(batch, kv_heads, groups, dim, filled):
+    g = torch.Generator(device="cpu").manual_seed(0)
+    query = torch.randn(batch, kv_heads, groups, dim, generator=g).cuda().bfloat16()
+    key = torch.randn(batch, kv_heads, CACHE_LEN, dim, generator=g).cuda().bfloat16()
+    value = torch.randn(batch, kv_heads, CACHE_LEN, dim, generator=g).cuda().bfloat16()
+    pads = torch.randint(0, 48, (batch,), generator=g)
+    pos = torch.arange(CACHE_LEN)
+    valid = ((pos[None, :] >= pads[:, None]) & (pos[None, :] < filled)).cuda()
+    return query, key, value, valid
+
+
+def _time_graph(fn, calls: int = 20, repeats: int = 5) -> float:
+    """ms per call of ``fn``, replayed from a CUDA graph of ``calls`` calls; the best of ``repeats``."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / calls)
+    return best
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch settings")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("decode_attention needs a CUDA device")
+    configs = [KernelConfig()]
+    if args.sweep:
+        configs += [KernelConfig(block=b, num_warps=w, num_stages=s)
+                    for b, w, s in itertools.product((64, 128), (4, 8), (2, 3))]
+    compiled_matmul = torch.compile(reference_decode_attention, dynamic=False)
+    records = []
+    for name, (batch, kv_heads, groups, dim) in SHAPES.items():
+        for filled in (320, CACHE_LEN):
+            q, k, v, valid = _inputs(batch, kv_heads, groups, dim, filled)
+            scale = dim**-0.5
+            admitted_bytes = int(valid.sum()) * kv_heads * dim * 2 * 2  # keys and values, bf16
+            base = {"bench": "decode_attention", "gpu": torch.cuda.get_device_name(0), "shape": name,
+                    "cache_len": CACHE_LEN, "filled": filled}
+            ms = _time_graph(lambda: compiled_matmul(q, k, v, valid, scale))  # noqa: B023
+            records.append({**base, "variant": "matmul", "ms": round(ms, 4),
+                            "gb_per_s": round(admitted_bytes / ms / 1e6, 1)})
+            for config in configs:
+                filled_attention.CONFIG = config
+                ms = _time_graph(lambda: filled_attention.filled_decode_attention(q, k, v, valid, scale))  # noqa: B023
+                records.append({**base, "variant": "filled", "config": dataclasses.asdict(config),
+                                "ms": round(ms, 4), "gb_per_s": round(admitted_bytes / ms / 1e6, 1)})
+            filled_attention.CONFIG = KernelConfig()
+    for record in records:
+        print(json.dumps(record))
+    if args.out:
+        with open(args.out, "a") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in records)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
