@@ -21,7 +21,8 @@ uniform, left-padded) and random tokens.
 **ours** is hf_grpo: ``DiffusionSampler`` chunked by ``per_device_generation_batch_size`` (``gen_batch``;
 the LM head, noise and softmax on the current block only, no host sync per step), optionally with the
 approximate block cache (``ours_cache_dual`` / ``ours_cache_prefix``: ``block_cache="dual"`` /
-``"prefix"``, see ``hf_grpo/diffusion/block_cache.py``; not exact), and ``masked_logprobs`` chunked by
+``"prefix"``, see ``hf_grpo/diffusion/block_cache.py``; not exact; ``dual`` replays its cached step from a
+CUDA graph, ``ours_cache_dual_eager`` runs it eagerly), and ``masked_logprobs`` chunked by
 ``per_device_train_batch_size`` rows and ``tensor_batch_size`` token rows.
 
 Each record is a JSON line: rollout (seconds, completion tokens/s, peak memory), score (old + ref
@@ -221,8 +222,11 @@ def rollout_plain(model, prompts, args, ids, gen_batch, device, generator):
 def rollout_ours(model, prompts, args, ids, gen_batch, block_cache):
     from transformers import GenerationConfig
 
+    cuda_graph = None  # the sampler's default: the dual cache's step captured on CUDA
+    if block_cache == "dual_eager":
+        block_cache, cuda_graph = "dual", False
     sampler = DiffusionSampler(block_length=args.block, steps=args.steps, mask_token_id=ids["mask"],
-                               block_cache=block_cache)
+                               block_cache=block_cache, cuda_graph=cuda_graph)
     config = GenerationConfig(max_new_tokens=args.gen_len, do_sample=args.temperature > 0,
                               temperature=args.temperature or 1.0)
     return sampler.generate(model, prompts, generation_config=config, chunk_size=gen_batch, pad_token_id=ids["pad"],
@@ -295,7 +299,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--rollout", type=int, default=None, help="prompts per rollout (default 8)")
     parser.add_argument("--gen-batches", default=None, help="per_device_generation_batch_size values (default 8,4)")
     parser.add_argument("--tensor-batch-sizes", default=None, help="tensor_batch_size values (default 256,1024)")
-    parser.add_argument("--caches", default="dual,prefix", help="approximate block caches to time ('' for none)")
+    parser.add_argument("--caches", default="dual,dual_eager,prefix",
+                        help="approximate block caches to time ('' for none); dual_eager: dual without the CUDA graph")
     parser.add_argument("--train-batch", type=int, default=None, help="per_device_train_batch_size (default 4)")
     parser.add_argument("--iterations", type=int, default=None, help="num_iterations mu (published: 12)")
     parser.add_argument("--temperature", type=float, default=0.9)

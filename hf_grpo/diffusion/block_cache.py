@@ -31,10 +31,14 @@ with ``is_causal=False``; unshifted logits; the ``mask2d`` padding style. LLaDA'
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from .model import base_module
+
+logger = logging.getLogger("hf_grpo")
 
 BLOCK_CACHES = ("prefix", "dual")
 
@@ -76,12 +80,6 @@ def cache_kwarg(model: torch.nn.Module) -> str | None:
     return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
 
-def returned_cache(output):
-    """The key/value cache a forward with ``use_cache=True`` returned."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else getattr(output, "past_key_values", None)
-
-
 def recomputed_columns(block_cache: str, start: torch.Tensor, offset: int, block_length: int,
                        gen_length: int) -> torch.Tensor:
     """``[B, n]`` columns the cached steps recompute: the block (dual), or the block and the later blocks (prefix)."""
@@ -90,37 +88,139 @@ def recomputed_columns(block_cache: str, start: torch.Tensor, offset: int, block
 
 
 class BlockKVCache:
-    """Keys/values of every column except ``recompute`` ([B, n]), taken from a full forward's ``past_key_values``.
+    """The key/value cache of one ``diffusion_generate`` call's blocks: one buffer per layer, written in place.
 
-    ``forward`` runs the model on the ``recompute`` columns of a canvas against them and returns the
-    hidden states / logits ``[B, n, ...]`` (whatever ``output.logits`` holds); the cache is left as it was.
+    At a block's first step ``begin_block(recompute, valid)`` returns the cache object to give the full
+    forward (``recompute``: [B, n] columns the block's later steps run): each layer's update writes the
+    keys/values of the other columns, the kept ones, into the front of its buffer and attends over the
+    forward's own; ``end_block_start()`` then switches the layers to the cached steps, and ``forward`` runs
+    the model on the ``recompute`` columns of a canvas, writing their keys/values into the last n slots of
+    each buffer and attending over all of it; it returns the hidden states / logits ``[B, n, ...]``
+    (whatever ``output.logits`` holds).
+
+    So the keys/values exist once: a full forward does not build a second copy to take the kept columns
+    from, and a step does not concatenate (a ``DynamicLayer`` would). The buffers and the step's inputs
+    keep their addresses for the whole call, so with ``cuda_graph`` a step of the same width as the last
+    one (every step, with ``"dual"``) is captured once and replayed: a cached step runs a few hundred
+    tokens, and eagerly its time was the host launching the kernels (PEFT's LoRA layers especially).
     """
 
-    def __init__(self, past_key_values, recompute: torch.Tensor, valid: torch.Tensor | None, kwarg: str = "cache"):
-        layers = getattr(past_key_values, "layers", None)
-        if not layers or any(getattr(layer, "is_sliding", False) for layer in layers):
-            raise ValueError("block_cache needs a transformers DynamicCache of full-attention layers, got "
-                             f"{type(past_key_values).__name__}")
-        rows, total = recompute.size(0), layers[0].keys.size(2)
+    def __init__(self, model: torch.nn.Module, kwarg: str = "cache", cuda_graph: bool = False) -> None:
+        from transformers import DynamicCache
+
+        config = base_module(model).config
+        self.kwarg, self.cuda_graph = kwarg, cuda_graph
+        self.past_key_values = DynamicCache(config=config)
+        if any(getattr(layer, "is_sliding", False) for layer in self.past_key_values.layers):
+            raise ValueError("block_cache needs full-attention layers; this model has sliding-window ones")
+        self.past_key_values.layers = [_BlockLayer(self) for _ in self.past_key_values.layers]
+        self.full = True  # the layers serve a block's full forward (else its cached steps)
+        self.kept: torch.Tensor | None = None  # [B, kept] the kept columns, ascending
+        self.recompute: torch.Tensor | None = None  # [B, n] column indices (also the position ids)
+        self.ids: torch.Tensor | None = None  # [B, n] the recomputed columns' tokens
+        self.mask: torch.Tensor | None = None  # [B, kept + n] key padding mask, kept columns first
+        self.graph = None
+        self.out: torch.Tensor | None = None  # the captured forward's output
+        self.bypassed = False  # whether the captured forward skipped the head (HeadBypass)
+        self.captures = 0
+
+    def begin_block(self, recompute: torch.Tensor, valid: torch.Tensor | None, total: int):
+        """Set the block's columns (of ``total`` a row); the cache object for its full forward."""
+        rows, n = recompute.shape
         keep = torch.ones((rows, total), dtype=torch.bool, device=recompute.device).scatter_(1, recompute, False)
         # the kept columns of each row in ascending order, without a host sync: a stable sort puts them first
-        kept = keep.to(torch.int8).sort(dim=1, descending=True, stable=True).indices[:, : total - recompute.size(1)]
-        for layer in layers:
-            index = kept[:, None, :, None].expand(-1, layer.keys.size(1), -1, layer.keys.size(3))
-            layer.keys, layer.values = layer.keys.gather(2, index), layer.values.gather(2, index)
-        self.past_key_values, self.kwarg = past_key_values, kwarg
-        self.saved = [(layer.keys, layer.values) for layer in layers]
-        self.recompute = recompute
-        self.mask = None if valid is None else torch.cat([valid.gather(1, kept), valid.gather(1, recompute)], 1).long()
+        kept = keep.to(torch.int8).sort(dim=1, descending=True, stable=True).indices[:, : total - n]
+        mask = None if valid is None else torch.cat([valid.gather(1, kept), valid.gather(1, recompute)], 1).long()
+        if self.recompute is not None and self.recompute.shape == recompute.shape and \
+                (self.mask is None) == (mask is None):
+            # in place: a captured step reads these addresses
+            self.kept.copy_(kept)
+            self.recompute.copy_(recompute)
+            if mask is not None:
+                self.mask.copy_(mask)
+        else:
+            self.kept, self.recompute, self.mask = kept, recompute.clone(), mask
+            self.ids = torch.empty_like(recompute)
+            self.graph, self.out = None, None
+        self.full = True
+        return self.past_key_values
 
-    def forward(self, model: torch.nn.Module, canvas: torch.Tensor, **kwargs) -> torch.Tensor:
-        kwargs.update(input_ids=canvas.gather(1, self.recompute), position_ids=self.recompute, use_cache=True)
-        kwargs[self.kwarg] = self.past_key_values
+    def end_block_start(self) -> None:
+        self.full = False
+
+    def forward(self, model: torch.nn.Module, canvas: torch.Tensor, bypass=None, **kwargs) -> torch.Tensor:
+        torch.gather(canvas, 1, self.recompute, out=self.ids)
+        if not self.cuda_graph:
+            return self._run(model, kwargs)
+        if self.graph is None:
+            try:
+                self._capture(model, bypass, kwargs)
+            except Exception as err:  # noqa: BLE001 - whatever broke the capture, the eager step still serves
+                logger.warning("block_cache: capturing the cached step failed (%s: %s); running it eagerly",
+                               type(err).__name__, err)
+                self.cuda_graph = False
+                return self._run(model, kwargs)
+        self.graph.replay()
+        if bypass is not None:
+            bypass.bypassed = self.bypassed  # the replay ran no Python: tell the head what the capture did
+        return self.out
+
+    def _run(self, model: torch.nn.Module, kwargs: dict) -> torch.Tensor:
+        kwargs = {**kwargs, "input_ids": self.ids, "position_ids": self.recompute, "use_cache": True,
+                  self.kwarg: self.past_key_values}
         if self.mask is not None:
             kwargs["attention_mask"] = self.mask
-        try:
-            output = model(**kwargs)
-        finally:  # the forward appended the recomputed columns: drop them again
-            for layer, (keys, values) in zip(self.past_key_values.layers, self.saved):
-                layer.keys, layer.values = keys, values
+        output = model(**kwargs)
         return output.logits if hasattr(output, "logits") else output[0]
+
+    def _capture(self, model: torch.nn.Module, bypass, kwargs: dict) -> None:
+        """Warm up on a side stream, then capture one step. Both only rewrite the recomputed slots, which
+        every step writes before it reads them, so the captured step's result is the eager one's."""
+        from hf_grpo.generation.static_decoder import capture_stream, deepspeed_hooks_lifted
+
+        stream = capture_stream(self.ids.device)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._run(model, kwargs)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if bypass is not None:
+            bypass.reset()
+        with deepspeed_hooks_lifted(model), torch.cuda.graph(graph, stream=stream):
+            self.out = self._run(model, kwargs)
+        self.bypassed = bypass.bypassed if bypass is not None else False
+        self.graph = graph
+        self.captures += 1
+
+
+class _BlockLayer(DynamicLayer):
+    """One layer's buffer [B, heads, kept + n, dim] for keys and one for values (see ``BlockKVCache``)."""
+
+    def __init__(self, owner: BlockKVCache) -> None:
+        super().__init__()
+        self.owner = owner
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        owner = self.owner
+        if owner.full:
+            if self.keys is None or self.keys.shape != key_states.shape or self.keys.dtype != key_states.dtype:
+                self.keys, self.values = torch.empty_like(key_states), torch.empty_like(value_states)
+                self.device = key_states.device
+            kept = owner.kept.size(1)
+            for buffer, states in ((self.keys, key_states), (self.values, value_states)):
+                index = owner.kept[:, None, :, None].expand(-1, states.size(1), -1, states.size(3))
+                buffer[:, :, :kept].copy_(states.gather(2, index))
+            return key_states, value_states  # the full forward attends over its own, in column order
+        kept = owner.kept.size(1)
+        if key_states.size(-2) != self.keys.size(-2) - kept:
+            raise ValueError(f"this block cache recomputes {self.keys.size(-2) - kept} columns, "
+                             f"got {key_states.size(-2)}")
+        self.keys[:, :, kept:].copy_(key_states)
+        self.values[:, :, kept:].copy_(value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        # positions cached before this forward's: none for a block's full forward; the kept ones for a step
+        return 0 if self.owner.full or self.owner.kept is None else self.owner.kept.size(1)

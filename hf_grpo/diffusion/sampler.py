@@ -40,14 +40,13 @@ from contextlib import nullcontext
 import torch
 from transformers import GenerationConfig
 
-from ..generation.base import GenerationBackend, cut_after_eos, iter_chunks, model_device
+from ..generation.base import GenerationBackend, cut_after_eos, is_zero3_partitioned, iter_chunks, model_device
 from .block_cache import (
     BlockKVCache,
     cache_kwarg,
     check_block_cache,
     check_block_cache_name,
     recomputed_columns,
-    returned_cache,
 )
 from .model import HeadBypass, accepts_kwarg, left_pad_tensors, pack_rows, padding_kwargs, slot_columns
 
@@ -116,12 +115,14 @@ def diffusion_generate(
     generator: torch.Generator | None = None,
     step_callback: StepCallback | None = None,
     block_cache: str | None = None,
+    cuda_graph: bool = False,
 ) -> torch.Tensor:
     """The ``gen_length`` completion tokens ``[B, L]`` for left-padded ``prompt_ids`` ``[B, P]`` (mask ``prompt_mask``).
 
     ``step_callback(block, step, canvas, block_columns)``, if given, sees the canvas after every step
     (tests use it; it is the only place a caller could sync). ``block_cache`` (None: exact) is the opt-in
-    approximate key/value reuse of ``hf_grpo.diffusion.block_cache``.
+    approximate key/value reuse of ``hf_grpo.diffusion.block_cache``; with it, ``cuda_graph`` captures the
+    cached step once and replays it (CUDA only; see ``BlockKVCache``).
     """
     if gen_length % block_length:
         raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
@@ -131,6 +132,9 @@ def diffusion_generate(
     if remasking not in REMASKING:
         raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
     check_block_cache(block_cache, model, logits_shift, padding_style)
+    if cuda_graph and (block_cache is None or prompt_ids.device.type != "cuda" or is_zero3_partitioned(model)):
+        raise ValueError(f"cuda_graph=True needs block_cache 'dual' or 'prefix' (got {block_cache!r}), a CUDA "
+                         f"device (got {prompt_ids.device.type!r}) and weights that stay put (not ZeRO-3)")
     schedule = transfer_schedule(block_length, steps // blocks)
     packed = pack_rows(prompt_ids, prompt_mask, gen_length, mask_token_id, pad_token_id, has_padding=has_padding)
     canvas, start = packed.input_ids, packed.start
@@ -144,13 +148,15 @@ def diffusion_generate(
         forward_kwargs["use_cache"] = False
     counts = {k: torch.full((rows,), k, dtype=torch.long, device=canvas.device) for k in set(schedule)}
     bypass = HeadBypass(model)
+    # block_cache: the keys/values of the columns each block's later steps do not recompute
+    cache = None if block_cache is None else BlockKVCache(model, cache_kwarg(model), cuda_graph=cuda_graph)
     with bypass:
         for block in range(blocks):
             columns = slot_columns(start, block * block_length, block_length, shift=False)  # [B, bl]
             read_from = columns - 1 if logits_shift else columns
             if guided:
                 read_from = torch.cat([read_from, read_from])
-            cache = None  # block_cache: the keys/values of the columns this block's later steps do not recompute
+            started = False  # whether this block's full forward ran (the cached steps follow it)
             for step, k in enumerate(schedule):
                 if k == 0:
                     continue
@@ -159,20 +165,25 @@ def diffusion_generate(
                     unconditional = canvas.masked_fill(packed.prompt_positions, mask_token_id)
                     inputs = torch.cat([canvas, unconditional])
                 bypass.reset()
-                if cache is not None:
-                    picked = cache.forward(model, inputs)[:, :block_length]  # recomputed columns start at the block
+                if cache is not None and started:
+                    # the block's recomputed columns come first
+                    picked = cache.forward(model, inputs, bypass)[:, :block_length]
                 else:
-                    kwargs = forward_kwargs if block_cache is None else {**forward_kwargs, "use_cache": True}
-                    output = model(input_ids=inputs, **kwargs)
-                    states = output.logits if hasattr(output, "logits") else output[0]
-                    picked = states.gather(1, read_from.unsqueeze(-1).expand(-1, -1, states.size(-1)))
-                    if block_cache is not None:
+                    kwargs = forward_kwargs
+                    if cache is not None:
                         recompute = recomputed_columns(block_cache, start, block * block_length, block_length,
                                                        gen_length)
                         if guided:
                             recompute = torch.cat([recompute, recompute])
-                        cache = BlockKVCache(returned_cache(output), recompute, valid, cache_kwarg(model))
+                        full_cache = cache.begin_block(recompute, valid, inputs.size(1))
+                        kwargs = {**forward_kwargs, "use_cache": True, cache.kwarg: full_cache}
+                    output = model(input_ids=inputs, **kwargs)
+                    states = output.logits if hasattr(output, "logits") else output[0]
+                    picked = states.gather(1, read_from.unsqueeze(-1).expand(-1, -1, states.size(-1)))
+                    if cache is not None:
+                        cache.end_block_start()
                         del output, states
+                    started = True
                 logits = bypass.to_logits(picked).float()  # [B(x2), bl, V]: the head sees this block only
                 if guided:
                     conditional, unconditional_logits = logits.chunk(2)
@@ -197,7 +208,8 @@ class DiffusionSampler(GenerationBackend):
 
     ``generation_config.max_new_tokens`` is the completion length L; ``temperature`` (0, or
     ``do_sample=False``, for greedy) comes from it too. Each chunk is padded on its own. ``block_cache``
-    (default None: exact) turns on the approximate key/value reuse of ``hf_grpo.diffusion.block_cache``.
+    (default None: exact) turns on the approximate key/value reuse of ``hf_grpo.diffusion.block_cache``;
+    ``cuda_graph`` (None: on for ``"dual"`` on CUDA outside ZeRO-3) captures its cached step and replays it.
     """
 
     name = "diffusion"
@@ -214,8 +226,13 @@ class DiffusionSampler(GenerationBackend):
         padding_style: str = "mask2d",
         autocast: Callable[[], object] | None = None,
         block_cache: str | None = None,
+        cuda_graph: bool | None = None,
     ):
         check_block_cache_name(block_cache)
+        if cuda_graph and block_cache is None:
+            raise ValueError("cuda_graph=True captures the block cache's steps; it needs block_cache='dual' or "
+                             "'prefix' (the exact sampler's steps run the whole row)")
+        self.cuda_graph = cuda_graph
         self.block_length, self.steps, self.mask_token_id = block_length, steps, mask_token_id
         self.remasking, self.cfg_scale, self.logits_shift = remasking, cfg_scale, logits_shift
         self.padding_style, self.block_cache = padding_style, block_cache
@@ -242,6 +259,9 @@ class DiffusionSampler(GenerationBackend):
         device = model_device(model)
         completions: list[list[int]] = []
         blocks = length // self.block_length
+        cuda_graph = self.cuda_graph
+        if cuda_graph is None:
+            cuda_graph = self.block_cache == "dual" and device.type == "cuda" and not is_zero3_partitioned(model)
         for chunk in iter_chunks(prompt_ids, chunk_size):
             ids, mask, padded = left_pad_tensors(chunk, pad_token_id, device)
             with self.autocast():
@@ -250,6 +270,7 @@ class DiffusionSampler(GenerationBackend):
                     mask_token_id=self.mask_token_id, pad_token_id=pad_token_id, temperature=temperature,
                     remasking=self.remasking, cfg_scale=self.cfg_scale, logits_shift=self.logits_shift,
                     padding_style=self.padding_style, has_padding=padded, block_cache=self.block_cache,
+                    cuda_graph=cuda_graph,
                 )
             self.forwards += blocks * sum(1 for k in transfer_schedule(self.block_length, self.steps // blocks) if k)
             completions.extend(cut_after_eos(canvas, eos_token_ids))

@@ -81,6 +81,23 @@ def test_cached_steps_run_only_the_recomputed_columns(block_cache, later_widths)
     assert all("position_ids" in kwargs and "cache" in kwargs for kwargs, w in spy.calls if w != width)
 
 
+@pytest.mark.parametrize("block_cache", BLOCK_CACHES)
+def test_the_keys_and_values_exist_once_for_the_whole_call(block_cache):
+    """Each cache layer is one buffer of the row's columns for the whole call: the full forward of every block
+    writes its kept columns there (no second copy to take them from) and every cached step its recomputed
+    ones (no concatenation); the buffers never move, which a captured step relies on."""
+    model = llama(layers=2)
+    seen = []  # after each forward: every layer's key buffer (address, shape)
+    model.register_forward_hook(
+        lambda module, args, kwargs, output: seen.append([(layer.keys.data_ptr(), tuple(layer.keys.shape))
+                                                          for layer in kwargs["cache"].layers]),
+        with_kwargs=True)
+    generate(model, EQUAL, block_cache, temperature=0.9)
+    assert len(seen) == 12  # 3 blocks x (1 full forward + 3 cached steps)
+    assert all(entry == seen[0] for entry in seen)
+    assert all(shape[2] == 4 + 12 for _, shape in seen[0])  # prompt + generated columns, once
+
+
 def test_default_path_is_unchanged_full_rows_and_no_cache():
     """block_cache=None: every step runs the whole row without positions or a cache (the exact sampler)."""
     model = llama(layers=2)
@@ -167,3 +184,37 @@ def test_cached_sampler_on_cuda_never_syncs_per_step(block_cache):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert not (out == MASK).any()
+
+
+def test_cuda_graph_needs_a_block_cache_and_a_cuda_device():
+    model = llama(layers=1)
+    ids, mask, padded = left_pad_tensors(EQUAL, PAD, "cpu")
+    with pytest.raises(ValueError, match=r"cuda_graph=True needs block_cache 'dual' or 'prefix' \(got None\), a CUDA device \(got 'cpu'\)"):
+        diffusion_generate(model, ids, mask, has_padding=padded, cuda_graph=True, **OPTIONS)
+    with pytest.raises(ValueError, match=r"cuda_graph=True captures the block cache's steps; it needs block_cache"):
+        DiffusionSampler(block_length=4, steps=12, mask_token_id=MASK, cuda_graph=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("prompts", [PADDED, EQUAL], ids=["padded", "equal_lengths"])
+@pytest.mark.parametrize("cfg", [0.0, 1.5])
+def test_captured_dual_steps_sample_what_the_eager_ones_do(prompts, cfg):
+    """The dual cache's step captured once and replayed gives the eager cached sampler's tokens (the same
+    generator draws the same noise outside the graph), and replays: only the first block's step runs in Python."""
+    model = llama(layers=2, dtype=torch.float32).cuda()
+    ids, mask, padded = left_pad_tensors(prompts, PAD, "cuda")
+
+    def run(cuda_graph):
+        spy = ForwardSpy(model)
+        generator = torch.Generator(device="cuda").manual_seed(3)
+        out = diffusion_generate(model, ids, mask, has_padding=padded, generator=generator, block_cache="dual",
+                                 cuda_graph=cuda_graph, temperature=0.9, cfg_scale=cfg, **OPTIONS)
+        spy.handle.remove()
+        return out, len(spy.calls)
+
+    eager, eager_forwards = run(False)
+    captured, captured_forwards = run(True)
+    assert captured.tolist() == eager.tolist()
+    assert eager_forwards == 12  # 3 blocks x (1 full forward + 3 cached steps)
+    assert captured_forwards == 3 + 3  # 3 full forwards; 2 warm-ups and the capture, once for the call
