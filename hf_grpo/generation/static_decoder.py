@@ -15,7 +15,9 @@ A ``StaticDecoder`` decodes chunks of ``batch`` left-padded prompts against a
 * The step's forward may be compiled with ``torch.compile`` before it is captured (inductor
   fuses each layer's dozens of small kernels; ~2x faster steps at 0.5B), with a packed
   grouped-query attention for the one-token query (``_gqa_decode``), because transformers'
-  sdpa path repeats the KV heads while being traced. Where the forward is compiled, the token
+  sdpa path repeats the KV heads while being traced; with a program per SM (rows x KV heads), a
+  Triton kernel that reads only the cache blocks the mask admits (``filled_attention``). Where the
+  forward is compiled, the token
   selection is compiled with it (``compiled_select``). In the captured step the q/k/v (and, if
   asked, gate/up) projections run as one GEMM each on fused copies of their weights
   (``fused_projections``).
