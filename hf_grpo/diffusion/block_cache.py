@@ -90,7 +90,7 @@ def recomputed_columns(block_cache: str, start: torch.Tensor, offset: int, block
 class BlockKVCache:
     """The key/value cache of one ``diffusion_generate`` call's blocks: one buffer per layer, written in place.
 
-    At a block's first step ``begin_block(recompute, valid)`` returns the cache object to give the full
+    At a block's first step ``begin_block(recompute, valid, total)`` returns the cache object to give the full
     forward (``recompute``: [B, n] columns the block's later steps run): each layer's update writes the
     keys/values of the other columns, the kept ones, into the front of its buffer and attends over the
     forward's own; ``end_block_start()`` then switches the layers to the cached steps, and ``forward`` runs
