@@ -122,7 +122,6 @@ class BlockKVCache:
         self.graph = None
         self.out: torch.Tensor | None = None  # the captured forward's output
         self.bypassed = False  # whether the captured forward skipped the head (HeadBypass)
-        self.captures = 0
 
     def begin_block(self, recompute: torch.Tensor, valid: torch.Tensor | None, total: int):
         """Set the block's columns (of ``total`` a row); the cache object for its full forward."""
@@ -174,24 +173,17 @@ class BlockKVCache:
         return output.logits if hasattr(output, "logits") else output[0]
 
     def _capture(self, model: torch.nn.Module, bypass, kwargs: dict) -> None:
-        """Warm up on a side stream, then capture one step. Both only rewrite the recomputed slots, which
-        every step writes before it reads them, so the captured step's result is the eager one's."""
-        from hf_grpo.generation.static_decoder import capture_stream, deepspeed_hooks_lifted
+        """Warm up, then capture one step. Both only rewrite the recomputed slots, which every step writes
+        before it reads them, so the captured step's result is the eager one's."""
+        from hf_grpo.generation.static_decoder import capture_graph
 
-        stream = capture_stream(self.ids.device)
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._run(model, kwargs)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        if bypass is not None:
-            bypass.reset()
-        with deepspeed_hooks_lifted(model), torch.cuda.graph(graph, stream=stream):
-            self.out = self._run(model, kwargs)
+        def step():
+            if bypass is not None:
+                bypass.reset()  # so that the flag read below is the captured call's
+            return self._run(model, kwargs)
+
+        self.graph, self.out = capture_graph(step, model, self.ids.device)
         self.bypassed = bypass.bypassed if bypass is not None else False
-        self.graph = graph
-        self.captures += 1
 
 
 class _BlockLayer(DynamicLayer):

@@ -294,6 +294,25 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return _CAPTURE_STREAMS[index]
 
 
+def capture_graph(step: Callable[[], object], model: torch.nn.Module, device: torch.device, warmups: int = 2):
+    """``(graph, output)``: ``step()`` run ``warmups`` times on the capture stream, then captured once.
+
+    The warm-ups let cuBLAS and the allocator settle outside the capture; DeepSpeed's hooks are lifted
+    for the capture (``deepspeed_hooks_lifted``). ``output`` is what the captured call returned: the
+    tensors each replay rewrites.
+    """
+    stream = capture_stream(device)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with deepspeed_hooks_lifted(model), torch.cuda.graph(graph, stream=stream):
+        output = step()
+    return graph, output
+
+
 class StaticDecoder:
     """Static cache, buffers and (once captured) the decode-step graph for one (model, batch, cache length).
 
@@ -539,13 +558,4 @@ class StaticDecoder:
                 self.compiled_select = None
             torch.cuda.synchronize()
         with self._compiled_step(model):
-            stream = capture_stream(self.tok.device)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._decode_step(model)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with deepspeed_hooks_lifted(model), torch.cuda.graph(graph, stream=stream):
-                self._decode_step(model)
-        self.graph = graph
+            self.graph, _ = capture_graph(lambda: self._decode_step(model), model, self.tok.device)
