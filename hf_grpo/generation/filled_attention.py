@@ -77,12 +77,22 @@ def usable(query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) ->
     )
 
 
-def reference_decode_attention(query, key, value, valid, scale: float) -> torch.Tensor:
-    """The same result with torch ops: scores, a float32 softmax over the valid positions, the weighted values."""
+def matmul_decode_attention(query, key, value, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Attention over the whole cache with torch ops: scores, a float32 softmax, the weighted values.
+
+    ``mask`` broadcasts to the scores ``[B, KV heads, G, L]``: bool (True: attend), additive float, or None.
+    The decode step's "matmul" attention, and this op's reference.
+    """
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale  # [B, KV heads, G, L]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     return torch.matmul(probs, value)
+
+
+def reference_decode_attention(query, key, value, valid, scale: float) -> torch.Tensor:
+    """The op's result with torch ops, for ``valid`` [B, L]."""
+    return matmul_decode_attention(query, key, value, valid[:, None, None, :], scale)
 
 
 @torch.library.custom_op("hf_grpo::filled_decode_attention", mutates_args=())

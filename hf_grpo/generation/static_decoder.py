@@ -204,14 +204,7 @@ def _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_
         valid = attention_mask[:, 0, -1, :].expand(batch, key.shape[2])  # [B, L]: this token's row of the mask
         out = torch.ops.hf_grpo.filled_decode_attention(packed, key, value, valid, float(scale))
     elif variant != "sdpa":
-        scores = torch.matmul(packed, key.transpose(-1, -2)) * scale  # [B, KV heads, groups, L]
-        if attention_mask is not None:
-            if attention_mask.dtype == torch.bool:
-                scores = scores.masked_fill(~attention_mask, float("-inf"))
-            else:
-                scores = scores + attention_mask
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
-        out = torch.matmul(probs, value)
+        out = filled_attention.matmul_decode_attention(packed, key, value, attention_mask, scale)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(
             packed, key, value, attn_mask=attention_mask, scale=scaling
