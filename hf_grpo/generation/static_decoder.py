@@ -10,17 +10,17 @@ A ``StaticDecoder`` decodes chunks of ``batch`` left-padded prompts against a
   ``model.generate`` with the same padding. After a row emits EOS it keeps emitting
   ``pad_token_id``, as ``generate`` does.
 * The one-token decode step (the forward, then ``sampling.select_tokens``) reads and writes only
-  static buffers, so it can be captured once as a ``torch.cuda.CUDAGraph`` and replayed for every token. No host synchronisation per token:
-  whether every row has finished is read back only every ``check_every`` steps.
+  static buffers, so it can be captured once as a ``torch.cuda.CUDAGraph`` and replayed for every
+  token. No host synchronisation per token: whether every row has finished is read back only every
+  ``check_every`` steps.
 * The step's forward may be compiled with ``torch.compile`` before it is captured (inductor
   fuses each layer's dozens of small kernels; ~2x faster steps at 0.5B), with a packed
   grouped-query attention for the one-token query (``_gqa_decode``), because transformers'
   sdpa path repeats the KV heads while being traced; with a program per SM (rows x KV heads), a
   Triton kernel that reads only the cache blocks the mask admits (``filled_attention``). Where the
-  forward is compiled, the token
-  selection is compiled with it (``compiled_select``). In the captured step the q/k/v (and, if
-  asked, gate/up) projections run as one GEMM each on fused copies of their weights
-  (``fused_projections``).
+  forward is compiled, the token selection is compiled with it (``compiled_select``). In the
+  captured step the q/k/v (and, if asked, gate/up) projections run as one GEMM each on fused copies
+  of their weights (``fused_projections``).
 
 A graph stores the *addresses* of the tensors it reads, not their values: in-place weight
 updates are followed without capturing again, moved tensors are not (``weights_signature``
