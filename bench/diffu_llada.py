@@ -22,8 +22,9 @@ uniform, left-padded) and random tokens.
 the LM head, noise and softmax on the current block only, no host sync per step), optionally with the
 approximate block cache (``ours_cache_dual`` / ``ours_cache_prefix``: ``block_cache="dual"`` /
 ``"prefix"``, see ``hf_grpo/diffusion/block_cache.py``; not exact; ``dual`` replays its cached step from a
-CUDA graph, ``ours_cache_dual_eager`` runs it eagerly), and ``masked_logprobs`` chunked by
-``per_device_train_batch_size`` rows and ``tensor_batch_size`` token rows.
+CUDA graph, ``ours_cache_dual_eager`` runs it eagerly; its full forwards bounded by
+``--rollout-tensor-batch`` token rows, as the trainer passes its ``tensor_batch_size``), and
+``masked_logprobs`` chunked by ``per_device_train_batch_size`` rows and ``tensor_batch_size`` token rows.
 
 Each record is a JSON line: rollout (seconds, completion tokens/s, peak memory), score (old + ref
 log-probs of a rollout for all mu seeds), train_step (forward + backward of one micro-batch), and a
@@ -226,7 +227,8 @@ def rollout_ours(model, prompts, args, ids, gen_batch, block_cache):
     if block_cache == "dual_eager":
         block_cache, cuda_graph = "dual", False
     sampler = DiffusionSampler(block_length=args.block, steps=args.steps, mask_token_id=ids["mask"],
-                               block_cache=block_cache, cuda_graph=cuda_graph)
+                               block_cache=block_cache, cuda_graph=cuda_graph,
+                               tensor_batch_size=args.rollout_tensor_batch or None)
     config = GenerationConfig(max_new_tokens=args.gen_len, do_sample=args.temperature > 0,
                               temperature=args.temperature or 1.0)
     return sampler.generate(model, prompts, generation_config=config, chunk_size=gen_batch, pad_token_id=ids["pad"],
@@ -301,6 +303,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--tensor-batch-sizes", default=None, help="tensor_batch_size values (default 256,1024)")
     parser.add_argument("--caches", default="dual,dual_eager,prefix",
                         help="approximate block caches to time ('' for none); dual_eager: dual without the CUDA graph")
+    parser.add_argument("--rollout-tensor-batch", type=int, default=1024,
+                        help="tensor_batch_size the sampler gets, as the trainer passes it (the guide's 1024; 0: none)")
     parser.add_argument("--train-batch", type=int, default=None, help="per_device_train_batch_size (default 4)")
     parser.add_argument("--iterations", type=int, default=None, help="num_iterations mu (published: 12)")
     parser.add_argument("--temperature", type=float, default=0.9)
@@ -376,6 +380,8 @@ def main(argv=None) -> list[dict]:
                 return rollout_ours(model, prompts, run_args, ids, gen_batch, cache)
 
             record = dict(what="rollout", impl=impl, gen_batch=gen_batch, exact=not impl.startswith("ours_cache"))
+            if impl != "plain":
+                record["tensor_batch_size"] = args.rollout_tensor_batch or None
             if time.perf_counter() - started > args.rollout_budget_s:  # keep the run inside one device call
                 record.update(skipped=f"over --rollout-budget-s {args.rollout_budget_s}", oom=False)
                 rollout[(impl, gen_batch)] = record

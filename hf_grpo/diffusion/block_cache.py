@@ -115,6 +115,7 @@ class BlockKVCache:
             raise ValueError("block_cache needs full-attention layers; this model has sliding-window ones")
         self.past_key_values.layers = [_BlockLayer(self) for _ in self.past_key_values.layers]
         self.full = True  # the layers serve a block's full forward (else its cached steps)
+        self.rows = slice(None)  # the rows the full forward now running covers (it may run a piece at a time)
         self.kept: torch.Tensor | None = None  # [B, kept] the kept columns, ascending
         self.recompute: torch.Tensor | None = None  # [B, n] column indices (also the position ids)
         self.ids: torch.Tensor | None = None  # [B, n] the recomputed columns' tokens
@@ -141,11 +142,11 @@ class BlockKVCache:
             self.kept, self.recompute, self.mask = kept, recompute.clone(), mask
             self.ids = torch.empty_like(recompute)
             self.graph, self.out = None, None
-        self.full = True
+        self.full, self.rows = True, slice(None)
         return self.past_key_values
 
     def end_block_start(self) -> None:
-        self.full = False
+        self.full, self.rows = False, slice(None)
 
     def forward(self, model: torch.nn.Module, canvas: torch.Tensor, bypass=None, **kwargs) -> torch.Tensor:
         torch.gather(canvas, 1, self.recompute, out=self.ids)
@@ -197,13 +198,15 @@ class _BlockLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         owner = self.owner
         if owner.full:
-            if self.keys is None or self.keys.shape != key_states.shape or self.keys.dtype != key_states.dtype:
-                self.keys, self.values = torch.empty_like(key_states), torch.empty_like(value_states)
+            shape = (owner.kept.size(0), *key_states.shape[1:])  # all rows, though a forward may cover some
+            if self.keys is None or self.keys.shape != shape or self.keys.dtype != key_states.dtype:
+                self.keys = key_states.new_empty(shape)
+                self.values = value_states.new_empty((shape[0], *value_states.shape[1:]))
                 self.device = key_states.device
-            kept = owner.kept.size(1)
+            kept, rows = owner.kept.size(1), owner.rows
             for buffer, states in ((self.keys, key_states), (self.values, value_states)):
-                index = owner.kept[:, None, :, None].expand(-1, states.size(1), -1, states.size(3))
-                buffer[:, :, :kept].copy_(states.gather(2, index))
+                index = owner.kept[rows, None, :, None].expand(-1, states.size(1), -1, states.size(3))
+                buffer[rows, :, :kept].copy_(states.gather(2, index))
             return key_states, value_states  # the full forward attends over its own, in column order
         kept = owner.kept.size(1)
         if key_states.size(-2) != self.keys.size(-2) - kept:

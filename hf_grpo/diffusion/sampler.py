@@ -24,11 +24,17 @@ sampler draws the same tokens from the same noise (``tests/diffusion/test_diffu_
 while the LM head, the noise and the softmax cover only the current block, nothing syncs per step,
 and an unpadded batch runs SDPA without any mask.
 
+**Memory.** Beside the model, a step holds the block's logits ``[B, block, V]`` in the model's dtype and
+one vocabulary slice of float64 noise at a time (``NOISE_ELEMENTS``; a whole ``[B, block, V]`` in float64
+and its temporaries were the sampler's peak). With ``tensor_batch_size`` a full forward runs
+``tensor_batch_size // row length`` rows at a time (at least one), so its activations stay within that
+many token rows; its outputs are the same as one forward over all rows.
+
 ``block_cache="prefix"`` / ``"dual"`` (off by default) reuses keys/values within a block
 (``hf_grpo.diffusion.block_cache``). That is an APPROXIMATION: in a bidirectional model the committed
 prefix's keys/values depend on the still-masked positions of the current and later blocks, which
-change at every step, so no exact prefix cache exists; the module's docstring says more.
-Not done: CUDA-graph capture of the fixed-shape step.
+change at every step, so no exact prefix cache exists; the module's docstring says more. With it,
+``cuda_graph`` captures the cached step once and replays it.
 """
 
 from __future__ import annotations
@@ -63,25 +69,45 @@ def transfer_schedule(block_length: int, steps: int) -> list[int]:
     return [base + (1 if step < extra else 0) for step in range(steps)]
 
 
+# float64 elements of one vocabulary slice of the sampling noise: 32 MiB (e.g. 256 positions x 16,384 columns)
+NOISE_ELEMENTS = 1 << 22
+
+
 def gumbel_noise(shape, device, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Standard Gumbel noise in float64: ``-log(E)`` with ``E ~ Exp(1)``."""
+    """Standard Gumbel noise in float64: ``-log(E)`` with ``E ~ Exp(1)`` (computed in place)."""
     exponential = torch.empty(shape, dtype=torch.float64, device=device).exponential_(generator=generator)
-    return -exponential.clamp_min_(torch.finfo(torch.float64).tiny).log_()
+    return exponential.clamp_min_(torch.finfo(torch.float64).tiny).log_().neg_()
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None):
     """``(tokens, log_confidence)`` for logits ``[..., V]``: Gumbel-max sampling at ``temperature`` (argmax at 0).
 
-    ``log_confidence`` is ``log softmax(logits)[token]`` (untempered, as the remasking rule ranks it).
+    ``log_confidence`` is ``log softmax(logits)[token]`` (untempered, as the remasking rule ranks it), in
+    float32. The vocabulary is taken ``NOISE_ELEMENTS // positions`` columns at a time, each slice in
+    float64 with its own noise: a running maximum (ties to the lower token id, as ``argmax``) and a running
+    log-sum-exp give what one pass over ``[..., V]`` would, without its float64 copies.
     """
-    if temperature > 0:
-        noisy = logits.double() / temperature + gumbel_noise(logits.shape, logits.device, generator)
-        tokens = noisy.argmax(dim=-1)
-    else:
-        tokens = logits.argmax(dim=-1)
-    logits = logits.float()
-    log_confidence = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(dim=-1)
-    return tokens, log_confidence
+    flat = logits.reshape(-1, logits.size(-1))
+    positions, vocab = flat.shape
+    width = max(1, NOISE_ELEMENTS // max(positions, 1))
+    best = tokens = None
+    normalisers = []
+    for begin in range(0, vocab, width):
+        piece = flat[:, begin:begin + width].to(torch.float64, copy=True)  # copy: the ops below are in place
+        normalisers.append(piece.logsumexp(dim=-1))
+        if temperature > 0:
+            piece.div_(temperature).add_(gumbel_noise(piece.shape, piece.device, generator))
+        value, index = piece.max(dim=-1)
+        index += begin
+        if best is None:
+            best, tokens = value, index
+        else:
+            better = value > best  # strictly: an equal value in a later slice has the higher token id
+            best, tokens = torch.where(better, value, best), torch.where(better, index, tokens)
+        del piece
+    normaliser = normalisers[0] if len(normalisers) == 1 else torch.stack(normalisers, dim=-1).logsumexp(dim=-1)
+    log_confidence = (flat.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).double() - normaliser).float()
+    return tokens.view(logits.shape[:-1]), log_confidence.view(logits.shape[:-1])
 
 
 def commit_topk(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -116,14 +142,19 @@ def diffusion_generate(
     step_callback: StepCallback | None = None,
     block_cache: str | None = None,
     cuda_graph: bool = False,
+    tensor_batch_size: int | None = None,
 ) -> torch.Tensor:
     """The ``gen_length`` completion tokens ``[B, L]`` for left-padded ``prompt_ids`` ``[B, P]`` (mask ``prompt_mask``).
 
     ``step_callback(block, step, canvas, block_columns)``, if given, sees the canvas after every step
     (tests use it; it is the only place a caller could sync). ``block_cache`` (None: exact) is the opt-in
     approximate key/value reuse of ``hf_grpo.diffusion.block_cache``; with it, ``cuda_graph`` captures the
-    cached step once and replays it (CUDA only; see ``BlockKVCache``).
+    cached step once and replays it (CUDA only; see ``BlockKVCache``). ``tensor_batch_size`` (token rows)
+    bounds a full forward: it runs ``tensor_batch_size // row length`` rows at a time, at least one.
     """
+    if tensor_batch_size is not None and (isinstance(tensor_batch_size, bool) or not isinstance(tensor_batch_size, int)
+                                          or tensor_batch_size < 1):
+        raise ValueError(f"tensor_batch_size must be a positive int (token rows) or None, got {tensor_batch_size!r}")
     if gen_length % block_length:
         raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
     blocks = gen_length // block_length
@@ -147,6 +178,7 @@ def diffusion_generate(
     if accepts_kwarg(model, "use_cache"):
         forward_kwargs["use_cache"] = False
     counts = {k: torch.full((rows,), k, dtype=torch.long, device=canvas.device) for k in set(schedule)}
+    piece_rows = max(1, tensor_batch_size // canvas.size(1)) if tensor_batch_size else None  # None: all rows
     bypass = HeadBypass(model)
     # block_cache: the keys/values of the columns each block's later steps do not recompute
     cache = None if block_cache is None else BlockKVCache(model, cache_kwarg(model), cuda_graph=cuda_graph)
@@ -177,16 +209,13 @@ def diffusion_generate(
                             recompute = torch.cat([recompute, recompute])
                         full_cache = cache.begin_block(recompute, valid, inputs.size(1))
                         kwargs = {**forward_kwargs, "use_cache": True, cache.kwarg: full_cache}
-                    output = model(input_ids=inputs, **kwargs)
-                    states = output.logits if hasattr(output, "logits") else output[0]
-                    picked = states.gather(1, read_from.unsqueeze(-1).expand(-1, -1, states.size(-1)))
+                    picked = full_forward(model, inputs, kwargs, read_from, piece_rows, cache)
                     if cache is not None:
                         cache.end_block_start()
-                        del output, states
                     started = True
-                logits = bypass.to_logits(picked).float()  # [B(x2), bl, V]: the head sees this block only
+                logits = bypass.to_logits(picked)  # [B(x2), bl, V]: the head sees this block only
                 if guided:
-                    conditional, unconditional_logits = logits.chunk(2)
+                    conditional, unconditional_logits = logits.float().chunk(2)
                     logits = unconditional_logits + (cfg_scale + 1) * (conditional - unconditional_logits)
                 if mask_token_id < logits.size(-1):
                     logits[..., mask_token_id] = float("-inf")  # never "predict" the mask itself
@@ -203,6 +232,28 @@ def diffusion_generate(
     return canvas.gather(1, slot_columns(start, 0, gen_length, shift=False))
 
 
+def full_forward(model, inputs: torch.Tensor, kwargs: dict, read_from: torch.Tensor, piece_rows: int | None,
+                 cache: BlockKVCache | None) -> torch.Tensor:
+    """``[B, n, ...]``: the model's outputs (``.logits``) at columns ``read_from`` [B, n] of a full forward over
+    ``inputs`` [B, T], ``piece_rows`` rows at a time (rows never attend to each other, so the pieces give
+    the one forward's outputs); a block cache keeps each piece's keys/values in its rows."""
+    total = inputs.size(0)
+    piece_rows = piece_rows or total
+    picked = []
+    for begin in range(0, total, piece_rows):
+        rows = slice(begin, begin + piece_rows)
+        piece_kwargs = {name: value[rows] if torch.is_tensor(value) and value.dim() and value.size(0) == total
+                        else value for name, value in kwargs.items()}
+        if cache is not None:
+            cache.rows = rows
+        output = model(input_ids=inputs[rows], **piece_kwargs)
+        states = output.logits if hasattr(output, "logits") else output[0]
+        index = read_from[rows]
+        picked.append(states.gather(1, index.unsqueeze(-1).expand(-1, -1, states.size(-1))))
+        del output, states  # before the next piece's forward
+    return picked[0] if len(picked) == 1 else torch.cat(picked)
+
+
 class DiffusionSampler(GenerationBackend):
     """Generation backend for masked-diffusion models: ``diffusion_generate`` on ``chunk_size`` prompts at a time.
 
@@ -210,6 +261,7 @@ class DiffusionSampler(GenerationBackend):
     ``do_sample=False``, for greedy) comes from it too. Each chunk is padded on its own. ``block_cache``
     (default None: exact) turns on the approximate key/value reuse of ``hf_grpo.diffusion.block_cache``;
     ``cuda_graph`` (None: on for ``"dual"`` on CUDA outside ZeRO-3) captures its cached step and replays it.
+    ``tensor_batch_size`` (token rows, None: unbounded) bounds each full forward (see ``diffusion_generate``).
     """
 
     name = "diffusion"
@@ -227,12 +279,13 @@ class DiffusionSampler(GenerationBackend):
         autocast: Callable[[], object] | None = None,
         block_cache: str | None = None,
         cuda_graph: bool | None = None,
+        tensor_batch_size: int | None = None,
     ):
         check_block_cache_name(block_cache)
         if cuda_graph and block_cache is None:
             raise ValueError("cuda_graph=True captures the block cache's steps; it needs block_cache='dual' or "
                              "'prefix' (the exact sampler's steps run the whole row)")
-        self.cuda_graph = cuda_graph
+        self.cuda_graph, self.tensor_batch_size = cuda_graph, tensor_batch_size
         self.block_length, self.steps, self.mask_token_id = block_length, steps, mask_token_id
         self.remasking, self.cfg_scale, self.logits_shift = remasking, cfg_scale, logits_shift
         self.padding_style, self.block_cache = padding_style, block_cache
@@ -270,7 +323,7 @@ class DiffusionSampler(GenerationBackend):
                     mask_token_id=self.mask_token_id, pad_token_id=pad_token_id, temperature=temperature,
                     remasking=self.remasking, cfg_scale=self.cfg_scale, logits_shift=self.logits_shift,
                     padding_style=self.padding_style, has_padding=padded, block_cache=self.block_cache,
-                    cuda_graph=cuda_graph,
+                    cuda_graph=cuda_graph, tensor_batch_size=self.tensor_batch_size,
                 )
             self.forwards += blocks * sum(1 for k in transfer_schedule(self.block_length, self.steps // blocks) if k)
             completions.extend(cut_after_eos(canvas, eos_token_ids))

@@ -225,7 +225,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
                 block_length=args.block_length, steps=args.diffusion_steps, mask_token_id=self.mask_token_id,
                 remasking=args.remasking, cfg_scale=args.cfg_scale, logits_shift=self.logits_shift,
                 padding_style=self.estimator.padding_style, autocast=self.accelerator.autocast,
-                block_cache=args.block_cache,
+                block_cache=args.block_cache, tensor_batch_size=args.tensor_batch_size,
             )
             if self.accelerator.is_main_process:
                 how = ("no KV cache: every step recomputes the row" if args.block_cache is None

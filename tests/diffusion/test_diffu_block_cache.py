@@ -152,6 +152,34 @@ def test_cached_sampler_is_chunk_and_padding_invariant(block_cache):
     assert outputs[0] == outputs[1] == outputs[2]
 
 
+@pytest.mark.parametrize("block_cache", [None, *BLOCK_CACHES])
+@pytest.mark.parametrize("cfg", [0.0, 1.5])
+def test_full_forwards_in_row_pieces_give_the_same_tokens(block_cache, cfg):
+    """tensor_batch_size bounds a full forward to tensor_batch_size // row length rows (at least one): the
+    pieces write the same cache rows and the sampler commits the same tokens as with one forward of all rows."""
+    model = llama(layers=2)
+    width, rows = 5 + 12, len(PADDED) * (2 if cfg else 1)  # CFG doubles the rows
+    full_forwards = 12 if block_cache is None else 3  # every step, or each block's first
+    whole = generate(model, PADDED, block_cache, temperature=0.9, cfg_scale=cfg)
+    for tensor_batch_size, piece in ((1, 1), (2 * width + 3, 2), (None, rows)):
+        seen = []  # rows of every forward over whole rows
+        handle = model.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append(kwargs["input_ids"].size(0))
+            if kwargs["input_ids"].size(1) == width else None, with_kwargs=True)
+        pieces = generate(model, PADDED, block_cache, temperature=0.9, cfg_scale=cfg,
+                          tensor_batch_size=tensor_batch_size)
+        handle.remove()
+        assert pieces.tolist() == whole.tolist()
+        assert len(seen) == full_forwards * -(-rows // piece) and max(seen) == piece
+        assert sum(seen) == full_forwards * rows
+
+
+def test_bad_tensor_batch_size_is_rejected_with_the_field_named():
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(ValueError, match=rf"tensor_batch_size must be a positive int .* got {bad!r}"):
+            generate(llama(layers=1), EQUAL, tensor_batch_size=bad)
+
+
 def test_bad_block_cache_settings_are_rejected_with_the_field_named():
     model = llama(layers=1)
     with pytest.raises(ValueError, match=r"block_cache must be None .* got 'full'"):

@@ -79,7 +79,10 @@ def test_padded_prompt_gets_the_completion_it_gets_alone(model, shift, cfg):
         assert together[row].tolist() == alone[0].tolist(), PROMPTS[row]
 
 
-def test_gumbel_noise_is_float64_and_covers_the_current_block_only(model, monkeypatch):
+@pytest.mark.parametrize("slice_elements", [None, 120], ids=["whole_vocabulary", "slices_of_10_columns"])
+def test_gumbel_noise_is_float64_and_covers_the_current_block_only(model, monkeypatch, slice_elements):
+    """Each step draws float64 noise for the block's 3 x 4 positions only, over the whole vocabulary once
+    (in one piece, or in slices of NOISE_ELEMENTS // 12 columns)."""
     shapes = []
     original = sampler_module.gumbel_noise
 
@@ -89,10 +92,60 @@ def test_gumbel_noise_is_float64_and_covers_the_current_block_only(model, monkey
         return noise
 
     monkeypatch.setattr(sampler_module, "gumbel_noise", spy)
+    if slice_elements:
+        monkeypatch.setattr(sampler_module, "NOISE_ELEMENTS", slice_elements)
     generate(model.to(torch.bfloat16), IDS[:3], temperature=0.9)
     model.to(torch.float32)
     vocab = model.config.vocab_size
-    assert shapes and all(shape == ((3, 4, vocab), torch.float64) for shape in shapes)
+    widths = [shape[1] for shape, _ in shapes]
+    assert shapes and all(shape[0] == 3 * 4 and dtype == torch.float64 for shape, dtype in shapes)
+    per_step = [10] * (vocab // 10) + ([vocab % 10] if vocab % 10 else []) if slice_elements else [vocab]
+    assert widths == per_step * 6  # 6 steps, each covering the vocabulary once
+
+
+class TableNoise:
+    """Gumbel noise read from one fixed ``[positions, V]`` table, a slice of columns per call, in order."""
+
+    def __init__(self, positions, vocab, seed=0):
+        self.table = sampler_module.gumbel_noise((positions, vocab), "cpu", torch.Generator().manual_seed(seed))
+        self.column = 0
+
+    def __call__(self, shape, device, generator=None):
+        rows, width = shape
+        piece = self.table[:rows, self.column:self.column + width].clone()
+        self.column = (self.column + width) % self.table.size(1)
+        return piece
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_sampling_in_vocabulary_slices_equals_one_pass(monkeypatch, temperature):
+    """Slicing the vocabulary changes no token and no confidence: the running maximum keeps ties on the lower
+    token id (as argmax does) and the running log-sum-exp is the whole one."""
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 4, 53, generator=generator, dtype=torch.float64) * 3
+    logits[0, 0, [7, 31, 52]] = 20.0  # a tie across slices: the lowest id wins
+    logits[1, 2, [40, 41]] = 20.0  # a tie inside one slice
+    outputs = []
+    for elements in (1 << 22, 24 * 10, 24 * 7):  # one pass; slices of 10 and of 7 columns
+        monkeypatch.setattr(sampler_module, "NOISE_ELEMENTS", elements)
+        monkeypatch.setattr(sampler_module, "gumbel_noise", TableNoise(24, 53))
+        outputs.append(sampler_module.sample_tokens(logits, temperature))
+    for tokens, confidence in outputs[1:]:
+        assert tokens.tolist() == outputs[0][0].tolist()
+        torch.testing.assert_close(confidence, outputs[0][1], rtol=0, atol=1e-6)
+    reference = logits.log_softmax(-1).gather(-1, outputs[0][0].unsqueeze(-1)).squeeze(-1).float()
+    torch.testing.assert_close(outputs[0][1], reference, rtol=0, atol=1e-6)
+    if temperature == 0:
+        assert outputs[0][0][0, 0] == 7 and outputs[0][0][1, 2] == 40
+        assert outputs[0][0].tolist() == logits.argmax(-1).tolist()
+
+
+def test_sampling_leaves_the_logits_untouched():
+    """The slices are float64 copies: float64 logits (a float64 model) are not overwritten by the in-place noise."""
+    logits = torch.randn(2, 3, 11, dtype=torch.float64)
+    before = logits.clone()
+    sampler_module.sample_tokens(logits, 0.7, torch.Generator().manual_seed(0))
+    assert torch.equal(logits, before)
 
 
 def test_sampling_follows_the_tempered_distribution():

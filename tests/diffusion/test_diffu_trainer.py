@@ -214,14 +214,26 @@ def test_rollout_scoring_runs_in_chunks_of_the_micro_batch(tmp_path):
     assert rows == [4] * 14
 
 
-def test_block_cache_reaches_the_sampler_and_a_dual_cache_run_trains(tmp_path):
-    """The opt-in approximate cache is a config field: the trainer's sampler uses it, and a step trains."""
-    trainer = make_trainer(tmp_path, fixed=False, block_cache="dual")
+def test_block_cache_reaches_the_sampler_and_a_dual_cache_run_trains(tmp_path, monkeypatch):
+    """The opt-in approximate cache is a config field: the trainer's sampler uses it, and a step trains.
+    tensor_batch_size reaches it too: below one row's length, each full forward runs one row."""
+    from hf_grpo.diffusion import sampler as sampler_module
+
+    pieces = []
+    original = sampler_module.full_forward
+
+    def spy(model, inputs, kwargs, read_from, piece_rows, cache):
+        pieces.append((inputs.size(0), piece_rows))
+        return original(model, inputs, kwargs, read_from, piece_rows, cache)
+
+    monkeypatch.setattr(sampler_module, "full_forward", spy)
+    trainer = make_trainer(tmp_path, fixed=False, block_cache="dual", tensor_batch_size=2)
     assert trainer._generation_backend(trainer.model).block_cache == "dual"
     assert "APPROXIMATE dual block cache" in trainer.args.diffusion_plan(1)
     losses, _ = train(trainer)
     assert losses and all(math.isfinite(loss) for loss in losses)
     assert trainer._backend.forwards > 0  # the rollout came from the cached sampler
+    assert pieces and all(rows > 1 and piece == 1 for rows, piece in pieces)
 
 
 def test_reference_of_an_automodel_only_checkpoint_under_zero3_is_refused_with_the_ways_out(monkeypatch):
