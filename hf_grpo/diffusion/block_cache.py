@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 
 import torch
 from transformers.cache_utils import DynamicLayer
@@ -192,8 +193,14 @@ class _BlockLayer(DynamicLayer):
 
     def __init__(self, owner: BlockKVCache) -> None:
         super().__init__()
-        self.owner = owner
+        # weakly: a strong reference back would make a cycle, and the cache's buffers (GiBs at 8B) would
+        # outlive the sampler call until Python's cyclic collector happened to run
+        self._owner = weakref.ref(owner)
         self.is_initialized = True
+
+    @property
+    def owner(self) -> BlockKVCache:
+        return self._owner()
 
     def update(self, key_states, value_states, *args, **kwargs):
         owner = self.owner

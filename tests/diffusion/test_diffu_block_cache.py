@@ -99,6 +99,31 @@ def test_the_keys_and_values_exist_once_for_the_whole_call(block_cache):
     assert all(shape[2] == 4 + 12 for _, shape in seen[0])  # prompt + generated columns, once
 
 
+@pytest.mark.parametrize("block_cache", BLOCK_CACHES)
+def test_the_cache_is_freed_when_the_call_returns_without_the_cyclic_collector(block_cache, monkeypatch):
+    """No reference cycle keeps a call's cache (its key/value buffers) alive after the call: in a training
+    run the next rollout would otherwise allocate its own beside it."""
+    import gc
+    import weakref
+
+    from hf_grpo.diffusion import block_cache as block_cache_module
+
+    made = []
+    original = block_cache_module.BlockKVCache.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(block_cache_module.BlockKVCache, "__init__", init)
+    gc.disable()
+    try:
+        generate(llama(layers=2), PADDED, block_cache, temperature=0.9)
+        assert len(made) == 1 and made[0]() is None
+    finally:
+        gc.enable()
+
+
 def test_default_path_is_unchanged_full_rows_and_no_cache():
     """block_cache=None: every step runs the whole row without positions or a cache (the exact sampler)."""
     model = llama(layers=2)
