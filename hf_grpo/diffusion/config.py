@@ -61,8 +61,9 @@ class DiffuGRPOConfig(GRPOConfig):
     ``hf_grpo.GRPOConfig`` for masked-diffusion LMs (LLaDA, Dream): diffu-GRPO (d1) on TRL.
 
     Every batch field keeps its per-device meaning (see ``GRPOConfig``); the rollout is generated
-    ``per_device_generation_batch_size`` prompts at a time by the diffusion sampler (each full forward
-    ``tensor_batch_size // row length`` of them at a time, at least one), and the log-prob estimate runs
+    ``per_device_generation_batch_size`` prompts at a time by the diffusion sampler (with a ``block_cache``,
+    each block's full forward ``tensor_batch_size // row length`` of them at a time, at least one), and the
+    log-prob estimate runs
     ``per_device_train_batch_size`` rows and ``tensor_batch_size`` token rows at a time.
 
     Parameters:
@@ -248,8 +249,8 @@ class DiffuGRPOConfig(GRPOConfig):
             + (f", APPROXIMATE {self.block_cache} block cache" if self.block_cache else ""),
             f"├── sampler: {forwards} forwards per rollout per device ({steps} per chunk x {chunks} "
             f"chunk{'s' if chunks > 1 else ''} of <= {self.per_device_generation_batch_size}), "
-            + (f"a full forward <= {self.tensor_batch_size} token rows (at least one row)" if self.tensor_batch_size
-               else "a full forward over the whole chunk"),
+            + (f"a block's full forward <= {self.tensor_batch_size} token rows (at least one row)"
+               if self.tensor_batch_size and self.block_cache else "full forwards over the whole chunk"),
             f"├── log-prob estimate: {self.logprob_estimator} ({views} forward{'s' if views > 1 else ''} per row), "
             f"prompt tokens masked with p={self.p_mask_prompt}, logits_shift={shift}",
             f"├── mask seeds: one per row and iteration ({mu}, num_iterations); iteration k = rollout pass",

@@ -180,13 +180,16 @@ def test_cached_sampler_is_chunk_and_padding_invariant(block_cache):
 @pytest.mark.parametrize("block_cache", [None, *BLOCK_CACHES])
 @pytest.mark.parametrize("cfg", [0.0, 1.5])
 def test_full_forwards_in_row_pieces_give_the_same_tokens(block_cache, cfg):
-    """tensor_batch_size bounds a full forward to tensor_batch_size // row length rows (at least one): the
-    pieces write the same cache rows and the sampler commits the same tokens as with one forward of all rows."""
+    """With a cache, tensor_batch_size bounds a block's full forward to tensor_batch_size // row length rows
+    (at least one): the pieces write the same cache rows and the sampler commits the same tokens as with one
+    forward of all rows. The exact sampler (no cache) keeps its every-step forwards whole."""
     model = llama(layers=2)
     width, rows = 5 + 12, len(PADDED) * (2 if cfg else 1)  # CFG doubles the rows
     full_forwards = 12 if block_cache is None else 3  # every step, or each block's first
     whole = generate(model, PADDED, block_cache, temperature=0.9, cfg_scale=cfg)
     for tensor_batch_size, piece in ((1, 1), (2 * width + 3, 2), (None, rows)):
+        if block_cache is None:
+            piece = rows
         seen = []  # rows of every forward over whole rows
         handle = model.register_forward_pre_hook(
             lambda module, args, kwargs: seen.append(kwargs["input_ids"].size(0))

@@ -105,9 +105,9 @@ def test_diffusion_plan_shows_blocks_steps_and_seeds():
     text = config.diffusion_plan(world_size=1)
     assert "64 tokens in 4 blocks of 16, 32 steps (8 per block, 2 tokens per step)" in text
     assert "64 forwards per rollout per device (32 per chunk x 2 chunks" in text
-    assert f"a full forward <= {config.tensor_batch_size} token rows (at least one row)" in text
-    assert "a full forward over the whole chunk" in make(per_device_train_batch_size=8, num_generations=4,
-                                                           tensor_batch_size=None).diffusion_plan(world_size=1)
+    assert "full forwards over the whole chunk" in text  # the exact sampler's forwards stay whole
+    cached = make(per_device_train_batch_size=8, num_generations=4, block_cache="dual", tensor_batch_size=512)
+    assert "a block's full forward <= 512 token rows (at least one row)" in cached.diffusion_plan(world_size=1)
     assert "(3, num_iterations)" in text and "old log-probs for 3 seeds and reference log-probs for 3 seeds: 48" in text
 
 
