@@ -24,9 +24,9 @@ sampler draws the same tokens from the same noise (``tests/diffusion/test_diffu_
 while the LM head, the noise and the softmax cover only the current block, nothing syncs per step,
 and an unpadded batch runs SDPA without any mask.
 
-**Memory.** Beside the model, a step holds the block's logits ``[B, block, V]`` in the model's dtype and
-one vocabulary slice of float64 noise at a time (``NOISE_ELEMENTS``; a whole ``[B, block, V]`` in float64
-and its temporaries were the sampler's peak). With a block cache and ``tensor_batch_size``, a block's full
+**Memory.** Beside the model and its forward, a step holds the logits of ``HEAD_POSITIONS`` block
+positions at a time in the model's dtype and one vocabulary slice of their float64 noise at a time
+(``NOISE_ELEMENTS``; a whole ``[B, block, V]`` in float64 and its temporaries were the sampler's peak). With a block cache and ``tensor_batch_size``, a block's full
 forward runs ``tensor_batch_size // row length`` rows at a time (at least one): its activations then stay
 within that many token rows beside the cache's buffers, and its outputs are those of one forward over all
 rows. The exact sampler's forwards stay whole: each of its steps is one, and in pieces they took 1.55x
@@ -72,8 +72,11 @@ def transfer_schedule(block_length: int, steps: int) -> list[int]:
     return [base + (1 if step < extra else 0) for step in range(steps)]
 
 
-# float64 elements of one vocabulary slice of the sampling noise: 32 MiB (e.g. 256 positions x 16,384 columns)
-NOISE_ELEMENTS = 1 << 22
+# float64 elements of one vocabulary slice of the sampling noise: 16 MiB (e.g. 128 positions x 16,384 columns)
+NOISE_ELEMENTS = 1 << 21
+# block positions projected through the LM head at once: a bf16 [128, V] is 31 MiB at LLaDA's vocabulary,
+# and each piece reads the head's weight again (1 GiB at LLaDA's shape), so pieces stay few
+HEAD_POSITIONS = 128
 
 
 def gumbel_noise(shape, device, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -111,6 +114,34 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gen
     normaliser = normalisers[0] if len(normalisers) == 1 else torch.stack(normalisers, dim=-1).logsumexp(dim=-1)
     log_confidence = (flat.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).double() - normaliser).float()
     return tokens.view(logits.shape[:-1]), log_confidence.view(logits.shape[:-1])
+
+
+def sample_block(bypass: HeadBypass, picked: torch.Tensor, cfg_scale: float, mask_token_id: int,
+                 temperature: float, generator: torch.Generator | None):
+    """``(tokens, log_confidence)`` ``[B, bl]`` from the block's hidden states (or logits) ``picked``
+    ``[B, bl, ...]`` (``[2B, ...]`` with CFG: conditional rows first), ``HEAD_POSITIONS // bl`` rows at a time
+    (at least one): the block's logits never exist whole."""
+    guided = cfg_scale > 0
+    rows, block = picked.size(0) // (2 if guided else 1), picked.size(1)
+    step = max(1, HEAD_POSITIONS // block)
+    tokens, confidence = [], []
+    for begin in range(0, rows, step):
+        part = slice(begin, min(begin + step, rows))
+        if guided:
+            conditional, unconditional = bypass.to_logits(
+                torch.cat([picked[part], picked[rows + part.start:rows + part.stop]])).float().chunk(2)
+            logits = unconditional + (cfg_scale + 1) * (conditional - unconditional)
+        else:
+            logits = bypass.to_logits(picked[part])
+        if mask_token_id < logits.size(-1):
+            logits[..., mask_token_id] = float("-inf")  # never "predict" the mask itself
+        piece_tokens, piece_confidence = sample_tokens(logits, temperature, generator)
+        tokens.append(piece_tokens)
+        confidence.append(piece_confidence)
+        del logits
+    if len(tokens) == 1:
+        return tokens[0], confidence[0]
+    return torch.cat(tokens), torch.cat(confidence)
 
 
 def commit_topk(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -218,13 +249,8 @@ def diffusion_generate(
                     if cache is not None:
                         cache.end_block_start()
                     started = True
-                logits = bypass.to_logits(picked)  # [B(x2), bl, V]: the head sees this block only
-                if guided:
-                    conditional, unconditional_logits = logits.float().chunk(2)
-                    logits = unconditional_logits + (cfg_scale + 1) * (conditional - unconditional_logits)
-                if mask_token_id < logits.size(-1):
-                    logits[..., mask_token_id] = float("-inf")  # never "predict" the mask itself
-                tokens, confidence = sample_tokens(logits, temperature, generator)
+                tokens, confidence = sample_block(bypass, picked, cfg_scale, mask_token_id, temperature, generator)
+                del picked  # the next step's forward need not hold it
                 current = canvas.gather(1, columns)
                 still_masked = current == mask_token_id
                 if remasking == "random":

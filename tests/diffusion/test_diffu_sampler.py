@@ -104,17 +104,41 @@ def test_gumbel_noise_is_float64_and_covers_the_current_block_only(model, monkey
 
 
 class TableNoise:
-    """Gumbel noise read from one fixed ``[positions, V]`` table, a slice of columns per call, in order."""
+    """Gumbel noise read from one fixed ``[positions, V]`` table in the order a step asks for it: pieces of rows,
+    each a slice of columns per call, left to right; after the last position the next step starts over."""
 
     def __init__(self, positions, vocab, seed=0):
         self.table = sampler_module.gumbel_noise((positions, vocab), "cpu", torch.Generator().manual_seed(seed))
-        self.column = 0
+        self.row = self.column = 0
 
     def __call__(self, shape, device, generator=None):
         rows, width = shape
-        piece = self.table[:rows, self.column:self.column + width].clone()
-        self.column = (self.column + width) % self.table.size(1)
+        piece = self.table[self.row:self.row + rows, self.column:self.column + width].clone()
+        assert piece.shape == (rows, width)
+        self.column += width
+        if self.column == self.table.size(1):
+            self.row, self.column = (self.row + rows) % self.table.size(0), 0
         return piece
+
+
+@pytest.mark.parametrize("cfg", [0.0, 1.5])
+def test_head_and_noise_pieces_change_no_token(model, monkeypatch, cfg):
+    """The head projects HEAD_POSITIONS // block rows at a time and the noise comes in vocabulary slices: given
+    the same noise per position, any piece sizes commit the same tokens as one pass over the block."""
+    heads = []
+    original = sampler_module.HeadBypass.to_logits
+    monkeypatch.setattr(sampler_module.HeadBypass, "to_logits",
+                        lambda self, rows: (heads.append(rows.size(0)), original(self, rows))[1])
+    outputs = []
+    for positions, elements in ((1 << 20, 1 << 22), (4, 1 << 22), (8, 40), (12, 7)):
+        monkeypatch.setattr(sampler_module, "HEAD_POSITIONS", positions)
+        monkeypatch.setattr(sampler_module, "NOISE_ELEMENTS", elements)
+        monkeypatch.setattr(sampler_module, "gumbel_noise", TableNoise(len(IDS) * 4, model.config.vocab_size))
+        heads.clear()
+        outputs.append(generate(model, IDS, temperature=0.9, cfg_scale=cfg).tolist())
+        rows_per_piece = max(1, positions // 4) * (2 if cfg else 1)  # block 4; CFG projects both halves together
+        assert max(heads) == min(rows_per_piece, len(IDS) * (2 if cfg else 1))
+    assert all(output == outputs[0] for output in outputs[1:])
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
