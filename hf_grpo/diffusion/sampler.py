@@ -25,8 +25,9 @@ while the LM head, the noise and the softmax cover only the current block, nothi
 and an unpadded batch runs SDPA without any mask.
 
 **Memory.** Beside the model and its forward, a step holds the logits of ``HEAD_POSITIONS`` block
-positions at a time in the model's dtype and one vocabulary slice of their float64 noise at a time
-(``NOISE_ELEMENTS``; a whole ``[B, block, V]`` in float64 and its temporaries were the sampler's peak). With a block cache and ``tensor_batch_size``, a block's full
+positions at a time in the model's dtype; on CUDA one kernel samples them (``gumbel_max``: the float64
+noise never exists as a tensor), elsewhere one vocabulary slice of float64 noise at a time
+(``NOISE_ELEMENTS``). A whole ``[B, block, V]`` in float64 and its temporaries were the sampler's peak. With a block cache and ``tensor_batch_size``, a block's full
 forward runs ``tensor_batch_size // row length`` rows at a time (at least one): its activations then stay
 within that many token rows beside the cache's buffers, and its outputs are those of one forward over all
 rows. The exact sampler's forwards stay whole: each of its steps is one, and in pieces they took 1.55x
@@ -57,6 +58,8 @@ from .block_cache import (
     check_block_cache_name,
     recomputed_columns,
 )
+from .gumbel_max import gumbel_max
+from .gumbel_max import usable as gumbel_max_usable
 from .model import HeadBypass, accepts_kwarg, left_pad_tensors, pack_rows, padding_kwargs, slot_columns
 
 logger = logging.getLogger("hf_grpo")
@@ -89,11 +92,15 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gen
     """``(tokens, log_confidence)`` for logits ``[..., V]``: Gumbel-max sampling at ``temperature`` (argmax at 0).
 
     ``log_confidence`` is ``log softmax(logits)[token]`` (untempered, as the remasking rule ranks it), in
-    float32. The vocabulary is taken ``NOISE_ELEMENTS // positions`` columns at a time, each slice in
+    float32. On CUDA one kernel does it (``hf_grpo.diffusion.gumbel_max``). Elsewhere the vocabulary is
+    taken ``NOISE_ELEMENTS // positions`` columns at a time, each slice in
     float64 with its own noise: a running maximum (ties to the lower token id, as ``argmax``) and a running
     log-sum-exp give what one pass over ``[..., V]`` would, without its float64 copies.
     """
     flat = logits.reshape(-1, logits.size(-1))
+    if gumbel_max_usable(flat):  # CUDA: one kernel, no float64 tensors (its own Philox noise)
+        tokens, log_confidence = gumbel_max(flat, temperature, generator)
+        return tokens.view(logits.shape[:-1]), log_confidence.view(logits.shape[:-1])
     positions, vocab = flat.shape
     width = max(1, NOISE_ELEMENTS // max(positions, 1))
     best = tokens = None
