@@ -22,7 +22,8 @@ Exact by default. Against the plain published algorithm (full-vocabulary logits 
 Gumbel noise and softmax in float64 over the whole ``[B, T, V]``, a host-synced top-k per row) this
 sampler draws the same tokens from the same noise (``tests/diffusion/test_diffu_sampler_exact.py``)
 while the LM head, the noise and the softmax cover only the current block, nothing syncs per step,
-and an unpadded batch runs SDPA without any mask.
+and an unpadded batch runs SDPA without any mask. (On CUDA the noise is the ``gumbel_max`` kernel's own
+Philox stream: the same distribution, other draws; ``tests/diffusion/test_diffu_gumbel_max.py``.)
 
 **Memory.** Beside the model and its forward, a step holds the logits of ``HEAD_POSITIONS`` block
 positions at a time in the model's dtype; on CUDA one kernel samples them (``gumbel_max``: the float64
