@@ -63,8 +63,7 @@ class DiffuGRPOConfig(GRPOConfig):
     Every batch field keeps its per-device meaning (see ``GRPOConfig``); the rollout is generated
     ``per_device_generation_batch_size`` prompts at a time by the diffusion sampler (with a ``block_cache``,
     each block's full forward ``tensor_batch_size // row length`` of them at a time, at least one), and the
-    log-prob estimate runs
-    ``per_device_train_batch_size`` rows and ``tensor_batch_size`` token rows at a time.
+    log-prob estimate runs ``per_device_train_batch_size`` rows and ``tensor_batch_size`` token rows at a time.
 
     Parameters:
         block_length (`int`, defaults to `32`):

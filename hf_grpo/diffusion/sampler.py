@@ -28,12 +28,13 @@ Philox stream: the same distribution, other draws; ``tests/diffusion/test_diffu_
 **Memory.** Beside the model and its forward, a step holds the logits of ``HEAD_POSITIONS`` block
 positions at a time in the model's dtype; on CUDA one kernel samples them (``gumbel_max``: the float64
 noise never exists as a tensor), elsewhere one vocabulary slice of float64 noise at a time
-(``NOISE_ELEMENTS``). A whole ``[B, block, V]`` in float64 and its temporaries were the sampler's peak. With a block cache and ``tensor_batch_size``, a block's full
-forward runs ``tensor_batch_size // row length`` rows at a time (at least one): its activations then stay
-within that many token rows beside the cache's buffers, and its outputs are those of one forward over all
-rows. The exact sampler's forwards stay whole: each of its steps is one, and in pieces they took 1.55x
-the time (8B LLaDA shape, 8 rows in pieces of 2, one H100), for activations that
-``per_device_generation_batch_size`` already bounds.
+(``NOISE_ELEMENTS``). A whole ``[B, block, V]`` in float64 and its temporaries were the sampler's peak.
+
+With a block cache and ``tensor_batch_size``, a block's full forward runs ``tensor_batch_size // row
+length`` rows at a time (at least one): its activations then stay within that many token rows beside the
+cache's buffers, and its outputs are those of one forward over all rows. The exact sampler's forwards stay
+whole: each of its steps is one, and in pieces they took 1.55x the time (8B LLaDA shape, 8 rows in pieces
+of 2, one H100), for activations that ``per_device_generation_batch_size`` already bounds.
 
 ``block_cache="prefix"`` / ``"dual"`` (off by default) reuses keys/values within a block
 (``hf_grpo.diffusion.block_cache``). That is an APPROXIMATION: in a bidirectional model the committed
@@ -94,9 +95,9 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gen
 
     ``log_confidence`` is ``log softmax(logits)[token]`` (untempered, as the remasking rule ranks it), in
     float32. On CUDA one kernel does it (``hf_grpo.diffusion.gumbel_max``). Elsewhere the vocabulary is
-    taken ``NOISE_ELEMENTS // positions`` columns at a time, each slice in
-    float64 with its own noise: a running maximum (ties to the lower token id, as ``argmax``) and a running
-    log-sum-exp give what one pass over ``[..., V]`` would, without its float64 copies.
+    taken ``NOISE_ELEMENTS // positions`` columns at a time, each slice in float64 with its own noise: a
+    running maximum (ties to the lower token id, as ``argmax``) and a running log-sum-exp give what one
+    pass over ``[..., V]`` would, without its float64 copies.
     """
     flat = logits.reshape(-1, logits.size(-1))
     if gumbel_max_usable(flat):  # CUDA: one kernel, no float64 tensors (its own Philox noise)
