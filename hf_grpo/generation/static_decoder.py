@@ -160,25 +160,15 @@ GQA_DECODE_ATTENTION = {
 }
 
 
-def _gqa_decode_attention(
-    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
-):
-    """variant "sdpa": one torch SDPA call on the packed query (cuDNN/efficient kernels)."""
-    return _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, "sdpa", **kwargs)
+def _gqa_decode_attention(variant: str):
+    """The attention function transformers calls for ``variant``: "sdpa" (one torch SDPA call on the packed
+    query, cuDNN/efficient kernels), "matmul" (two batched matmuls and a float32 softmax, which inductor
+    fuses around) or "filled" (one kernel that skips the cache blocks the mask excludes)."""
 
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        return _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, variant, **kwargs)
 
-def _gqa_decode_attention_matmul(
-    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
-):
-    """variant "matmul": two batched matmuls and a float32 softmax, which inductor fuses around."""
-    return _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, "matmul", **kwargs)
-
-
-def _gqa_decode_attention_filled(
-    module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs
-):
-    """variant "filled": one kernel that skips the cache blocks the mask excludes (``filled_attention``)."""
-    return _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, "filled", **kwargs)
+    return attention
 
 
 def _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, variant, **kwargs):
@@ -216,12 +206,9 @@ def _register_gqa_decode_attention() -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    variants = (("sdpa", _gqa_decode_attention), ("matmul", _gqa_decode_attention_matmul),
-                ("filled", _gqa_decode_attention_filled))
-    for variant, fn in variants:
-        name = GQA_DECODE_ATTENTION[variant]
+    for variant, name in GQA_DECODE_ATTENTION.items():
         if name not in ALL_ATTENTION_FUNCTIONS:
-            ALL_ATTENTION_FUNCTIONS.register(name, fn)
+            ALL_ATTENTION_FUNCTIONS.register(name, _gqa_decode_attention(variant))
             ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
 
 
