@@ -50,13 +50,12 @@ def gumbel_max(logits: torch.Tensor, temperature: float, generator: torch.Genera
     sample = temperature > 0
     # Philox counters are 32-bit (row x vocab + word): a launch covers fewer than 2**31 words
     per_launch = max(1, (2**31 - 1) // max(vocab, 1))
+    scale = torch.full((1,), temperature if sample else 1.0, dtype=torch.float64, device=logits.device)
+    seed = torch.zeros(1, dtype=torch.long, device=logits.device)  # read only when sampling
     for begin in range(0, rows, per_launch):
         end = min(rows, begin + per_launch)
         if sample:  # a fresh seed per launch, drawn on the device from the caller's generator
             seed = torch.randint(_SEED_RANGE, (1,), device=logits.device, generator=generator)
-        else:
-            seed = torch.zeros(1, dtype=torch.long, device=logits.device)
-        scale = torch.full((1,), temperature if sample else 1.0, dtype=torch.float64, device=logits.device)
         _kernel()[(end - begin,)](
             logits[begin:end], logits.stride(0), vocab, seed, scale, tokens[begin:end], confidence[begin:end],
             SAMPLE=sample, BLOCK=BLOCK, num_warps=8,
