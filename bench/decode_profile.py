@@ -11,6 +11,10 @@ rollout (compile + capture, timed as ``first_call_s``), then:
 * ``kernels``: the kernels of one decode step as the profiler sees them when the compiled step runs
   outside the graph (a replay runs the same kernels without the launch gaps): how many, their summed
   GPU time, and the top ones by time with their share. ``kernels_per_layer`` divides by the layers.
+* ``rollout_profile`` (with ``--rollout-profile``): one whole warm rollout under the profiler (the
+  replays' kernels included): per generated token, its wall time, the GPU time its kernels took, the
+  difference (the GPU idle or waiting on the host), and the top kernels by time per token. This is
+  the step at the fills a rollout really has, not at a full cache.
 
 Prints one JSON object; ``--out FILE`` appends it.
 
@@ -35,6 +39,16 @@ from rollout import EOS, PAD, VOCAB, build_model, build_tokenizer, trl_like_gene
 from hf_grpo.generation.cuda_graph import CudaGraphBackend  # noqa: E402
 
 
+def kernel_times(prof) -> dict[str, list[float]]:
+    """GPU kernel name -> the microseconds of each of its runs in ``prof``."""
+    per_kernel: dict[str, list[float]] = defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            per_kernel[event.name].append(event.device_time_total if hasattr(event, "device_time_total")
+                                          else event.cuda_time_total)
+    return per_kernel
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="0.5b", choices=["0.5b", "1.5b"])
@@ -47,6 +61,8 @@ def main(argv=None) -> int:
                         help="projections fused in the captured step: comma-separated parts, or 'none'")
     parser.add_argument("--attention", default=None, help="decode_attention (default: the backend's)")
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--rollout-profile", action="store_true",
+                        help="also profile one whole warm rollout (kernel time per token, GPU idle per token)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -104,11 +120,26 @@ def main(argv=None) -> int:
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 decoder._decode_step(model)
                 torch.cuda.synchronize()
-    per_kernel: dict[str, list[float]] = defaultdict(list)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[event.name].append(event.device_time_total if hasattr(event, "device_time_total")
-                                          else event.cuda_time_total)
+        rollout_record = None
+        if args.rollout_profile:
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as whole:
+                start = time.perf_counter()
+                out = backend.generate(model, prompts, **call)
+                torch.cuda.synchronize()
+                wall_ms = (time.perf_counter() - start) * 1e3
+            tokens = max(len(row) for row in out)
+            kernels = kernel_times(whole)
+            kernel_ms = sum(sum(v) for v in kernels.values()) / 1e3
+            ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[: args.top]
+            rollout_record = {
+                "tokens": tokens, "wall_ms_per_token": round(wall_ms / tokens, 3),
+                "kernel_ms_per_token": round(kernel_ms / tokens, 3),
+                "idle_ms_per_token": round((wall_ms - kernel_ms) / tokens, 3),
+                "top": [{"kernel": name[:90], "calls_per_token": round(len(times) / tokens, 2),
+                         "us_per_token": round(sum(times) / tokens, 2)} for name, times in ranked],
+            }
+    per_kernel = kernel_times(prof)
     total_us = sum(sum(v) for v in per_kernel.values())
     count = sum(len(v) for v in per_kernel.values())
     layers = model.config.num_hidden_layers
@@ -125,6 +156,8 @@ def main(argv=None) -> int:
         "top": [{"kernel": name[:90], "calls": len(times), "ms": round(sum(times) / 1e3, 4),
                  "share": round(sum(times) / total_us, 3)} for name, times in top],
     }
+    if rollout_record is not None:
+        record["rollout_profile"] = rollout_record
     print(json.dumps(record))
     if args.out:
         with open(args.out, "a") as fh:

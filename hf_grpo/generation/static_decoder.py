@@ -4,7 +4,8 @@ A ``StaticDecoder`` decodes chunks of ``batch`` left-padded prompts against a
 ``transformers.StaticCache`` of ``cache_len`` positions:
 
 * The prefill runs the prompts eagerly, in pieces sized so that one piece's attention scores
-  stay near ``PREFILL_SCORE_BYTES`` whatever the prompt length. Position ids are
+  stay near ``PREFILL_SCORE_BYTES`` whatever the prompt length; a piece attends to the cache positions
+  up to its end only (``prefill_keys``). Position ids are
   ``cumsum(mask) - 1`` (pads at 0) and the 2D attention mask is the prompt's mask followed by ones, which is what
   ``model.generate`` feeds the model, so greedy decoding gives the same tokens as
   ``model.generate`` with the same padding. After a row emits EOS it keeps emitting
@@ -29,6 +30,7 @@ is what the backend compares before reusing a decoder).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import weakref
@@ -46,7 +48,7 @@ from .sampling import SamplingSettings, exponential_noise, select_tokens
 logger = logging.getLogger(__name__)
 
 
-# Attention-score bytes one prefill forward may allocate (see StaticDecoder.prefill_piece).
+# Attention-score bytes one prefill forward may allocate (see StaticDecoder.prefill_pieces).
 PREFILL_SCORE_BYTES = 256 * 2**20
 
 
@@ -206,10 +208,52 @@ def _register_gqa_decode_attention() -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    for variant, name in GQA_DECODE_ATTENTION.items():
+    functions = {name: _gqa_decode_attention(variant) for variant, name in GQA_DECODE_ATTENTION.items()}
+    functions[PREFILL_ATTENTION] = _prefill_attention
+    for name, function in functions.items():
         if name not in ALL_ATTENTION_FUNCTIONS:
-            ALL_ATTENTION_FUNCTIONS.register(name, _gqa_decode_attention(variant))
+            ALL_ATTENTION_FUNCTIONS.register(name, function)
             ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
+
+
+# A prefill piece over prompt positions [start, end) attends to cache positions [0, end) only: the static cache
+# hands every layer all ``cache_len`` positions, and those past ``end`` are masked for every query of the piece
+# (causally). Slicing them off leaves the result as it was and spares the attention, and the copy sdpa's GQA
+# path makes of the keys and values for each query head (600 MB a layer at 1.5B x 128 rows x 768 positions).
+PREFILL_ATTENTION = "hf_grpo_prefill_sdpa"
+_prefill_keys: list[int] = []  # the key positions of the prefill piece being run (set by prefill_keys)
+
+
+def _prefill_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                       **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    keys = _prefill_keys[-1] if _prefill_keys else key.shape[2]
+    if attention_mask is not None and keys < key.shape[2]:
+        key, value = key[:, :, :keys], value[:, :, :keys]
+        attention_mask = attention_mask[..., :keys]
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+@contextmanager
+def prefill_keys(model: torch.nn.Module, keys: int):
+    """Run an sdpa model's prefill forward attending to the first ``keys`` cache positions only.
+
+    For a cache of plain static layers, whose position i holds token i; the config is restored on exit."""
+    config = base_model(model).config
+    original = getattr(config, "_attn_implementation_internal", None)
+    if original != "sdpa":
+        yield
+        return
+    _register_gqa_decode_attention()
+    config._attn_implementation_internal = PREFILL_ATTENTION
+    _prefill_keys.append(keys)
+    try:
+        yield
+    finally:
+        _prefill_keys.pop()
+        config._attn_implementation_internal = original
 
 
 @contextmanager
@@ -448,13 +492,14 @@ class StaticDecoder:
         # EOS is blocked for the first min_new_tokens tokens, and while prompt + generated < min_length.
         self.min_steps.fill_(max(s.min_new_tokens, s.min_length - prompt_len, 0))
         self.unfinished.fill_(True)
-        # The prompt goes through in pieces: a piece's attention scores (batch x heads x piece x cache_len,
-        # float32 where SDPA falls back to its math kernel for a padding mask) stay near PREFILL_SCORE_BYTES
-        # instead of growing with the prompt and setting the rollout's peak.
-        piece = self.prefill_piece(model)
-        for start in range(0, prompt_len, piece):
-            end = min(start + piece, prompt_len)
-            logits = self._forward(model, input_ids[:, start:end], position_ids[:, start:end])
+        # The prompt goes through in pieces: a piece's attention scores (batch x heads x piece x keys, float32
+        # where SDPA falls back to its math kernel for a padding mask) stay near PREFILL_SCORE_BYTES instead of
+        # growing with the prompt and setting the rollout's peak. A cache of plain static layers lets a piece
+        # attend to the positions up to its end only (prefill_keys), so short prompts take one piece.
+        sliced = self._capture_is_rewindable()
+        for start, end in self.prefill_pieces(model, prompt_len, sliced):
+            with prefill_keys(model, end) if sliced else contextlib.nullcontext():
+                logits = self._forward(model, input_ids[:, start:end], position_ids[:, start:end])
         vocab = logits.size(-1)
         if self.vocab_size is None:
             self.vocab_size = vocab
@@ -472,11 +517,25 @@ class StaticDecoder:
         self.pos.copy_(position_ids[:, -1:])
         self._advance(logits)
 
-    def prefill_piece(self, model) -> int:
-        """Prompt positions per prefill forward, a multiple of 16, at least 16."""
+    def prefill_pieces(self, model, prompt_len: int, sliced: bool) -> list[tuple[int, int]]:
+        """The ``(start, end)`` prompt positions of each prefill forward: each piece a multiple of 16 positions
+        (but the last), at least 16, as long as its scores against its keys (the positions up to its end when
+        ``sliced``, else the whole cache) fit ``PREFILL_SCORE_BYTES``."""
         heads = getattr(base_model(model).config, "num_attention_heads", 1) or 1
-        per_position = self.batch * heads * self.cache_len * 4
-        return max(16, PREFILL_SCORE_BYTES // per_position // 16 * 16)
+        per_score = self.batch * heads * 4
+
+        def fits(start: int, piece: int) -> bool:
+            keys = min(start + piece, prompt_len) if sliced else self.cache_len
+            return per_score * piece * keys <= PREFILL_SCORE_BYTES
+
+        pieces, start = [], 0
+        while start < prompt_len:
+            piece = 16
+            while start + piece < prompt_len and fits(start, piece + 16):
+                piece += 16
+            pieces.append((start, min(start + piece, prompt_len)))
+            start += piece
+        return pieces
 
     def _advance(self, logits: torch.Tensor, select: Callable | None = None) -> None:
         """Logits [B, V] -> next token, written into the static buffers.

@@ -9,6 +9,7 @@ exercised everywhere.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import random
 
@@ -238,6 +239,72 @@ def test_prefill_in_pieces_gives_the_tokens_of_a_whole_prefill(tokenizer, monkey
     assert calls[:4] == [16, 16, 16, 2]  # 50 padded positions in four pieces, then one-token steps
     assert got == HFGenerateBackend().generate(model, prompts, generation_config=gc, chunk_size=4, pad_token_id=PAD,
                                                eos_token_ids=[EOS])
+
+
+def _spy_attention_keys(monkeypatch) -> list[tuple[int, int]]:
+    """(query positions, key positions) of every sdpa attention call transformers makes from now on."""
+    from transformers.integrations import sdpa_attention
+
+    seen = []
+    forward = sdpa_attention.sdpa_attention_forward
+
+    def spy(module, query, key, *args, **kwargs):
+        seen.append((query.shape[2], key.shape[2]))
+        return forward(module, query, key, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", spy)
+    return seen
+
+
+def test_prefill_pieces_attend_to_the_positions_up_to_their_end_only(tokenizer, monkeypatch):
+    """Each prefill piece reads the cache only up to its last prompt position (not the whole cache), one piece
+    when its scores fit, and the tokens stay those of model.generate."""
+    from hf_grpo.generation import static_decoder
+
+    model = build_tiny_model(tokenizer).eval()
+    layers = model.config.num_hidden_layers
+    rng = random.Random(1)
+    prompts = [[rng.randrange(2, len(tokenizer)) for _ in range(n)] for n in (50, 7, 33, 41)]
+    gc = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    expected = HFGenerateBackend().generate(model, prompts, generation_config=gc, chunk_size=4, pad_token_id=PAD,
+                                            eos_token_ids=[EOS])
+    call = dict(generation_config=gc, chunk_size=4, pad_token_id=PAD, eos_token_ids=[EOS])
+
+    seen = _spy_attention_keys(monkeypatch)
+    assert CudaGraphBackend(use_cuda_graph=False, min_cache_len=256).generate(model, prompts, **call) == expected
+    assert seen[:layers] == [(50, 50)] * layers  # one piece, against 50 of the cache's 256 positions
+    assert all(q == 1 for q, _ in seen[layers:])  # then one-token steps
+
+    seen.clear()
+    monkeypatch.setattr(static_decoder, "PREFILL_SCORE_BYTES", 1)  # 16 positions a piece
+    assert CudaGraphBackend(use_cuda_graph=False, min_cache_len=256).generate(model, prompts, **call) == expected
+    pieces = [(16, 16), (16, 32), (16, 48), (2, 50)]
+    assert seen[: 4 * layers] == [piece for piece in pieces for _ in range(layers)]
+
+
+def test_prefill_against_the_filled_keys_equals_the_whole_cache_in_float64(tokenizer):
+    """Cutting the masked cache positions off a left-padded prefill changes no logit (float64)."""
+    from hf_grpo.generation.static_decoder import last_logits, prefill_keys, static_cache
+
+    model = build_tiny_model(tokenizer).double().eval()
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, len(tokenizer)) for _ in range(n)] for n in (9, 20, 14)]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask2d = torch.ones((len(prompts), 64), dtype=torch.long)
+    mask2d[:, :width] = (ids != PAD).long()
+    positions = (mask2d[:, :width].cumsum(-1) - 1).clamp_min(0)
+    results = []
+    for sliced in (False, True):
+        cache = static_cache(model.config, 64)
+        logits = []
+        with torch.no_grad():
+            for start, end in ((0, 8), (8, width)):  # two pieces: the second also reads what the first wrote
+                with prefill_keys(model, end) if sliced else contextlib.nullcontext():
+                    logits.append(last_logits(model, ids[:, start:end], mask2d, positions[:, start:end], cache,
+                                              "cache", True))
+        results.append(torch.stack(logits))
+    torch.testing.assert_close(results[1], results[0], rtol=0, atol=1e-12)
 
 
 class _EagerReplay:
