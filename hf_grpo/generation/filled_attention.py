@@ -5,8 +5,8 @@ filled, on average, the prompt plus half the completion. Two batched matmuls ove
 ``matmul`` decode attention) read every position's keys and values at every step: a third of the step at
 1.5B x 128 rows (``bench/results/decode_profile_fused_h100.jsonl``). A graph cannot change the shapes it
 replays, but a kernel can read its bounds from memory at run time: this one walks the cache in blocks
-and skips a block, keys and values unread, when the attention mask allows none of its positions (the
-left padding, and everything past the current token).
+from the row's first position the attention mask admits to its last one, so the left padding's blocks
+and everything past the current token stay unread (and inside that span, no excluded position is read).
 
 ``filled_decode_attention(query, key, value, valid, scale)`` is a ``torch.library`` custom op, so a
 compiled step calls it as one opaque kernel:
@@ -127,7 +127,7 @@ def _triton_decode_attention(query, key, value, valid, scale):
         query, key, value, valid_bytes, out, scale, key.size(2),
         *query.stride(), *key.stride(), *value.stride(), *valid_bytes.stride(), *out.stride(),
         GROUPS=groups, GROUPS_P=_pow2_at_least_16(groups), DIM=dim, DIM_P=_pow2_at_least_16(dim), BLOCK=config.block,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        LENGTH_P=_pow2_at_least_16(key.size(2)), PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -145,7 +145,7 @@ def _kernel():
         sq_b, sq_h, sq_g, sq_d, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv_l, sv_d, sm_b, sm_l,
         so_b, so_h, so_g, so_d,
         GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr,
-        BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK: tl.constexpr, LENGTH_P: tl.constexpr, PRECISION: tl.constexpr,
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -153,27 +153,33 @@ def _kernel():
         d = tl.arange(0, DIM_P)
         g_ok = g < GROUPS
         d_ok = d < DIM
+        # The loop runs from the block of the row's first admitted position to its last one, with no branch
+        # inside, so Triton can pipeline the loads (a per-block skip left each block's loads waiting on the
+        # last). Positions the mask excludes inside that span are still masked out of every load.
+        span = tl.arange(0, LENGTH_P)
+        admitted = tl.load(VALID + b * sm_b + span * sm_l, mask=span < length, other=0) != 0
+        first = tl.min(tl.where(admitted, span, LENGTH_P), axis=0)
+        end = tl.max(tl.where(admitted, span, -1), axis=0) + 1  # no admitted position: the loop never runs
         q = tl.load(Q + b * sq_b + h * sq_h + g[:, None] * sq_g + d[None, :] * sq_d,
                     mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         m_i = tl.full((GROUPS_P,), float("-inf"), tl.float32)
         l_i = tl.zeros((GROUPS_P,), tl.float32)
         acc = tl.zeros((GROUPS_P, DIM_P), tl.float32)
-        for start in range(0, length, BLOCK):
+        for start in range(first // BLOCK * BLOCK, end, BLOCK):
             pos = start + tl.arange(0, BLOCK)
-            ok = tl.load(VALID + b * sm_b + pos * sm_l, mask=pos < length, other=0) != 0
-            if tl.max(ok.to(tl.int32), axis=0) > 0:  # a block nobody attends to is never read
-                k = tl.load(K + b * sk_b + h * sk_h + pos[None, :] * sk_l + d[:, None] * sk_d,
-                            mask=ok[None, :] & d_ok[:, None], other=0.0)  # [D, BLOCK]
-                scores = tl.dot(q, k, input_precision=PRECISION) * scale  # [G, BLOCK] float32
-                scores = tl.where(ok[None, :], scores, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(scores - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(V + b * sv_b + h * sv_h + pos[:, None] * sv_l + d[None, :] * sv_d,
-                            mask=ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK, D]
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                m_i = m_new
+            ok = tl.load(VALID + b * sm_b + pos * sm_l, mask=pos < end, other=0) != 0
+            k = tl.load(K + b * sk_b + h * sk_h + pos[None, :] * sk_l + d[:, None] * sk_d,
+                        mask=ok[None, :] & d_ok[:, None], other=0.0)  # [D, BLOCK]
+            v = tl.load(V + b * sv_b + h * sv_h + pos[:, None] * sv_l + d[None, :] * sv_d,
+                        mask=ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK, D]
+            scores = tl.dot(q, k, input_precision=PRECISION) * scale  # [G, BLOCK] float32
+            scores = tl.where(ok[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that attends nowhere gives zeros
         tl.store(OUT + b * so_b + h * so_h + g[:, None] * so_g + d[None, :] * so_d,
                  result.to(OUT.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])

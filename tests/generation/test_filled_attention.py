@@ -94,6 +94,24 @@ def test_kernel_equals_attention_over_the_masked_cache(batch, kv_heads, groups, 
 
 @pytest.mark.gpu
 @needs_triton
+def test_a_mask_with_holes_and_an_empty_row_is_followed():
+    """Masks other than a rollout's one span: holes (whole blocks of them too) and a row that attends nowhere."""
+    query, key, value, _, _ = _case(6, 2, 7, 64, 700, torch.float32, "cuda", seed=7)
+    g = torch.Generator(device="cpu").manual_seed(7)
+    valid = torch.rand(6, 700, generator=g) < 0.3
+    valid[1, 130:520] = False  # three whole blocks of 128 skipped between admitted positions
+    valid[2] = False
+    valid[2, 699] = True  # only the last position
+    valid[3] = False  # attends nowhere: zeros
+    valid = valid.cuda()
+    got = filled_decode_attention(query, key, value, valid, 0.125)
+    expected = reference_decode_attention(query, key, value, valid, 0.125)
+    torch.testing.assert_close(got[[0, 1, 2, 4, 5]], expected[[0, 1, 2, 4, 5]], rtol=1e-4, atol=1e-5)
+    assert torch.equal(got[3], torch.zeros_like(got[3]))
+
+
+@pytest.mark.gpu
+@needs_triton
 @pytest.mark.parametrize("batch", [4, 128])
 def test_positions_the_mask_excludes_are_never_read(batch):
     """NaN in every excluded position (stale or never-written cache) leaves the result finite and unchanged."""
