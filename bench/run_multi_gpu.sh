@@ -3,21 +3,23 @@
 # Run from the repository root on a 2-GPU machine; per-rank performance.json files go to $RESULTS.
 #   RESULTS=bench/results/raw bash bench/run_multi_gpu.sh
 # CONFIGS picks the launch configs (default single_gpu multi_gpu zero2 zero3) from CONFIG_DIR (accelerate_configs).
+# STEPS sets the steps (default 5), EXTRA adds recipe flags, TAG suffixes the result names (to compare settings).
 set -u
 RESULTS=${RESULTS:-bench/results/raw}
 mkdir -p "$RESULTS"
 export PYTHONUNBUFFERED=1
-ARGS="--tiny_shape 0.5b --max_steps 5 --max_completion_length 128 --per_device_train_batch_size 16
-      --num_generations 8 --logging_steps 1 --save_strategy no --disable_tqdm true"
+ARGS="--tiny_shape 0.5b --max_steps ${STEPS:-5} --max_completion_length 128 --per_device_train_batch_size 16
+      --num_generations 8 --logging_steps 1 --save_strategy no --disable_tqdm true ${EXTRA:-}"
 for config in ${CONFIGS:-single_gpu multi_gpu zero2 zero3}; do
   processes=2; [ "$config" = single_gpu ] && processes=1
-  out=/tmp/multi_gpu_$config
+  name=$config${TAG:+_$TAG}
+  out=/tmp/multi_gpu_$name
   timeout 240 python3 -m accelerate.commands.launch --config_file "${CONFIG_DIR:-accelerate_configs}/$config.yaml" --num_processes $processes \
-    recipes/quickstart.py $ARGS --output_dir "$out" > "$RESULTS/multi_gpu_$config.log" 2>&1
-  echo "$config exit=$?"
-  cp "$out/performance.json" "$RESULTS/multi_gpu_$config.json" 2>/dev/null
-  cp "$out/metrics.jsonl" "$RESULTS/multi_gpu_${config}_metrics.jsonl" 2>/dev/null
-  python3 - "$config" "$out/performance.json" "$out/metrics.jsonl" <<'PY'
+    recipes/quickstart.py $ARGS --output_dir "$out" > "$RESULTS/multi_gpu_$name.log" 2>&1
+  echo "$name exit=$?"
+  cp "$out/performance.json" "$RESULTS/multi_gpu_$name.json" 2>/dev/null
+  cp "$out/metrics.jsonl" "$RESULTS/multi_gpu_${name}_metrics.jsonl" 2>/dev/null
+  python3 - "$name" "$out/performance.json" "$out/metrics.jsonl" <<'PY'
 import json, statistics, sys
 try:
     ranks = json.load(open(sys.argv[2]))["per_rank"]

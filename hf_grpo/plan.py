@@ -60,6 +60,9 @@ class BatchPlan:
     generation_mirror: str | None = None
     generation_mirror_bytes: int = 0
     generation_mirror_dtype: str | None = None
+    # ZeRO-3 only, set by the trainer (hf_grpo.zero3_leaves): modules whose parameters one hook fetches together
+    leaf_module_classes: tuple[str, ...] = ()
+    leaf_module_count: int = 0
 
     @classmethod
     def from_fields(cls, values: Mapping[str, Any], world_size: int) -> BatchPlan:
@@ -227,6 +230,8 @@ class BatchPlan:
                 *([f"│   ├── each split into forward/backward passes of at most {self.max_tokens_per_micro_batch} padded "
                    f"tokens (max_tokens_per_micro_batch), equally many on every device"]
                   if self.max_tokens_per_micro_batch is not None else []),
+                *([(f"│   ├── ZeRO-3: {self.leaf_module_count} leaf modules ({', '.join(self.leaf_module_classes)}), "
+                    f"one parameter gather each (zero3_leaf_modules)")] if self.leaf_module_count else []),
                 f"│   └── optimizer step every {_plural(A, 'micro-batch', 'micro-batches')}: "
                 f"{P} x {A} x {devices} = {self.global_batch_size} completions",
                 f"├── {steps_text}, {_plural(self.num_iterations, 'pass', 'passes')} (num_iterations)",

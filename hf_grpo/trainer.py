@@ -20,7 +20,9 @@ Each is thin and calls TRL's own code wherever it can:
 Also: ``_prepare_inputs`` (TRL's, calls it and counts the micro-batch's tokens), TRL's
 ``_tokenize_prompts`` called once over the training prompts to size the ``cuda_graph`` cache for the
 run (``_longest_prompt``), and the public
-``training_step`` (time accounting) and ``log`` (``perf/`` figures), and ``train`` (settles "auto" sizes
+``training_step`` (time accounting) and ``log`` (``perf/`` figures), transformers'
+``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules: ``hf_grpo.zero3_leaves``), and ``train``
+(settles "auto" sizes
 first: ``hf_grpo.autosize``; refuses a token budget the longest prompt cannot fit). A generation chunk or a
 head chunk that runs out of memory is halved on every rank and retried (``hf_grpo.oom``).
 """
@@ -39,7 +41,7 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
-from . import autosize, token_budget, train_backoff
+from . import autosize, token_budget, train_backoff, zero3_leaves
 from .attention import cudnn_attention
 from .config import GRPOConfig
 from .generation import GenerationBackend, dense_mirror, resolve_backend
@@ -134,11 +136,30 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.add_callback(autosize.SaveSizesCallback())
 
     # ---- public ------------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        """transformers' (called inside ``Trainer.__init__``, once ``self.model`` is set), then, under ZeRO-3, the
+        decoder layers made leaf modules (``zero3_leaf_modules``, ``hf_grpo.zero3_leaves``): before DeepSpeed wraps
+        the policy (``accelerator.prepare`` in ``train``) and before TRL prepares the reference model later in its
+        ``__init__`` from a copy of this DeepSpeed config, which then carries the class names."""
+        super().create_accelerator_and_postprocess()
+        self.zero3_leaf_marking = zero3_leaves.LeafMarking((), 0)  # what was flagged (none outside ZeRO-3)
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        config = plugin.deepspeed_config if plugin is not None else None
+        if self.model is None or not zero3_leaves.is_zero3_config(config):
+            return
+        self.zero3_leaf_marking = zero3_leaves.mark(self.model, self.args.zero3_leaf_modules, zero3=True)
+        zero3_leaves.add_to_deepspeed_config(config, self.zero3_leaf_marking.classes)
+        if self.accelerator.is_main_process:
+            logger.info("%s", self.zero3_leaf_marking)
+
     def batch_plan(self):
         """The batch plan with this run's real world size (and ZeRO-3's generation mirror, once decided)."""
         plan = self.args.batch_plan(world_size=self.accelerator.num_processes)
         if self._mirror_choice is not None:
             plan = dataclasses.replace(plan, **self._mirror_choice.plan_fields())
+        if self.zero3_leaf_marking.count:
+            plan = dataclasses.replace(plan, leaf_module_classes=self.zero3_leaf_marking.classes,
+                                       leaf_module_count=self.zero3_leaf_marking.count)
         return plan
 
     def get_performance_stats(self) -> dict[str, Any]:
