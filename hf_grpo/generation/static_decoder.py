@@ -236,16 +236,21 @@ def _prefill_attention(module, query, key, value, attention_mask, dropout=0.0, s
                                   is_causal=is_causal, **kwargs)
 
 
+def prefill_can_slice(model: torch.nn.Module) -> bool:
+    """Whether ``prefill_keys`` routes this model's attention (sdpa; an eager model attends over the whole cache)."""
+    return getattr(base_model(model).config, "_attn_implementation_internal", None) == "sdpa"
+
+
 @contextmanager
 def prefill_keys(model: torch.nn.Module, keys: int):
     """Run an sdpa model's prefill forward attending to the first ``keys`` cache positions only.
 
     For a cache of plain static layers, whose position i holds token i; the config is restored on exit."""
-    config = base_model(model).config
-    original = getattr(config, "_attn_implementation_internal", None)
-    if original != "sdpa":
+    if not prefill_can_slice(model):
         yield
         return
+    config = base_model(model).config
+    original = config._attn_implementation_internal
     _register_gqa_decode_attention()
     config._attn_implementation_internal = PREFILL_ATTENTION
     _prefill_keys.append(keys)
@@ -496,7 +501,7 @@ class StaticDecoder:
         # where SDPA falls back to its math kernel for a padding mask) stay near PREFILL_SCORE_BYTES instead of
         # growing with the prompt and setting the rollout's peak. A cache of plain static layers lets a piece
         # attend to the positions up to its end only (prefill_keys), so short prompts take one piece.
-        sliced = self._capture_is_rewindable()
+        sliced = self._capture_is_rewindable() and prefill_can_slice(model)
         for start, end in self.prefill_pieces(model, prompt_len, sliced):
             with prefill_keys(model, end) if sliced else contextlib.nullcontext():
                 logits = self._forward(model, input_ids[:, start:end], position_ids[:, start:end])

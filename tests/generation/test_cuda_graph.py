@@ -282,6 +282,35 @@ def test_prefill_pieces_attend_to_the_positions_up_to_their_end_only(tokenizer, 
     assert seen[: 4 * layers] == [piece for piece in pieces for _ in range(layers)]
 
 
+def test_an_eager_attention_prefill_keeps_pieces_sized_for_the_whole_cache(tokenizer, monkeypatch):
+    """Eager attention reads (and scores) every cache position: its pieces stay bounded against the whole cache."""
+    from hf_grpo.generation import static_decoder
+
+    model = build_tiny_model(tokenizer, attn_implementation="eager").eval()
+    heads = model.config.num_attention_heads
+    # Room for 48 positions against 48 keys, not against the 256-position cache: the sliced plan would take one
+    # 48-position piece, the whole-cache plan takes 16-position pieces.
+    monkeypatch.setattr(static_decoder, "PREFILL_SCORE_BYTES", 4 * heads * 48 * 48)
+    calls = []
+    forward = static_decoder.last_logits
+
+    def counted(m, ids, *args):
+        calls.append(ids.size(1))
+        return forward(m, ids, *args)
+
+    monkeypatch.setattr(static_decoder, "last_logits", counted)
+    call = dict(generation_config=GenerationConfig(max_new_tokens=2, do_sample=False, pad_token_id=PAD,
+                                                   eos_token_id=EOS),
+                chunk_size=1, pad_token_id=PAD, eos_token_ids=[EOS])
+    prompt = [list(range(2, 50))]  # 48 tokens, one row
+    CudaGraphBackend(use_cuda_graph=False, min_cache_len=256).generate(model, prompt, **call)
+    assert calls[:3] == [16, 16, 16]
+    calls.clear()
+    CudaGraphBackend(use_cuda_graph=False, min_cache_len=256).generate(build_tiny_model(tokenizer).eval(), prompt,
+                                                                       **call)
+    assert calls[0] == 48  # sdpa: one piece against its 48 keys
+
+
 def test_prefill_against_the_filled_keys_equals_the_whole_cache_in_float64(tokenizer):
     """Cutting the masked cache positions off a left-padded prefill changes no logit (float64)."""
     from hf_grpo.generation.static_decoder import last_logits, prefill_keys, static_cache
