@@ -236,29 +236,40 @@ def _prefill_attention(module, query, key, value, attention_mask, dropout=0.0, s
                                   is_causal=is_causal, **kwargs)
 
 
-def prefill_can_slice(model: torch.nn.Module) -> bool:
-    """Whether ``prefill_keys`` routes this model's attention (sdpa; an eager model attends over the whole cache)."""
+def _is_sdpa(model: torch.nn.Module) -> bool:
+    """Whether the model attends with transformers' sdpa: the only implementation this module reroutes."""
     return getattr(base_model(model).config, "_attn_implementation_internal", None) == "sdpa"
+
+
+@contextmanager
+def _attention_routed(model: torch.nn.Module, name: str):
+    """The model's attention is this module's registered function ``name`` while inside; the config is restored
+    on exit, so ``model.generate`` and training see it unchanged."""
+    config = base_model(model).config
+    original = config._attn_implementation_internal
+    _register_gqa_decode_attention()
+    config._attn_implementation_internal = name
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = original
 
 
 @contextmanager
 def prefill_keys(model: torch.nn.Module, keys: int):
     """Run an sdpa model's prefill forward attending to the first ``keys`` cache positions only.
 
-    For a cache of plain static layers, whose position i holds token i; the config is restored on exit."""
-    if not prefill_can_slice(model):
+    For a cache of plain static layers, whose position i holds token i. An eager model keeps attending over the
+    whole cache."""
+    if not _is_sdpa(model):
         yield
         return
-    config = base_model(model).config
-    original = config._attn_implementation_internal
-    _register_gqa_decode_attention()
-    config._attn_implementation_internal = PREFILL_ATTENTION
     _prefill_keys.append(keys)
     try:
-        yield
+        with _attention_routed(model, PREFILL_ATTENTION):
+            yield
     finally:
         _prefill_keys.pop()
-        config._attn_implementation_internal = original
 
 
 @contextmanager
@@ -268,17 +279,11 @@ def decode_attention(model: torch.nn.Module, variant: str | None):
     The model's config is restored on exit, so `model.generate` and training see it unchanged;
     the captured graph keeps the kernels it recorded.
     """
-    config = base_model(model).config
-    original = getattr(config, "_attn_implementation_internal", None)
-    if variant is None or original != "sdpa":
+    if variant is None or not _is_sdpa(model):
         yield
         return
-    _register_gqa_decode_attention()
-    config._attn_implementation_internal = GQA_DECODE_ATTENTION[variant]
-    try:
+    with _attention_routed(model, GQA_DECODE_ATTENTION[variant]):
         yield
-    finally:
-        config._attn_implementation_internal = original
 
 
 @contextmanager
@@ -501,7 +506,7 @@ class StaticDecoder:
         # where SDPA falls back to its math kernel for a padding mask) stay near PREFILL_SCORE_BYTES instead of
         # growing with the prompt and setting the rollout's peak. A cache of plain static layers lets a piece
         # attend to the positions up to its end only (prefill_keys), so short prompts take one piece.
-        sliced = self._capture_is_rewindable() and prefill_can_slice(model)
+        sliced = self._capture_is_rewindable() and _is_sdpa(model)
         for start, end in self.prefill_pieces(model, prompt_len, sliced):
             with prefill_keys(model, end) if sliced else contextlib.nullcontext():
                 logits = self._forward(model, input_ids[:, start:end], position_ids[:, start:end])
