@@ -15,6 +15,11 @@ rollout (compile + capture, timed as ``first_call_s``), then:
   replays' kernels included): per generated token, its wall time, the GPU time its kernels took, the
   difference (the GPU idle or waiting on the host), and the top kernels by time per token. This is
   the step at the fills a rollout really has, not at a full cache.
+* ``rollout_timeline`` (with ``--rollout-timeline``): one whole warm rollout *without* the profiler, with
+  CUDA events recorded in the stream around the prefill and around every graph replay: the GPU time of
+  the prefill and of the replays, the gaps between one replay's end and the next one's start (the GPU
+  waiting on the host), and the host time outside the GPU's span. The profiler's own overhead on a
+  graph's kernels is not in these figures.
 
 Prints one JSON object; ``--out FILE`` appends it.
 
@@ -49,6 +54,69 @@ def kernel_times(prof) -> dict[str, list[float]]:
     return per_kernel
 
 
+class _TimedGraph:
+    """Stands in for a decoder's graph: records a CUDA event in the stream before and after each replay."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def replay(self):
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record()
+        self.graph.replay()
+        after.record()
+        self.events.append((before, after))
+
+
+def rollout_timeline(backend, decoder, model, prompts, call) -> dict:
+    """One warm rollout with events around the prefill and every replay (see the module doc)."""
+    timed = _TimedGraph(decoder.graph)
+    prefill = decoder._prefill
+    marks: dict[str, torch.cuda.Event] = {}
+
+    def timed_prefill(*args, **kwargs):
+        marks["prefill_start"] = torch.cuda.Event(enable_timing=True)
+        marks["prefill_start"].record()
+        prefill(*args, **kwargs)
+        marks["prefill_end"] = torch.cuda.Event(enable_timing=True)
+        marks["prefill_end"].record()
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    decoder.graph, decoder._prefill = timed, timed_prefill
+    try:
+        host_start = time.perf_counter()
+        start.record()
+        out = backend.generate(model, prompts, **call)
+        end.record()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - host_start) * 1e3
+    finally:
+        decoder.graph = timed.graph
+        del decoder._prefill  # the class's method again
+    if not timed.events or "prefill_end" not in marks:
+        raise RuntimeError("the timed rollout did not prefill and replay the warm decoder (was it replaced?)")
+    replays = [b.elapsed_time(a) for b, a in timed.events]
+    gaps = [timed.events[i][1].elapsed_time(timed.events[i + 1][0]) for i in range(len(timed.events) - 1)]
+    ordered = sorted(replays)
+    tokens = max(len(row) for row in out)
+    return {
+        "tokens": tokens, "replays": len(replays), "wall_ms": round(wall_ms, 2),
+        "gpu_span_ms": round(start.elapsed_time(end), 2),
+        "host_outside_gpu_span_ms": round(wall_ms - start.elapsed_time(end), 2),
+        "before_prefill_ms": round(start.elapsed_time(marks["prefill_start"]), 2),
+        "prefill_ms": round(marks["prefill_start"].elapsed_time(marks["prefill_end"]), 2),
+        "prefill_to_first_replay_ms": round(marks["prefill_end"].elapsed_time(timed.events[0][0]), 2),
+        "replay_ms_mean": round(sum(replays) / len(replays), 4),
+        "replay_ms_median": round(ordered[len(ordered) // 2], 4),
+        "replay_ms_p90": round(ordered[int(len(ordered) * 0.9)], 4),
+        "gaps_ms_total": round(sum(gaps), 2), "gap_ms_max": round(max(gaps, default=0.0), 4),
+        "after_last_replay_ms": round(timed.events[-1][1].elapsed_time(end), 2),
+        "wall_ms_per_token": round(wall_ms / tokens, 4),
+    }
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="0.5b", choices=["0.5b", "1.5b"])
@@ -63,6 +131,8 @@ def main(argv=None) -> int:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--rollout-profile", action="store_true",
                         help="also profile one whole warm rollout (kernel time per token, GPU idle per token)")
+    parser.add_argument("--rollout-timeline", action="store_true",
+                        help="also time one whole warm rollout with CUDA events (prefill, replays, gaps), no profiler")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -139,6 +209,7 @@ def main(argv=None) -> int:
                 "top": [{"kernel": name[:90], "calls_per_token": round(len(times) / tokens, 2),
                          "us_per_token": round(sum(times) / tokens, 2)} for name, times in ranked],
             }
+        timeline_record = rollout_timeline(backend, decoder, model, prompts, call) if args.rollout_timeline else None
     per_kernel = kernel_times(prof)
     total_us = sum(sum(v) for v in per_kernel.values())
     count = sum(len(v) for v in per_kernel.values())
@@ -158,6 +229,8 @@ def main(argv=None) -> int:
     }
     if rollout_record is not None:
         record["rollout_profile"] = rollout_record
+    if timeline_record is not None:
+        record["rollout_timeline"] = timeline_record
     print(json.dumps(record))
     if args.out:
         with open(args.out, "a") as fh:
