@@ -69,7 +69,7 @@ from .base import (
 from .fused_projections import validate_parts
 from .hf import HFGenerateBackend
 from .regional_compile import CompiledLayers
-from .sampling import SamplingSettings, select_tokens_from_copies, unsupported_generation_setting
+from .sampling import SamplingSettings, unsupported_generation_setting
 from .static_decoder import (
     GQA_DECODE_ATTENTION,
     StaticDecoder,
@@ -77,6 +77,7 @@ from .static_decoder import (
     cache_len_ladder,
     last_logits,
     sliding_windows,
+    take_next_tokens,
     weights_signature,
 )
 
@@ -382,7 +383,7 @@ class CudaGraphBackend(GenerationBackend):
             self._warn_past_recompile_limit()
         if self._compiled_select is None:
             self._compiled_select = torch.compile(
-                select_tokens_from_copies, dynamic=False, backend=self._compiled_layers.backend
+                take_next_tokens, dynamic=False, backend=self._compiled_layers.backend
             )
         step = {"compiled_select": self._compiled_select}
         if self.compile_scope == "layers":

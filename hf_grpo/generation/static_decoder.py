@@ -19,7 +19,8 @@ A ``StaticDecoder`` decodes chunks of ``batch`` left-padded prompts against a
   grouped-query attention for the one-token query (``_gqa_decode``), because transformers'
   sdpa path repeats the KV heads while being traced; with a program per SM (rows x KV heads), a
   Triton kernel that reads only the cache blocks the mask admits (``filled_attention``). Where the
-  forward is compiled, the token selection is compiled with it (``compiled_select``). In the
+  forward is compiled, the token selection and the buffer updates are compiled with it (``compiled_select``,
+  ``take_next_tokens``). In the
   captured step the q/k/v (and, if asked, gate/up) projections run as one GEMM each on fused copies
   of their weights (``fused_projections``).
 
@@ -31,6 +32,7 @@ is what the backend compares before reusing a decoder).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import weakref
@@ -43,7 +45,7 @@ from . import filled_attention
 from .base import model_device
 from .fused_projections import FusedProjections
 from .regional_compile import CompiledLayers
-from .sampling import SamplingSettings, exponential_noise, select_tokens
+from .sampling import SamplingSettings, exponential_noise, select_tokens, select_tokens_from_copies
 
 logger = logging.getLogger(__name__)
 
@@ -347,6 +349,31 @@ def capture_graph(step: Callable[[], object], model: torch.nn.Module, device: to
     return graph, output
 
 
+def take_next_tokens(logits, s: SamplingSettings, noise, seen, eos_vocab_mask, min_steps, step, unfinished, out, tok,
+                     pos, copies: bool = True) -> None:
+    """The decode step's tail: pick each row's next token and write it into the decoder's static buffers.
+
+    ``out[:, step]`` gets the token (``pad_token_id`` for a row that has finished), ``unfinished`` drops the rows
+    that emitted EOS, ``tok`` and ``pos`` become the next step's input, ``step`` moves on, ``seen`` (repetition
+    penalty) marks the token. EOS is blocked while ``step < min_steps``. With ``copies`` the selection works on
+    float32 copies of ``logits`` and ``noise`` (the compiled form: the decode step compiles this whole function,
+    a few kernels instead of a dozen eager ones); without, on them in place (they must be float32 and disposable).
+    """
+    eos_blocked = eos_vocab_mask & (step < min_steps) if s.blocks_early_eos else None
+    if copies:
+        next_tokens = select_tokens_from_copies(logits, s, noise, seen, eos_blocked)
+    else:
+        next_tokens = select_tokens(logits, s, noise=noise, seen=seen, eos_blocked=eos_blocked)
+    next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, s.pad_token_id))
+    out.scatter_(1, step.view(1, 1).expand(out.size(0), 1), next_tokens.unsqueeze(1))
+    unfinished &= ~eos_vocab_mask[next_tokens]
+    tok.copy_(next_tokens.unsqueeze(1))
+    pos.add_(1)
+    step.add_(1)
+    if seen is not None:
+        seen.scatter_(1, next_tokens.unsqueeze(1), True)
+
+
 class StaticDecoder:
     """Static cache, buffers and (once captured) the decode-step graph for one (model, batch, cache length).
 
@@ -360,8 +387,8 @@ class StaticDecoder:
             runs while the step is compiled and captured (``regional_compile``); the rest stays eager.
         decode_attention: the packed-GQA variant used while the compiled forward is traced/captured; "filled"
             becomes "matmul" where ``filled_attention.serves`` says the kernel would not pay (few rows, no Triton).
-        compiled_select: ``torch.compile(sampling.select_tokens_from_copies)`` for the decode step's token
-            selection, or None (eager, in place).
+        compiled_select: ``torch.compile(take_next_tokens)`` for the decode step's token selection and buffer
+            updates, or None (eager, in place).
         fuse_projections: parts of ``fused_projections.PARTS`` to fuse in the captured step ("qkv",
             "gate_up"); the fused copies cost about that share of the weights' memory while the decoder lives.
     """
@@ -394,6 +421,7 @@ class StaticDecoder:
         self.compiled_select = compiled_select
         self.fuse_projections = tuple(fuse_projections)
         self.fused: FusedProjections | None = None  # made at the first capture
+        self._advance_cache: Callable[[int], None] | None = None  # set while the layers are routed (regional_compile)
         self.signature: tuple | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.cache = static_cache(base.config, cache_len)
@@ -547,30 +575,21 @@ class StaticDecoder:
             start += piece
         return pieces
 
-    def _advance(self, logits: torch.Tensor, select: Callable | None = None) -> None:
-        """Logits [B, V] -> next token, written into the static buffers.
+    def _advance(self, logits: torch.Tensor, compiled: Callable | None = None) -> None:
+        """Logits [B, V] -> next token, written into the static buffers (``take_next_tokens``).
 
-        Without ``select`` the logits are float32 and this step's own copy (filtered in place); ``select``
-        (the compiled ``select_tokens_from_copies``) leaves them as they are.
+        Without ``compiled`` the logits are float32 and this step's own copy (filtered in place); ``compiled``
+        (the compiled ``take_next_tokens``) leaves them as they are.
         """
-        s = self.sampling
-        eos_blocked = self.eos_vocab_mask & (self.step < self.min_steps) if s.blocks_early_eos else None
-        noise = exponential_noise(logits) if s.do_sample else None
-        if select is None:
-            next_tokens = select_tokens(logits, s, noise=noise, seen=self.seen, eos_blocked=eos_blocked)
-        else:
-            next_tokens = select(logits, s, noise, self.seen, eos_blocked)
-        next_tokens = torch.where(self.unfinished, next_tokens, torch.full_like(next_tokens, s.pad_token_id))
-        self.out.scatter_(1, self.step.view(1, 1).expand(self.batch, 1), next_tokens.unsqueeze(1))
-        self.unfinished &= ~self.eos_vocab_mask[next_tokens]
-        self.tok.copy_(next_tokens.unsqueeze(1))
-        self.pos.add_(1)
-        self.step.add_(1)
-        if self.seen is not None:
-            self.seen.scatter_(1, next_tokens.unsqueeze(1), True)
+        noise = exponential_noise(logits) if self.sampling.do_sample else None
+        step = compiled or functools.partial(take_next_tokens, copies=False)
+        step(logits, self.sampling, noise, self.seen, self.eos_vocab_mask, self.min_steps, self.step, self.unfinished,
+             self.out, self.tok, self.pos)
 
     def _decode_step(self, model) -> None:
         logits = self._forward(model, self.tok, self.pos, decode=True)
+        if self._advance_cache is not None:
+            self._advance_cache(1)  # the routed layers left the cache lengths to move once, here
         self._advance(logits, self.compiled_select)
 
     @property
@@ -588,7 +607,8 @@ class StaticDecoder:
             if self.fused:
                 stack.enter_context(self.fused.route())
             if self.compiled_layers is not None:
-                stack.enter_context(self.compiled_layers.route(base_model(model), self.cache))
+                self._advance_cache = stack.enter_context(self.compiled_layers.route(base_model(model), self.cache))
+                stack.callback(setattr, self, "_advance_cache", None)
             yield
 
     def _capture(self, model) -> None:

@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 from hf_grpo.generation.cuda_graph import CudaGraphBackend
 from hf_grpo.generation.regional_compile import CompiledLayers, decoder_layers
 from hf_grpo.generation.sampling import SamplingSettings
-from hf_grpo.generation.static_decoder import StaticDecoder, decode_attention
+from hf_grpo.generation.static_decoder import StaticDecoder, decode_attention, take_next_tokens
 from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
 
 PAD, EOS = 0, 1
@@ -105,6 +105,7 @@ def _assert_same_state(got: StaticDecoder, ref: StaticDecoder):
         # each layer wrote its own slice: a view routed to the wrong layer would differ here
         assert torch.equal(a.keys, b.keys), f"layer {i} keys"
         assert torch.equal(a.values, b.values), f"layer {i} values"
+        assert int(a.cumulative_length) == int(b.cumulative_length), f"layer {i} length"
 
 
 def test_one_graph_serves_every_layer_and_changes_no_number(tokenizer):
@@ -117,6 +118,22 @@ def test_one_graph_serves_every_layer_and_changes_no_number(tokenizer):
     _assert_same_state(got, ref)
     # Outside the block the layers are the model's own again: training and generate never see the route.
     assert all("forward" not in vars(layer) for layer in decoder_layers(model))
+
+
+def _in_place_ops(graph_module) -> list[str]:
+    return [node.target for node in graph_module.graph.nodes
+            if node.op == "call_method" and str(node.target).endswith("_")]
+
+
+def test_the_compiled_layer_writes_its_keys_and_values_and_leaves_the_cache_length_to_one_add(tokenizer):
+    """A static layer advances its own length tensor at every update: one more kernel per layer and token. Routed,
+    the compiled layer writes only its keys and values; the decoder moves every layer's length once a step."""
+    model = _model(tokenizer)
+    ids, mask = _batch(tokenizer)
+    got, ref, counting = _routed_and_reference(model, ids, mask, steps=3)
+    assert _in_place_ops(counting.graphs[0]) == ["index_copy_", "index_copy_"]
+    _assert_same_state(got, ref)  # lengths included: each moved by one a step, as the layers' own update moves it
+    assert int(got.cache.layers[0].cumulative_length) == ids.size(1) + 3
 
 
 def test_lora_layers_share_one_graph_too(tokenizer):
@@ -147,3 +164,27 @@ def test_a_layer_with_a_replaced_forward_is_compiled_whole(tokenizer):
 def test_compile_scope_is_validated():
     with pytest.raises(ValueError, match=r"compile_scope must be one of \['layers', 'model'\], got 'layer'"):
         CudaGraphBackend(compile_scope="layer")
+
+
+def test_the_compiled_token_step_writes_what_the_eager_one_writes(tokenizer):
+    """The decode step compiles its tail (selection and buffer updates, ``take_next_tokens``) as one function: with
+    the same noise it leaves every buffer as the eager, in-place tail does (sampling with every filter, the EOS
+    block and the repetition penalty on)."""
+    model = _model(tokenizer)
+    ids, mask = _batch(tokenizer)
+    gc = GenerationConfig(max_new_tokens=8, do_sample=True, temperature=0.7, top_k=20, top_p=0.9, min_p=0.02,
+                          repetition_penalty=1.2, min_new_tokens=3, pad_token_id=PAD, eos_token_id=EOS)
+    sampling = SamplingSettings.from_config(gc, [EOS], PAD)
+    counting = CountingBackend()
+    decoders = [
+        StaticDecoder(model, batch=3, cache_len=32, sampling=sampling, decode_attention="matmul", **kwargs)
+        for kwargs in ({"compiled_select": torch.compile(take_next_tokens, backend=counting, dynamic=False)}, {})
+    ]
+    for decoder in decoders:
+        torch.manual_seed(5)  # the noise is drawn eagerly, outside the compiled tail: the same draws for both
+        _decode(model, decoder, ids, mask, steps=6, routed=False)
+    got, ref = decoders
+    assert len(counting.graphs) == 1 and counting.calls == 6
+    for name in ("out", "unfinished", "seen", "step", "pos", "tok"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    assert len(set(got.out[:, :7].flatten().tolist())) > 2  # sampled tokens, not one token everywhere
