@@ -3,12 +3,14 @@
 ``process_logits_`` applies repetition penalty, ``min_new_tokens``/``min_length``, temperature,
 top-k, top-p and min-p exactly as the matching ``transformers`` logits processors do, in that
 order, but in place: at 32 rows of a 152k vocabulary every extra float32 [B, V] buffer is
-another 19 MB at the peak of the decode step. ``select_tokens`` then picks a token with the
-Gumbel-max trick (``argmax(log p - log E)``, ``E ~ Exp(1)``), which samples exactly from ``p``
-with no softmax and no host synchronisation; the noise (``exponential_noise``) comes from torch's
-default generator, which ``torch.cuda.graph`` registers with a captured graph, so every replay
-draws fresh numbers. The noise is drawn eagerly even where the rest is compiled
-(``select_tokens_from_copies``), so a seed gives the same tokens compiled or not.
+another 19 MB at the peak of the decode step. ``select_tokens`` then draws a token from ``p`` by
+inverting its cumulative distribution (``inverse_cdf_pick``) with one uniform number per row,
+with no host synchronisation. The uniforms (``row_uniforms``) come from torch's default generator,
+which ``torch.cuda.graph`` registers with a captured graph, so every replay draws fresh numbers;
+they are drawn eagerly even where the rest is compiled (``select_tokens_from_copies``), so a seed
+gives the same tokens compiled or not (but where two sums of the same terms, added in another
+order, round to either side of a draw). One number per row, where the Gumbel-max trick needs one
+per token: at 128 rows of a 152k vocabulary that noise was 78 MB written and read again every step.
 
 ``unsupported_generation_setting`` names the first setting of a ``GenerationConfig`` these
 functions do not implement; a backend sends such a call to ``model.generate``.
@@ -154,9 +156,46 @@ def process_logits_(
     return scores
 
 
-def exponential_noise(scores: torch.Tensor) -> torch.Tensor:
-    """Exp(1) draws shaped like ``scores`` (float32), from torch's default generator: the Gumbel-max noise."""
-    return torch.empty(scores.shape, dtype=torch.float32, device=scores.device).exponential_()
+def row_uniforms(scores: torch.Tensor) -> torch.Tensor:
+    """One U[0, 1) draw per row of ``scores`` (float32), from torch's default generator: what a sampled pick uses."""
+    return torch.rand(scores.shape[:-1], dtype=torch.float32, device=scores.device)
+
+
+# Tokens per block of the inverse-CDF pick: a block's mass is one reduction, and only the chosen block of a row
+# is summed token by token.
+PICK_BLOCK = 1024
+
+
+def inverse_cdf_pick(scores: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of float32 ``scores`` [B, V], drawn from softmax(scores) by inverting its CDF at ``uniforms``.
+
+    The vocabulary is cut into blocks of ``PICK_BLOCK``: each block's mass (its exponentials summed, relative to
+    the row's largest score), a running sum over the blocks, the block where it passes ``u`` times the total, and
+    in that block a running sum token by token. A block whose scores are all -inf weighs nothing, and a token at
+    -inf is never picked (the running sums must pass the target strictly, and the picks are clamped to the last
+    block and token of non-zero mass, where rounding would step past the end). The law is softmax's up to
+    float32 rounding, as ``torch.multinomial``'s inversion; no [B, V] buffer is written beside the scores.
+    """
+    rows, vocab = scores.shape
+    blocks = -(-vocab // PICK_BLOCK)
+    padded = torch.nn.functional.pad(scores, (0, blocks * PICK_BLOCK - vocab), value=float("-inf"))
+    padded = padded.view(rows, blocks, PICK_BLOCK)
+    tops = padded.amax(dim=-1)  # [B, blocks]
+    peak = tops.amax(dim=-1, keepdim=True)  # [B, 1]: the row's largest score (finite: a filter keeps one token)
+    tops = torch.where(tops == float("-inf"), peak, tops)  # a block cut whole: mass 0, not NaN
+    mass = torch.exp(padded - tops[..., None]).sum(dim=-1) * torch.exp(tops - peak)  # relative to exp(peak)
+    running = mass.cumsum(dim=-1)
+    target = uniforms * running[:, -1]
+    block_ids = torch.arange(blocks, device=scores.device)
+    last_block = torch.where(mass > 0, block_ids, -1).amax(dim=-1)
+    block = torch.minimum((running <= target[:, None]).sum(dim=-1), last_block)  # [B]
+    before = (running - mass).gather(1, block[:, None]).squeeze(1)  # the mass of the blocks before it
+    inside = padded.gather(1, block[:, None, None].expand(rows, 1, PICK_BLOCK)).squeeze(1)  # [B, PICK_BLOCK]
+    token_mass = torch.exp(inside - peak)
+    token_ids = torch.arange(PICK_BLOCK, device=scores.device)
+    last_token = torch.where(token_mass > 0, token_ids, -1).amax(dim=-1)
+    token = torch.minimum((token_mass.cumsum(dim=-1) <= (target - before)[:, None]).sum(dim=-1), last_token)
+    return block * PICK_BLOCK + token
 
 
 def select_tokens(
@@ -169,25 +208,22 @@ def select_tokens(
 ) -> torch.Tensor:
     """``process_logits_`` then one token per row: a sample from softmax(filtered scores), or the argmax.
 
-    Gumbel-max: argmax_i (log p_i - log E_i) with E_i ~ Exp(1) picks i with probability p_i, and log p_i
-    differs from the filtered score_i by a per-row constant, so no softmax is needed; the clamp keeps
-    log(0) from winning. ``scores`` (float32) and ``noise`` (``exponential_noise``, None for greedy
-    decoding) are overwritten.
+    ``noise`` is ``row_uniforms(scores)`` when sampling (``inverse_cdf_pick``), None for greedy decoding.
+    ``scores`` (float32) are overwritten.
     """
     scores = process_logits_(scores, s, seen=seen, eos_blocked=eos_blocked)
     if not s.do_sample:
         return scores.argmax(dim=-1)
-    return noise.clamp_min_(1e-20).log_().neg_().add_(scores).argmax(dim=-1)
+    return inverse_cdf_pick(scores, noise)
 
 
 def select_tokens_from_copies(logits, s, noise, seen, eos_blocked) -> torch.Tensor:
-    """``select_tokens`` on float32 copies of ``logits`` and ``noise``, leaving both as they were.
+    """``select_tokens`` on a float32 copy of ``logits``, leaving them as they were.
 
-    The form the decode step compiles: the copies are never written out (inductor fuses them into the
-    reads), and the filters, the noise transform and the argmax become a few kernels instead of one
-    pass over [B, V] float32 each (seven at TRL's default settings: 0.4 ms of a 2.7 ms step at
-    0.5B x 128 rows on an H100).
+    The form the decode step compiles: the copy is never written out (inductor fuses it into the
+    reads), and the filters and the pick become a few kernels instead of one pass over [B, V]
+    float32 each (seven at TRL's default settings: 0.4 ms of a 2.7 ms step at 0.5B x 128 rows on
+    an H100).
     """
     scores = logits.to(torch.float32, copy=True)
-    noise = None if noise is None else noise.clone()
     return select_tokens(scores, s, noise=noise, seen=seen, eos_blocked=eos_blocked)

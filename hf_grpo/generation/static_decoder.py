@@ -45,7 +45,7 @@ from . import filled_attention
 from .base import model_device
 from .fused_projections import FusedProjections
 from .regional_compile import CompiledLayers
-from .sampling import SamplingSettings, exponential_noise, select_tokens, select_tokens_from_copies
+from .sampling import SamplingSettings, row_uniforms, select_tokens, select_tokens_from_copies
 
 logger = logging.getLogger(__name__)
 
@@ -355,9 +355,10 @@ def take_next_tokens(logits, s: SamplingSettings, noise, seen, eos_vocab_mask, m
 
     ``out[:, step]`` gets the token (``pad_token_id`` for a row that has finished), ``unfinished`` drops the rows
     that emitted EOS, ``tok`` and ``pos`` become the next step's input, ``step`` moves on, ``seen`` (repetition
-    penalty) marks the token. EOS is blocked while ``step < min_steps``. With ``copies`` the selection works on
-    float32 copies of ``logits`` and ``noise`` (the compiled form: the decode step compiles this whole function,
-    a few kernels instead of a dozen eager ones); without, on them in place (they must be float32 and disposable).
+    penalty) marks the token. EOS is blocked while ``step < min_steps``. ``noise``: ``sampling.row_uniforms`` when
+    sampling, else None. With ``copies`` the selection works on a float32 copy of ``logits`` (the compiled form: the
+    decode step compiles this whole function, a few kernels instead of a dozen eager ones); without, on them in
+    place (they must be float32 and disposable).
     """
     eos_blocked = eos_vocab_mask & (step < min_steps) if s.blocks_early_eos else None
     if copies:
@@ -581,7 +582,7 @@ class StaticDecoder:
         Without ``compiled`` the logits are float32 and this step's own copy (filtered in place); ``compiled``
         (the compiled ``take_next_tokens``) leaves them as they are.
         """
-        noise = exponential_noise(logits) if self.sampling.do_sample else None
+        noise = row_uniforms(logits) if self.sampling.do_sample else None
         step = compiled or functools.partial(take_next_tokens, copies=False)
         step(logits, self.sampling, noise, self.seen, self.eos_vocab_mask, self.min_steps, self.step, self.unfinished,
              self.out, self.tok, self.pos)

@@ -13,8 +13,10 @@ from transformers import GenerationConfig
 
 from hf_grpo.generation.sampling import (
     SamplingSettings,
-    exponential_noise,
+    PICK_BLOCK,
+    inverse_cdf_pick,
     process_logits_,
+    row_uniforms,
     select_tokens,
     select_tokens_from_copies,
     unsupported_generation_setting,
@@ -82,13 +84,56 @@ def _pick_only(do_sample: bool) -> SamplingSettings:
 def test_select_tokens_samples_softmax_of_the_filtered_scores():
     torch.manual_seed(0)
     scores = torch.tensor([[0.0, 1.0, 2.0, float("-inf")]]).expand(20_000, 4).contiguous()
-    tokens = select_tokens(scores.clone(), _pick_only(True), noise=exponential_noise(scores))
+    tokens = select_tokens(scores.clone(), _pick_only(True), noise=row_uniforms(scores))
     freq = torch.bincount(tokens, minlength=4).double() / tokens.numel()
     expected = torch.softmax(scores[0].double(), dim=0)
     assert freq[3] == 0  # a cut token is never drawn
     # 20k draws: the standard error of each frequency is below 0.0035; 5 sigma
     torch.testing.assert_close(freq, expected, rtol=0, atol=0.018)
     assert torch.equal(select_tokens(scores.clone(), _pick_only(False), noise=None), torch.full((20_000,), 2))
+
+
+def _spread_scores() -> torch.Tensor:
+    """A row over three blocks and a bit (the last block padded), with whole blocks and single tokens cut, the mass
+    spread over every kept block, all scores far below zero (no block's exponentials may underflow to nothing)."""
+    vocab = 3 * PICK_BLOCK + 37
+    g = torch.Generator().manual_seed(1)
+    scores = torch.randn(vocab, generator=g) * 2 - 300.0
+    scores[PICK_BLOCK : 2 * PICK_BLOCK] = float("-inf")  # a block cut whole
+    scores[::7] = float("-inf")
+    scores[5] = scores[3 * PICK_BLOCK + 30] = -294.0  # two favourites, in the first and the padded last block
+    return scores
+
+
+def test_the_inverse_cdf_pick_samples_softmax_across_blocks():
+    scores = _spread_scores()
+    draws, chunk = 200_000, 25_000
+    torch.manual_seed(0)
+    tokens = torch.cat([inverse_cdf_pick(scores.expand(chunk, -1), torch.rand(chunk)) for _ in range(draws // chunk)])
+    expected = torch.softmax(scores.double(), dim=0)
+    freq = torch.bincount(tokens, minlength=scores.numel()).double() / draws
+    assert freq[torch.isinf(scores)].sum() == 0  # a cut token, or a cut block, is never drawn
+    # Each frequency within 5 standard errors of its probability (+1e-5 for the rarest tokens).
+    assert bool(((freq - expected).abs() <= 5 * (expected * (1 - expected) / draws).sqrt() + 1e-5).all())
+    # Block by block too, where the errors of the tokens add up.
+    by_block = [(freq[i : i + PICK_BLOCK].sum(), expected[i : i + PICK_BLOCK].sum())
+                for i in range(0, scores.numel(), PICK_BLOCK)]
+    assert all(abs(f - e) <= 5 * (e * (1 - e) / draws) ** 0.5 + 1e-5 for f, e in by_block)
+
+
+def test_the_inverse_cdf_pick_at_the_ends_of_the_unit_interval():
+    """u = 0 picks the first token with mass, u at 1 (where rounding ``u x total`` can land) the last one: never a
+    cut token, a cut block or an index past the vocabulary."""
+    scores = _spread_scores()
+    late = scores.roll(-PICK_BLOCK)  # its first block is cut whole
+    rows = torch.stack([scores, late, scores, late, scores])
+    ends = torch.tensor([0.0, 0.0, 1.0, 1.0, 1.0 - 2**-24])
+    picks = inverse_cdf_pick(rows, ends).tolist()
+
+    def kept(row):
+        return torch.nonzero(~torch.isinf(row)).flatten().tolist()
+
+    assert picks == [kept(scores)[0], kept(late)[0], kept(scores)[-1], kept(late)[-1], kept(scores)[-1]]
 
 
 def test_repetition_penalty_without_seen_mask_is_a_clear_error():
@@ -107,7 +152,7 @@ def test_unsupported_settings_are_named():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_compiled_selection_picks_the_eager_tokens_and_leaves_its_inputs(dtype):
     """The decode step compiles ``select_tokens_from_copies``; traced whole (one graph), it picks what the eager
-    in-place ``select_tokens`` picks from the same noise, and writes neither the logits nor the noise."""
+    in-place ``select_tokens`` picks from the same uniforms, and writes neither the logits nor the uniforms."""
     graphs = []
 
     def counting(gm, example_inputs):
@@ -122,7 +167,7 @@ def test_the_compiled_selection_picks_the_eager_tokens_and_leaves_its_inputs(dty
     seen = torch.rand(16, VOCAB + 1) < 0.1
     eos_blocked = torch.zeros(VOCAB, dtype=torch.bool)
     eos_blocked[EOS] = True
-    noise = exponential_noise(logits)
+    noise = row_uniforms(logits)
     inputs = logits.clone(), noise.clone()
 
     got = torch.compile(select_tokens_from_copies, backend=counting, dynamic=False)(
