@@ -82,19 +82,30 @@ def rollout_timeline(backend, decoder, model, prompts, call) -> dict:
         marks["prefill_end"] = torch.cuda.Event(enable_timing=True)
         marks["prefill_end"].record()
 
+    run = decoder.run
+    host: dict[str, float] = {}
+
+    def timed_run(*args, **kwargs):
+        result = run(*args, **kwargs)
+        marks["run_end"] = torch.cuda.Event(enable_timing=True)
+        marks["run_end"].record()
+        host["run_end"] = time.perf_counter()
+        return result
+
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
-    decoder.graph, decoder._prefill = timed, timed_prefill
+    decoder.graph, decoder._prefill, decoder.run = timed, timed_prefill, timed_run
     try:
         host_start = time.perf_counter()
         start.record()
         out = backend.generate(model, prompts, **call)
         end.record()
+        host["returned"] = time.perf_counter()
         torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - host_start) * 1e3
     finally:
         decoder.graph = timed.graph
-        del decoder._prefill  # the class's method again
+        del decoder._prefill, decoder.run  # the class's methods again
     if not timed.events or "prefill_end" not in marks:
         raise RuntimeError("the timed rollout did not prefill and replay the warm decoder (was it replaced?)")
     replays = [b.elapsed_time(a) for b, a in timed.events]
@@ -113,6 +124,8 @@ def rollout_timeline(backend, decoder, model, prompts, call) -> dict:
         "replay_ms_p90": round(ordered[int(len(ordered) * 0.9)], 4),
         "gaps_ms_total": round(sum(gaps), 2), "gap_ms_max": round(max(gaps, default=0.0), 4),
         "after_last_replay_ms": round(timed.events[-1][1].elapsed_time(end), 2),
+        "last_replay_to_run_end_ms": round(timed.events[-1][1].elapsed_time(marks["run_end"]), 2),
+        "host_run_end_to_return_ms": round((host["returned"] - host["run_end"]) * 1e3, 2),
         "wall_ms_per_token": round(wall_ms / tokens, 4),
     }
 

@@ -98,9 +98,14 @@ def left_pad(
 
 
 def cut_after_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) -> list[list[int]]:
-    """Rows of ``completion_ids`` [B, T] as lists, each ending at its first EOS (kept), as TRL does."""
-    ids = completion_ids.cpu()
-    is_eos = torch.isin(ids, torch.as_tensor(list(eos_token_ids), dtype=ids.dtype))
+    """Rows of ``completion_ids`` [B, T] as lists, each ending at its first EOS (kept), as TRL does.
+
+    The EOS search runs where the ids are (the GPU, after a rollout), and the host only turns two tensors into
+    lists: torch's CPU ops on the copied ids took 4 to 50 ms of host time per rollout on an H100 machine's CPU
+    (``bench/results/decode_profile_h100_host_after_rollout.jsonl``), while the GPU waited.
+    """
+    ids = completion_ids
+    is_eos = torch.isin(ids, torch.as_tensor(list(eos_token_ids), dtype=ids.dtype, device=ids.device))
     # Position of the first EOS per row, or T when the row has none.
     first_eos = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), torch.full_like(ids[:, 0], ids.size(1)))
-    return [row[: int(end) + 1].tolist() for row, end in zip(ids, first_eos)]
+    return [row[: end + 1] for row, end in zip(ids.tolist(), first_eos.tolist())]

@@ -457,9 +457,10 @@ class StaticDecoder:
 
     # ------------------------------------------------------------------ decoding
     def run(self, model, input_ids, attention_mask, steps: int, *, use_graph: bool, check_every: int) -> torch.Tensor:
-        """Decode ``steps`` tokens for one chunk of ``batch`` left-padded prompts; [batch, <=steps] on the CPU."""
+        """Decode ``steps`` tokens for one chunk of ``batch`` left-padded prompts; [batch, <=steps], a copy on the
+        model's device (``cut_after_eos`` searches it there)."""
         if steps == 0:
-            return torch.empty((self.batch, 0), dtype=torch.long)
+            return torch.empty((self.batch, 0), dtype=torch.long, device=self.out.device)
         if self.fused is not None:
             self.fused.refresh()  # the weights changed since the last chunk (an optimizer step, say)
         self._prefill(model, input_ids, attention_mask)
@@ -483,7 +484,7 @@ class StaticDecoder:
             done += 1
             if done % check_every == 0 and not bool(self.unfinished.any()):
                 break
-        return self.out[:, :done].cpu()
+        return self.out[:, :done].clone()
 
     def _capture_is_rewindable(self) -> bool:
         """True for a cache of plain static layers, whose only state besides K/V is where the next K/V goes."""
