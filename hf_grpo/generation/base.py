@@ -101,7 +101,7 @@ def cut_after_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) ->
     """Rows of ``completion_ids`` [B, T] as lists, each ending at its first EOS (kept), as TRL does.
 
     The EOS search runs where the ids are (the GPU, after a rollout), and the host only turns two tensors into
-    lists: torch's CPU ops on the copied ids took 4 to 50 ms of host time per rollout on an H100 machine's CPU
+    lists: torch's CPU ops on the copied ids took 4 to 53 ms of host time per rollout on an H100 machine's CPU
     (``bench/results/decode_profile_h100_host_after_rollout.jsonl``), while the GPU waited.
     """
     ids = completion_ids

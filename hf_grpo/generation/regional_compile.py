@@ -15,7 +15,7 @@ nothing in the traced code tells them apart. Two things do:
   enter it either.
 
 A static cache layer also advances its own length tensor at every update: one more one-element kernel
-per layer and token, 28 of 470 in a decode step of a 1.5B model. Where every cache layer is a plain
+per layer and token, 28 of 468 in a decode step of a 1.5B model. Where every cache layer is a plain
 ``StaticLayer``, the views write at one shared position (all layers hold the same length) and leave the
 lengths alone; ``route`` hands the caller ``advance(n)``, which moves every layer's length in one
 ``_foreach_add_`` once the step's layers have run.
