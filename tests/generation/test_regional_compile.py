@@ -68,8 +68,8 @@ def _batch(tokenizer, n=3, seed=0):
     return ids, mask
 
 
-def _decoder(model, **kwargs):
-    gc = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+def _decoder(model, gc: GenerationConfig | None = None, **kwargs):
+    gc = gc or GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
     sampling = SamplingSettings.from_config(gc, [EOS], PAD)
     return StaticDecoder(model, batch=3, cache_len=32, sampling=sampling, decode_attention="matmul", **kwargs)
 
@@ -174,10 +174,9 @@ def test_the_compiled_token_step_writes_what_the_eager_one_writes(tokenizer):
     ids, mask = _batch(tokenizer)
     gc = GenerationConfig(max_new_tokens=8, do_sample=True, temperature=0.7, top_k=20, top_p=0.9, min_p=0.02,
                           repetition_penalty=1.2, min_new_tokens=3, pad_token_id=PAD, eos_token_id=EOS)
-    sampling = SamplingSettings.from_config(gc, [EOS], PAD)
     counting = CountingBackend()
     decoders = [
-        StaticDecoder(model, batch=3, cache_len=32, sampling=sampling, decode_attention="matmul", **kwargs)
+        _decoder(model, gc, **kwargs)
         for kwargs in ({"compiled_select": torch.compile(take_next_tokens, backend=counting, dynamic=False)}, {})
     ]
     for decoder in decoders:
