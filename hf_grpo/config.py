@@ -230,6 +230,10 @@ class GRPOConfig(trl.GRPOConfig):
         release_generation_memory (`bool`, *optional*, defaults to `True`):
             Free the generation backend's KV cache and captured graph after each rollout (the
             decode step's compile is kept), so they do not sit in memory through the backward.
+        padding_free (`bool`, *optional*, defaults to `True`):
+            Score micro-batches with their rows packed into one sequence (each row keeps its own
+            positions and attends only to itself), so no layer computes over padding. Applies to the
+            reference, old-policy and training forwards; models it cannot serve exactly keep padding.
         cudnn_attention (`bool`, *optional*, defaults to `False`):
             Let PyTorch's SDPA use cuDNN's attention kernel during ``train()``. Off by default: cuDNN builds
             a kernel for each new sequence shape (0.07 to 1.2 s each on an H100), and varied prompt lengths
@@ -291,6 +295,15 @@ class GRPOConfig(trl.GRPOConfig):
             "help": "Free the cuda_graph backend's KV cache and captured graph after each rollout, so the "
             "training step gets that memory; the next rollout captures again (its compile is kept). False keeps "
             "them between rollouts (no capture per rollout; perf stats report their size as generation_cache_gib)."
+        },
+    )
+    padding_free: bool = field(
+        default=True,
+        metadata={
+            "help": "Score each micro-batch (reference, old and policy log-probs, and the training forward) with its "
+            "rows packed into one sequence, so no layer runs over padding (hf_grpo.padding_free). Models it cannot "
+            "serve exactly (no rotary positions, soft-capped or non-causal attention, vision inputs) keep the padded "
+            "path with a warning."
         },
     )
     cudnn_attention: bool = field(

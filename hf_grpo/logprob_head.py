@@ -18,6 +18,7 @@ from contextlib import nullcontext
 import torch
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
+from . import padding_free
 from .oom import SizeKnob
 from .ops import chunked_logprobs
 
@@ -46,16 +47,22 @@ def install_chunked_lm_head(
     chunk_rows: int | None | SizeKnob,
     return_entropy: bool,
     cast_lm_head_to_fp32: bool = False,
+    padding_free_rows: bool = False,
 ) -> bool:
     """Patch ``model.forward`` (the base model, after TRL's ``add_fused_lm_head``). Returns False if skipped.
 
     ``chunk_rows`` as a ``SizeKnob`` is read at every call and halved on every rank after an out-of-memory
     in the head (``hf_grpo.oom``); the backbone's forward has run by then, so the retry redoes the head only.
+    With ``padding_free_rows`` the backbone runs the micro-batch's rows packed into one sequence
+    (``hf_grpo.padding_free``) where the model and the batch allow it.
     """
     reason = unsupported_reason(model)
     if reason is not None:
         logger.warning("tensor_batch_size is not applied: %s; TRL's fused LM head is used instead.", reason)
         return False
+    if padding_free_rows and (why := padding_free.unsupported_reason(model)) is not None:
+        logger.warning("padding_free is not applied: %s; rows are scored padded.", why)
+        padding_free_rows = False
     previous_forward = model.forward
     backbone_name = model.base_model_prefix
 
@@ -68,20 +75,32 @@ def install_chunked_lm_head(
                 *args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, **kwargs
             )
         kwargs["use_cache"] = False
-        hidden = getattr(self, backbone_name)(*args, **kwargs).last_hidden_state  # [B, L, H]
-        if shift_labels is None:  # causal LM: position i predicts token i + 1
-            hidden, targets = hidden[:, :-1], labels[:, 1:]
+        backbone = getattr(self, backbone_name)
+        packed = None
+        if padding_free_rows and not args and shift_labels is None and kwargs.get("attention_mask") is not None:
+            packed = padding_free.pack_rows(kwargs["input_ids"], kwargs["attention_mask"])
+            packed = packed if packed is not None and padding_free.packable(self, packed) else None
+        if packed is not None:
+            hidden = padding_free.packed_hidden_states(self, backbone, packed, **kwargs)[0]  # [T, H]
+            targets = labels[:, 1:]
+            mask = targets != -100  # [B, L-1]
+            scored = hidden[packed.index[:, :-1][mask]]  # a scored position's hidden state, from its packed place
         else:
-            targets = shift_labels
-        mask = targets != -100  # [B, L-1]
+            hidden = backbone(*args, **kwargs).last_hidden_state  # [B, L, H]
+            if shift_labels is None:  # causal LM: position i predicts token i + 1
+                hidden, targets = hidden[:, :-1], labels[:, 1:]
+            else:
+                targets = shift_labels
+            mask = targets != -100  # [B, L-1]
+            scored = hidden[mask]
         head = self.get_output_embeddings()
-        hidden = hidden.to(head.weight.device)
+        scored = scored.to(head.weight.device)
         autocast = nullcontext()
         if cast_lm_head_to_fp32:
-            hidden = hidden.float()
-            autocast = torch.autocast(hidden.device.type, enabled=False)
+            scored = scored.float()
+            autocast = torch.autocast(scored.device.type, enabled=False)
         gather = lambda: maybe_gather_lm_head_ctx(head.weight, head.bias)  # noqa: E731 (ZeRO-3: full head)
-        scored, scored_targets = hidden[mask], targets[mask].to(head.weight.device)  # [T, H], [T]
+        scored_targets = targets[mask].to(head.weight.device)  # [T]
 
         def head_logprobs(rows):  # only scored tokens reach the vocabulary projection
             return chunked_logprobs(

@@ -125,7 +125,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             lambda: self.model.zero_grad(set_to_none=True), lambda: self._metrics["train"], self._longest_row)
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         head = dict(temperature=self.temperature, chunk_rows=self._oom_knobs["tensor_batch_size"],
-                    cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32)
+                    cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32, padding_free_rows=self.args.padding_free)
         install_chunked_lm_head(policy, return_entropy=True, **head)
         if self.ref_model is not None:
             # TRL has already wrapped the reference (a DeepSpeed engine under ZeRO): patch the module inside,

@@ -3,7 +3,8 @@
 Both trainers start from the same checkpoint (so TRL can build the reference model from its path when
 beta > 0), see the same data, seed and completions (generation is replaced by a fixed function of the
 prompt), and run with the same config values; hf_grpo adds only ``tensor_batch_size=5``, so its chunked
-log-prob head really runs in several chunks. In fp32 on CPU the chunked head differs from TRL's fused
+log-prob head really runs in several chunks. Its rows are scored padding-free (packed into one sequence, the
+default), TRL's padded. In fp32 on CPU the chunked head differs from TRL's fused
 head only in summation order, so every logged figure and every parameter update must agree to 1e-5.
 
 Each run makes two optimizer steps of two micro-batches each (P=4, A=2, G=4): at step 1 the policy
@@ -26,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import hf_grpo
 import hf_grpo.logprob_head
+import hf_grpo.padding_free
 from hf_grpo.config import CHECKPOINTING
 from hf_grpo.generation import HFGenerateBackend
 from hf_grpo.ops import chunked_logprobs
@@ -169,11 +171,21 @@ def test_two_steps_equal_trls(tmp_path, monkeypatch, checkpoint, loss_type, num_
         calls.append((hidden.shape[0], chunk_rows))
         return chunked_logprobs(hidden, *args, chunk_rows=chunk_rows, **kwargs)
 
+    packed = []  # the micro-batches hf_grpo scored padding-free (hf_grpo.padding_free, on by default)
+
+    def packed_spy(model, backbone, rows, **kwargs):
+        packed.append(rows.tokens)
+        return real_packed(model, backbone, rows, **kwargs)
+
+    real_packed = hf_grpo.padding_free.packed_hidden_states
     monkeypatch.setattr(hf_grpo.logprob_head, "chunked_logprobs", spy)
+    monkeypatch.setattr(hf_grpo.padding_free, "packed_hidden_states", packed_spy)
     ours_logs, ours_updates = run(checkpoint, tmp_path / "ours", ours=True, **fields)
     monkeypatch.undo()
     # hf_grpo's head really ran, in chunks: every call with chunk_rows=5, some over more rows than that.
     assert calls and {chunk for _, chunk in calls} == {5} and max(rows for rows, _ in calls) > 5, calls
+    # ... and every forward ran its rows packed: TRL's padded figures below are what packing must reproduce
+    assert len(packed) == len(calls), (len(packed), len(calls))
     trl_logs, trl_updates = run(checkpoint, tmp_path / "trl", ours=False, **fields)
 
     assert len(ours_logs) == len(trl_logs) == len(ours_updates) == len(trl_updates) == 2

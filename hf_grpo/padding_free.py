@@ -1,0 +1,150 @@
+"""Padding-free scoring: a micro-batch's rows packed into one sequence for the backbone's forward.
+
+TRL scores ``[prompt | completion]`` rows padded to the longest row of the micro-batch (prompts padded on
+the left, completions on the right). With prompts of varied length a third or more of those positions are
+padding, and every layer's projections and MLP run over them. Here the real tokens of all rows are
+concatenated into one sequence ``[1, T]``: each row keeps its own positions (0, 1, ... from its first real
+token, as ``model.generate`` numbers them) and attends only to itself, causally, through an attention
+function registered with transformers under ``ATTENTION_NAME`` and switched on for that forward alone.
+On CUDA it is one variable-length flash-attention call (``torch.nn.attention.varlen``); elsewhere, or where
+that op is missing, one SDPA call per row.
+
+The result equals the padded forward to rounding for rotary-position models (attention scores depend on
+relative positions only). Models this cannot serve exactly keep the padded path: ``unsupported_reason``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTENTION_NAME = "hf_grpo_padding_free"
+# Attention implementations whose math is plain causal softmax attention: the packed function computes the same.
+REPLACEABLE = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+try:  # flash attention over variable-length rows (torch >= 2.9, CUDA)
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+except ImportError:  # pragma: no cover - older torch
+    _varlen_attn = None
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedRows:
+    """Where each real token of a padded ``[B, L]`` micro-batch sits in the packed ``[1, T]`` sequence."""
+
+    input_ids: torch.Tensor  # [1, T]
+    position_ids: torch.Tensor  # [1, T], 0.. within each row
+    index: torch.Tensor  # [B, L], packed position of each (row, column); meaningless where padded
+    bounds: tuple[tuple[int, int], ...]  # (start, end) of each row in the packed sequence
+    cu_seq_lens: torch.Tensor  # [B + 1] int32, the bounds as flash attention takes them
+    longest: int  # tokens of the longest row
+
+    @property
+    def tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows | None:
+    """The packed layout of a padded batch, or None where a row's tokens are not one contiguous run (a mask
+    with holes) or a row is empty: those batches keep the padded forward."""
+    real = attention_mask.bool()  # [B, L]
+    columns = torch.arange(real.shape[1], device=real.device)
+    counts = real.sum(dim=1)
+    first = torch.where(real, columns, real.shape[1]).amin(dim=1)
+    last = torch.where(real, columns, -1).amax(dim=1)
+    # one device-to-host copy: the row lengths are needed on the host for the per-row attention bounds
+    counts_host, runs_host = torch.stack([counts, last - first + 1]).tolist()
+    if min(counts_host) == 0 or counts_host != runs_host:
+        return None
+    index = real.flatten().cumsum(0).view_as(real) - 1  # [B, L]
+    position_ids = (real.cumsum(dim=1) - 1)[real]  # [T]
+    ends = torch.tensor(counts_host).cumsum(0).tolist()
+    bounds = tuple(zip([0] + ends[:-1], ends))
+    cu_seq_lens = torch.tensor([0] + ends, dtype=torch.int32, device=real.device)
+    return PackedRows(input_ids[real].unsqueeze(0), position_ids.unsqueeze(0), index, bounds, cu_seq_lens,
+                      max(counts_host))
+
+
+def sliding_window(config) -> int | None:
+    """The smallest attention window of the model's layers (None: every layer attends to all earlier tokens)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or getattr(config, "use_sliding_window", True) is False:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model``'s rows cannot be scored packed (they are then scored padded), or None."""
+    config = model.config.get_text_config()
+    if model.config is not config:
+        return "the model has several sub-models (vision-language): its inputs are not plain token rows"
+    if getattr(config, "is_encoder_decoder", False) or not getattr(config, "is_causal", True):
+        return "the model does not attend causally (encoder-decoder or bidirectional)"
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in REPLACEABLE:
+        return f"attn_implementation={implementation!r} is not one of {list(REPLACEABLE)}"
+    for name in ("attn_logit_softcapping", "attention_chunk_size"):
+        if getattr(config, name, None) is not None:
+            return f"the model's attention has {name} set, which packed attention does not compute"
+    if getattr(config, "rope_parameters", None) is None:
+        # absolute position embeddings see a row's offset in the padded batch: packed positions would differ
+        return "the model has no rotary position embeddings (rope_parameters)"
+    return None
+
+
+def _packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                      packed_rows: PackedRows | None = None, **kwargs: Any):
+    """Causal attention within each packed row. query ``[1, Hq, T, D]``, key/value ``[1, Hkv, T, D]``;
+    returns ``([1, T, Hq, D], None)`` as transformers' attention functions do."""
+    if packed_rows is None:
+        raise RuntimeError(f"attention implementation {ATTENTION_NAME!r} is only set inside a packed forward")
+    grouped = query.shape[1] != key.shape[1]
+    if _varlen_attn is not None and query.is_cuda and dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16):
+        rows = packed_rows
+        out = _varlen_attn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                           rows.cu_seq_lens, rows.cu_seq_lens, rows.longest, rows.longest, scale=scaling,
+                           window_size=(-1, 0), enable_gqa=grouped)  # [T, Hq, D], causal
+        return out.unsqueeze(0), None
+    pieces = [
+        F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+                                       dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=grouped)
+        for start, end in packed_rows.bounds
+    ]
+    return torch.cat(pieces, dim=2).transpose(1, 2), None
+
+
+AttentionInterface.register(ATTENTION_NAME, _packed_attention)
+
+
+@contextlib.contextmanager
+def _attention_switched(config):
+    previous = config._attn_implementation
+    config._attn_implementation = ATTENTION_NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
+
+
+def packable(model: torch.nn.Module, rows: PackedRows) -> bool:
+    """Whether this batch can run packed: every row fits the model's smallest attention window (inside it the
+    window never binds, so causal attention within the row is exact)."""
+    window = sliding_window(model.config.get_text_config())
+    return window is None or rows.longest <= window
+
+
+def packed_hidden_states(model: torch.nn.Module, backbone: torch.nn.Module, rows: PackedRows,
+                         **kwargs: Any) -> torch.Tensor:
+    """The backbone's last hidden states for the packed sequence, ``[1, T, H]``."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids")}
+    with _attention_switched(model.config):
+        return backbone(input_ids=rows.input_ids, position_ids=rows.position_ids, packed_rows=rows,
+                        **kwargs).last_hidden_state

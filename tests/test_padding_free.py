@@ -1,0 +1,123 @@
+"""Padding-free scoring (hf_grpo.padding_free): rows packed into one sequence score exactly as padded rows.
+
+The chunked head is installed twice on copies of one tiny model, once packed and once padded, and both
+score the same left-padded prompts + right-padded completions of varied lengths (fp32 on CPU): log-probs,
+entropies and every parameter's gradient must agree to 1e-5, and the packed backbone must really have run
+over the real tokens alone.
+"""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from hf_grpo import padding_free
+from hf_grpo.logprob_head import install_chunked_lm_head
+from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+
+PROMPT_LENGTHS = (3, 7, 5, 2)
+COMPLETION_LENGTHS = (4, 1, 6, 3)
+
+
+def padded_batch(vocab: int, seed: int = 0):
+    """input_ids, attention_mask and TRL's labels (-100 off the completion) for rows padded as TRL pads them."""
+    gen = torch.Generator().manual_seed(seed)
+    width_p, width_c = max(PROMPT_LENGTHS), max(COMPLETION_LENGTHS)
+    rows = len(PROMPT_LENGTHS)
+    ids = torch.randint(2, vocab, (rows, width_p + width_c), generator=gen)
+    mask = torch.zeros_like(ids)
+    for row, (p, c) in enumerate(zip(PROMPT_LENGTHS, COMPLETION_LENGTHS)):
+        mask[row, width_p - p:width_p + c] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :width_p] = -100
+    return ids, mask, labels
+
+
+def tiny_llama(vocab: int):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config)
+
+
+def build(family: str, attn: str):
+    tokenizer = build_char_tokenizer()
+    if family == "qwen2":
+        return build_tiny_model(tokenizer, attn_implementation=attn)
+    model = tiny_llama(len(tokenizer))
+    model.config._attn_implementation = attn
+    return model
+
+
+def score(model, batch):
+    ids, mask, labels = batch
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    weights = torch.linspace(0.5, 1.5, out.log_probs.numel()).view_as(out.log_probs)
+    model.zero_grad()
+    ((out.log_probs * weights).sum() + out.entropy.sum()).backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_scoring_equals_padded(family, attn):
+    padded = build(family, attn)
+    packed = copy.deepcopy(padded)
+    head = dict(temperature=0.7, chunk_rows=3, return_entropy=True)
+    assert install_chunked_lm_head(padded, padding_free_rows=False, **head)
+    assert install_chunked_lm_head(packed, padding_free_rows=True, **head)
+    batch = padded_batch(padded.config.vocab_size)
+    seen = []  # the token shape the embedding saw
+    packed.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+
+    out_padded, grads_padded = score(padded, batch)
+    out_packed, grads_packed = score(packed, batch)
+
+    assert seen == [(1, sum(PROMPT_LENGTHS) + sum(COMPLETION_LENGTHS))], "the packed backbone saw padding"
+    assert torch.equal(out_packed.label_mask, out_padded.label_mask)
+    torch.testing.assert_close(out_packed.log_probs, out_padded.log_probs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out_packed.entropy, out_padded.entropy, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out_packed.loss, out_padded.loss, rtol=1e-5, atol=1e-6)
+    assert grads_packed.keys() == grads_padded.keys() and len(grads_packed) > 0
+    for name, grad in grads_padded.items():
+        torch.testing.assert_close(grads_packed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_mask_with_a_hole_is_scored_padded():
+    ids, mask, labels = padded_batch(40)
+    mask[0, -1] = 1  # row 0's completion resumes after padding: not one contiguous run
+    assert padding_free.pack_rows(ids, mask) is None
+
+
+def test_rows_keep_their_own_positions():
+    ids, mask, _ = padded_batch(40)
+    rows = padding_free.pack_rows(ids, mask)
+    lengths = [p + c for p, c in zip(PROMPT_LENGTHS, COMPLETION_LENGTHS)]
+    assert rows.position_ids[0].tolist() == [i for n in lengths for i in range(n)]
+    assert rows.input_ids[0].tolist() == ids[mask.bool()].tolist()
+    assert [end - start for start, end in rows.bounds] == lengths
+    assert rows.cu_seq_lens.tolist() == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "reason"),
+    [
+        (dict(attn_logit_softcapping=30.0), "attn_logit_softcapping"),
+        (dict(is_causal=False), "causally"),
+    ],
+)
+def test_models_packing_cannot_serve_are_named(overrides, reason):
+    model = build_tiny_model(build_char_tokenizer(), **overrides)
+    assert reason in padding_free.unsupported_reason(model)
+
+
+def test_sliding_window_longer_than_every_row_packs():
+    model = build_tiny_model(build_char_tokenizer(), use_sliding_window=True, sliding_window=8,
+                             layer_types=["sliding_attention", "full_attention"])
+    rows = padding_free.pack_rows(*padded_batch(40)[:2])
+    assert rows.longest == 11 and not padding_free.packable(model, rows)
+    model.config.sliding_window = 16
+    assert padding_free.packable(model, rows)
