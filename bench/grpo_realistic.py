@@ -313,6 +313,13 @@ def parse_args(argv=None):
     parser.add_argument("--cudnn_attention", choices=["default", "on", "off"], default="default",
                         help="cuDNN's SDPA kernel: each implementation's default (TRL: torch's, on; hf_grpo: off), "
                         "or on / off for both (for TRL through torch.backends.cuda.enable_cudnn_sdp)")
+    parser.add_argument("--num_iterations", type=int, default=1,
+                        help="passes over each rollout (2: every other optimizer step trains without generating)")
+    parser.add_argument("--lora_r", type=int, default=0, help="LoRA rank (peft; 0: full fine-tuning)")
+    parser.add_argument("--padding_free", choices=["default", "on", "off"], default="default",
+                        help="hf_grpo only: score rows packed (on) or padded (off); default: the config's default")
+    parser.add_argument("--phases", action="store_true",
+                        help="time each step's phases (bench/phase_timer.py; syncs the device at every boundary)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--label", default=None, help="free text kept in the record (e.g. 'cold compile cache')")
     parser.add_argument("--out", default=None, help="append the JSON record to this file")
@@ -365,6 +372,7 @@ def main(argv=None) -> int:
         num_generations=args.num_generations, max_completion_length=args.max_completion_length, beta=args.beta,
         learning_rate=args.learning_rate, temperature=args.temperature, max_steps=args.max_steps, logging_steps=1,
         save_strategy="no", report_to=[], bf16=args.bf16, disable_tqdm=True, seed=args.seed,
+        num_iterations=args.num_iterations,
     )
     if device == "cpu":
         common["use_cpu"] = True
@@ -375,6 +383,8 @@ def main(argv=None) -> int:
                       per_device_generation_batch_size=args.per_device_generation_batch_size)
         if args.cudnn_attention != "default":
             common["cudnn_attention"] = args.cudnn_attention == "on"
+        if args.padding_free != "default":
+            common["padding_free"] = args.padding_free == "on"
     elif args.cudnn_attention != "default":
         torch.backends.cuda.enable_cudnn_sdp(args.cudnn_attention == "on")
     config = GRPOConfig(**common)
@@ -384,9 +394,17 @@ def main(argv=None) -> int:
     if args.profile_step is not None:
         label = args.impl if args.impl == "trl" else f"{args.impl}_{args.backend}"
         callbacks.append(StepProfiler(args.profile_step, args.profile_dir, args.label or label))
+    peft_config = None
+    if args.lora_r:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, task_type="CAUSAL_LM",
+                                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj"])
     trainer = GRPOTrainer(model=model, reward_funcs=random_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=callbacks)
-    assert (trainer.ref_model is not None) == (args.beta != 0), "the reference model is missing"
+                          processing_class=tokenizer, callbacks=callbacks, peft_config=peft_config)
+    # with LoRA the reference is the policy with its adapters disabled (no second model)
+    assert (trainer.ref_model is not None) == (args.beta != 0 and not args.lora_r), "the reference model is missing"
 
     rollouts = []
     generate = trainer._generate_single_turn
@@ -413,6 +431,11 @@ def main(argv=None) -> int:
         return out
 
     trainer._generate_single_turn = timed_generate
+    phases = None
+    if args.phases:
+        from phase_timer import PhaseTimer  # bench/phase_timer.py
+
+        phases = PhaseTimer(trainer, device)
 
     gc.collect()
     if device == "cuda":
@@ -443,7 +466,8 @@ def main(argv=None) -> int:
         per_device_train_batch_size=args.per_device_train_batch_size, steps_per_generation=args.steps_per_generation,
         gradient_accumulation_steps=args.gradient_accumulation_steps, num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, prompt_len_range=[args.min_prompt, args.max_prompt],
-        beta=args.beta, checkpointing=bool(getattr(trainer.args, checkpointing_field)),
+        beta=args.beta, num_iterations=args.num_iterations, lora_r=args.lora_r,
+        padding_free=getattr(trainer.args, "padding_free", None), checkpointing=bool(getattr(trainer.args, checkpointing_field)),
         tensor_batch_size=args.tensor_batch_size if args.impl == "hf_grpo" else None,
         per_device_generation_batch_size=(trainer.args.per_device_generation_batch_size
                                           if args.impl == "hf_grpo" else None),
@@ -480,10 +504,15 @@ def main(argv=None) -> int:
         )
     else:
         record.update(gpu=None, cpu=platform.processor() or platform.machine())
+    if phases is not None:
+        record["phases"] = phases.summary()
     if args.impl == "hf_grpo":
         stats = trainer.get_performance_stats()
         stats.pop("batch_plan", None)
         record["perf"] = {key: round(value, 4) if isinstance(value, float) else value for key, value in stats.items()}
+    # BENCH_COMMIT: set by whoever copies the tree without its .git (a GPU machine); else git's answer
+    record["commit"] = os.environ.get("BENCH_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip() or "unknown"
     record["versions"] = dict(
         python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
         trl=trl.__version__, datasets=datasets.__version__,

@@ -4,10 +4,15 @@ TRL scores ``[prompt | completion]`` rows padded to the longest row of the micro
 the left, completions on the right). With prompts of varied length a third or more of those positions are
 padding, and every layer's projections and MLP run over them. Here the real tokens of all rows are
 concatenated into one sequence ``[1, T]``: each row keeps its own positions (0, 1, ... from its first real
-token, as ``model.generate`` numbers them) and attends only to itself, causally, through an attention
-function registered with transformers under ``ATTENTION_NAME`` and switched on for that forward alone.
-On CUDA it is one variable-length flash-attention call (``torch.nn.attention.varlen``); elsewhere, or where
-that op is missing, one SDPA call per row.
+token, as ``model.generate`` numbers them) and attends only to itself, causally. On CUDA that is one
+variable-length flash-attention call per layer (``torch.nn.attention.varlen``); elsewhere, or where that op
+is missing, one SDPA call per row.
+
+How the layers find it: transformers' registry entries for ``sdpa`` and flash attention are wrapped once
+(``_route_packed``) so that a call carrying ``packed_rows`` runs the packed attention and every other call runs
+the original, untouched. The rows travel as a forward keyword, which activation checkpointing replays with
+the recomputed forward; the mask argument is a zero-size 4-D tensor, which transformers passes through without
+building a mask and which no attention kernel would accept, so a layer that missed the routing fails loudly.
 
 The result equals the padded forward to rounding for rotary-position models (attention scores depend on
 relative positions only). Models this cannot serve exactly keep the padded path: ``unsupported_reason``.
@@ -15,17 +20,18 @@ relative positions only). Models this cannot serve exactly keep the padded path:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-ATTENTION_NAME = "hf_grpo_padding_free"
-# Attention implementations whose math is plain causal softmax attention: the packed function computes the same.
-REPLACEABLE = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+# Registry entries whose math is plain causal softmax attention: the packed function computes the same. (Eager
+# attention is each model's own function, which may add soft-capping or sinks: those models stay padded.)
+ROUTED = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 try:  # flash attention over variable-length rows (torch >= 2.9, CUDA)
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -89,8 +95,11 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     if getattr(config, "is_encoder_decoder", False) or not getattr(config, "is_causal", True):
         return "the model does not attend causally (encoder-decoder or bidirectional)"
     implementation = getattr(config, "_attn_implementation", None)
-    if implementation not in REPLACEABLE:
-        return f"attn_implementation={implementation!r} is not one of {list(REPLACEABLE)}"
+    if implementation not in ROUTED:
+        return f"attn_implementation={implementation!r} is not one of {list(ROUTED)}"
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - {"full_attention", "sliding_attention"}:
+        return f"the model has layers other than attention ({sorted(layer_types)}), which read the padding mask"
     for name in ("attn_logit_softcapping", "attention_chunk_size"):
         if getattr(config, name, None) is not None:
             return f"the model's attention has {name} set, which packed attention does not compute"
@@ -100,38 +109,42 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                      packed_rows: PackedRows | None = None, **kwargs: Any):
+def _packed_attention(query, key, value, rows: PackedRows, dropout: float, scaling):
     """Causal attention within each packed row. query ``[1, Hq, T, D]``, key/value ``[1, Hkv, T, D]``;
-    returns ``([1, T, Hq, D], None)`` as transformers' attention functions do."""
-    if packed_rows is None:
-        raise RuntimeError(f"attention implementation {ATTENTION_NAME!r} is only set inside a packed forward")
+    returns ``[1, T, Hq, D]`` as transformers' attention functions do."""
     grouped = query.shape[1] != key.shape[1]
     if _varlen_attn is not None and query.is_cuda and dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16):
-        rows = packed_rows
         out = _varlen_attn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                            rows.cu_seq_lens, rows.cu_seq_lens, rows.longest, rows.longest, scale=scaling,
                            window_size=(-1, 0), enable_gqa=grouped)  # [T, Hq, D], causal
-        return out.unsqueeze(0), None
+        return out.unsqueeze(0)
     pieces = [
         F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
                                        dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=grouped)
-        for start, end in packed_rows.bounds
+        for start, end in rows.bounds
     ]
-    return torch.cat(pieces, dim=2).transpose(1, 2), None
+    return torch.cat(pieces, dim=2).transpose(1, 2)
 
 
-AttentionInterface.register(ATTENTION_NAME, _packed_attention)
+def _route_packed(original):
+    """``original`` (a registry entry), except for calls that carry ``packed_rows``."""
+    if getattr(original, "routes_packed_rows", False):
+        return original  # already wrapped (the module imported twice)
+
+    @functools.wraps(original)
+    def attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                  packed_rows: PackedRows | None = None, **kwargs: Any):
+        if packed_rows is None:
+            return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return _packed_attention(query, key, value, packed_rows, dropout, scaling), None
+
+    attention.routes_packed_rows = True
+    return attention
 
 
-@contextlib.contextmanager
-def _attention_switched(config):
-    previous = config._attn_implementation
-    config._attn_implementation = ATTENTION_NAME
-    try:
-        yield
-    finally:
-        config._attn_implementation = previous
+for _name in ROUTED:
+    if _name in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(_name, _route_packed(ALL_ATTENTION_FUNCTIONS[_name]))
 
 
 def packable(model: torch.nn.Module, rows: PackedRows) -> bool:
@@ -145,6 +158,6 @@ def packed_hidden_states(model: torch.nn.Module, backbone: torch.nn.Module, rows
                          **kwargs: Any) -> torch.Tensor:
     """The backbone's last hidden states for the packed sequence, ``[1, T, H]``."""
     kwargs = {k: v for k, v in kwargs.items() if k not in ("input_ids", "attention_mask", "position_ids")}
-    with _attention_switched(model.config):
-        return backbone(input_ids=rows.input_ids, position_ids=rows.position_ids, packed_rows=rows,
-                        **kwargs).last_hidden_state
+    no_mask = torch.empty(1, 1, 0, 0, dtype=torch.bool, device=rows.input_ids.device)  # see the module doc
+    return backbone(input_ids=rows.input_ids, position_ids=rows.position_ids, attention_mask=no_mask,
+                    packed_rows=rows, **kwargs).last_hidden_state

@@ -62,9 +62,12 @@ def score(model, batch):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_scoring_equals_padded(family, attn):
-    padded = build(family, attn)
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation_checkpointing"])
+def test_packed_scoring_equals_padded(family, checkpointing):
+    padded = build(family, "sdpa")
+    if checkpointing:  # the backward recomputes each layer's forward: the packed rows must reach it again
+        padded.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        padded.train()
     packed = copy.deepcopy(padded)
     head = dict(temperature=0.7, chunk_rows=3, return_entropy=True)
     assert install_chunked_lm_head(padded, padding_free_rows=False, **head)
@@ -107,11 +110,35 @@ def test_rows_keep_their_own_positions():
     [
         (dict(attn_logit_softcapping=30.0), "attn_logit_softcapping"),
         (dict(is_causal=False), "causally"),
+        (dict(attn_implementation="eager"), "'eager'"),
     ],
 )
 def test_models_packing_cannot_serve_are_named(overrides, reason):
     model = build_tiny_model(build_char_tokenizer(), **overrides)
     assert reason in padding_free.unsupported_reason(model)
+
+
+def test_eager_model_is_scored_padded_with_a_warning(caplog):
+    model = build("qwen2", "eager")
+    reference = copy.deepcopy(model)
+    head = dict(temperature=1.0, chunk_rows=4, return_entropy=False)
+    with caplog.at_level("WARNING", logger="hf_grpo"):
+        install_chunked_lm_head(model, padding_free_rows=True, **head)
+    assert "padding_free is not applied: attn_implementation='eager'" in caplog.text
+    install_chunked_lm_head(reference, padding_free_rows=False, **head)
+    ids, mask, labels = padded_batch(model.config.vocab_size)
+    scored = [m(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
+              for m in (model, reference)]
+    torch.testing.assert_close(scored[0], scored[1], rtol=0, atol=0)
+
+
+def test_packed_rows_outside_the_routed_attention_fail_loudly():
+    # A layer whose attention missed the routing gets the zero-size mask: an error, never attention over padding.
+    model = build("qwen2", "sdpa")
+    rows = padding_free.pack_rows(*padded_batch(model.config.vocab_size)[:2])
+    model.config._attn_implementation = "eager"
+    with pytest.raises(RuntimeError):
+        padding_free.packed_hidden_states(model, model.model, rows)
 
 
 def test_sliding_window_longer_than_every_row_packs():
@@ -121,3 +148,24 @@ def test_sliding_window_longer_than_every_row_packs():
     assert rows.longest == 11 and not padding_free.packable(model, rows)
     model.config.sliding_window = 16
     assert padding_free.packable(model, rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_packed_scoring_equals_padded_in_bf16_on_cuda():
+    # On CUDA the packed rows take the variable-length flash kernel: the same figures within bf16 rounding.
+    assert padding_free._varlen_attn is not None, "torch has no torch.nn.attention.varlen: the per-row path runs"
+    with torch.device("cuda"):
+        padded = build("qwen2", "sdpa").to(torch.bfloat16)
+    packed = copy.deepcopy(padded)
+    head = dict(temperature=1.0, chunk_rows=8, return_entropy=True)
+    install_chunked_lm_head(padded, padding_free_rows=False, **head)
+    install_chunked_lm_head(packed, padding_free_rows=True, **head)
+    batch = [t.cuda() for t in padded_batch(padded.config.vocab_size)]
+    out_padded, grads_padded = score(padded, batch)
+    out_packed, grads_packed = score(packed, batch)
+    mask = out_padded.label_mask
+    torch.testing.assert_close(out_packed.log_probs[mask], out_padded.log_probs[mask], rtol=2e-2, atol=2e-2)
+    for name, grad in grads_padded.items():
+        relative = ((grads_packed[name].float() - grad.float()).norm() / grad.float().norm().clamp(min=1e-12)).item()
+        assert relative < 2e-2, f"{name}: gradients differ by {relative:.2e} (relative)"
