@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 from typing import Any
 
 import torch
@@ -35,8 +36,12 @@ ROUTED = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 try:  # flash attention over variable-length rows (torch >= 2.9, CUDA)
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+
+    # Its keywords grew over releases: causal masking was `is_causal` before `window_size`, and grouped key/value
+    # heads (`enable_gqa`) came later; without them the heads are repeated and causality is asked the old way.
+    _VARLEN_KEYWORDS = set(inspect.signature(_varlen_attn).parameters)
 except ImportError:  # pragma: no cover - older torch
-    _varlen_attn = None
+    _varlen_attn, _VARLEN_KEYWORDS = None, set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,16 +119,27 @@ def _packed_attention(query, key, value, rows: PackedRows, dropout: float, scali
     returns ``[1, T, Hq, D]`` as transformers' attention functions do."""
     grouped = query.shape[1] != key.shape[1]
     if _varlen_attn is not None and query.is_cuda and dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16):
-        out = _varlen_attn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                           rows.cu_seq_lens, rows.cu_seq_lens, rows.longest, rows.longest, scale=scaling,
-                           window_size=(-1, 0), enable_gqa=grouped)  # [T, Hq, D], causal
-        return out.unsqueeze(0)
+        return _varlen_attention(query, key, value, rows, scaling)
     pieces = [
         F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
                                        dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=grouped)
         for start, end in rows.bounds
     ]
     return torch.cat(pieces, dim=2).transpose(1, 2)
+
+
+def _varlen_attention(query, key, value, rows: PackedRows, scaling):
+    """One variable-length flash-attention call over every packed row, ``[1, T, Hq, D]``."""
+    keywords = {"scale": scaling}
+    keywords.update({"window_size": (-1, 0)} if "window_size" in _VARLEN_KEYWORDS else {"is_causal": True})
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1 and "enable_gqa" in _VARLEN_KEYWORDS:
+        keywords["enable_gqa"] = True
+    elif groups > 1:
+        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+    out = _varlen_attn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                       rows.cu_seq_lens, rows.cu_seq_lens, rows.longest, rows.longest, **keywords)  # [T, Hq, D]
+    return out.unsqueeze(0)
 
 
 def _route_packed(original):
