@@ -26,6 +26,7 @@ from .generation import BACKEND_NAMES
 from .generation.dense_mirror import validate_setting as validate_mirror_setting
 from .plan import BatchPlan
 from .token_budget import check_config as check_token_budget
+from .training_compile import validate_setting as validate_compile_setting
 from .zero3_leaves import validate_setting as validate_leaf_setting
 
 logger = logging.getLogger("hf_grpo")
@@ -249,6 +250,10 @@ class GRPOConfig(trl.GRPOConfig):
             gathered by one hook instead of one per submodule (less host overhead a step, same values).
             ``"auto"``: the model's decoder-layer classes (its ``_no_split_modules``); ``"off"``: none; else
             comma-separated class names, e.g. ``"Qwen2DecoderLayer"``. No effect without ZeRO-3.
+        compile_training (`str`, *optional*, defaults to `"auto"`):
+            ``"on"``: the decoder layers of the scoring and training forwards run through one
+            ``torch.compile`` per layer class (dynamic shapes: a few compiles a run, counted as
+            ``perf/train_compiles``); ``"auto"``: so on CUDA outside ZeRO-3 and FSDP; ``"off"``: eager.
     """
 
     # `int | str | None` (not `int | str`) so that HfArgumentParser reads the flag as text and "auto" gets through;
@@ -329,6 +334,15 @@ class GRPOConfig(trl.GRPOConfig):
             "_no_split_modules). See hf_grpo.zero3_leaves."
         },
     )
+    compile_training: str = field(
+        default="auto",
+        metadata={
+            "help": "auto, on or off. 'on' runs the decoder layers of the scoring and training forwards (and the "
+            "backward's recompute) through one torch.compile per layer class with dynamic shapes, so a run compiles "
+            "a few graphs (perf/train_compiles); 'auto' does so on CUDA outside ZeRO-3 and FSDP. See "
+            "hf_grpo.training_compile."
+        },
+    )
     max_tokens_per_micro_batch: int | None = field(
         default=None,
         metadata={
@@ -357,6 +371,7 @@ class GRPOConfig(trl.GRPOConfig):
             self.use_vllm = True
         validate_mirror_setting(self.zero3_generation_mirror)
         validate_leaf_setting(self.zero3_leaf_modules)
+        validate_compile_setting(self.compile_training)
         if launched_with_deepspeed(self.deepspeed):  # before DeepSpeed builds its first op (TRL's checks below)
             warn_about_stale_build_locks(is_main_process=os.environ.get("RANK", "0") == "0")
         fraction = self.auto_memory_fraction

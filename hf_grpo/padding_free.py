@@ -20,6 +20,7 @@ relative positions only). Models this cannot serve exactly keep the padded path:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -53,6 +54,7 @@ class PackedRows:
     index: torch.Tensor  # [B, L], packed position of each (row, column); meaningless where padded
     bounds: tuple[tuple[int, int], ...]  # (start, end) of each row in the packed sequence
     cu_seq_lens: torch.Tensor  # [B + 1] int32, the bounds as flash attention takes them
+    cu_seq_lens_host: torch.Tensor  # the same on the host, read by the attention op without a device sync
     longest: int  # tokens of the longest row
 
     @property
@@ -76,9 +78,9 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRo
     position_ids = (real.cumsum(dim=1) - 1)[real]  # [T]
     ends = torch.tensor(counts_host).cumsum(0).tolist()
     bounds = tuple(zip([0] + ends[:-1], ends))
-    cu_seq_lens = torch.tensor([0] + ends, dtype=torch.int32, device=real.device)
-    return PackedRows(input_ids[real].unsqueeze(0), position_ids.unsqueeze(0), index, bounds, cu_seq_lens,
-                      max(counts_host))
+    cu_seq_lens_host = torch.tensor([0] + ends, dtype=torch.int32)
+    return PackedRows(input_ids[real].unsqueeze(0), position_ids.unsqueeze(0), index, bounds,
+                      cu_seq_lens_host.to(real.device), cu_seq_lens_host, max(counts_host))
 
 
 def sliding_window(config) -> int | None:
@@ -105,6 +107,8 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     layer_types = set(getattr(config, "layer_types", None) or ())
     if layer_types - {"full_attention", "sliding_attention"}:
         return f"the model has layers other than attention ({sorted(layer_types)}), which read the padding mask"
+    if getattr(config, "attention_dropout", 0.0):
+        return "the model's attention has dropout (attention_dropout > 0)"
     for name in ("attn_logit_softcapping", "attention_chunk_size"):
         if getattr(config, name, None) is not None:
             return f"the model's attention has {name} set, which packed attention does not compute"
@@ -114,23 +118,23 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _packed_attention(query, key, value, rows: PackedRows, dropout: float, scaling):
-    """Causal attention within each packed row. query ``[1, Hq, T, D]``, key/value ``[1, Hkv, T, D]``;
-    returns ``[1, T, Hq, D]`` as transformers' attention functions do."""
+def _attend(query, key, value, cu_seq_lens, ends: list[int], scale: float):
+    """Causal attention within each packed row: query ``[1, Hq, T, D]``, key/value ``[1, Hkv, T, D]`` ->
+    ``[1, T, Hq, D]``, as transformers' attention functions return it."""
+    if _varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+        return _varlen_attention(query, key, value, cu_seq_lens, max(b - a for a, b in zip(ends, ends[1:])), scale)
     grouped = query.shape[1] != key.shape[1]
-    if _varlen_attn is not None and query.is_cuda and dropout == 0.0 and query.dtype in (torch.float16, torch.bfloat16):
-        return _varlen_attention(query, key, value, rows, scaling)
     pieces = [
         F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-                                       dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=grouped)
-        for start, end in rows.bounds
+                                       is_causal=True, scale=scale, enable_gqa=grouped)
+        for start, end in zip(ends, ends[1:])
     ]
     return torch.cat(pieces, dim=2).transpose(1, 2)
 
 
-def _varlen_attention(query, key, value, rows: PackedRows, scaling):
+def _varlen_attention(query, key, value, cu_seq_lens, longest: int, scale: float):
     """One variable-length flash-attention call over every packed row, ``[1, T, Hq, D]``."""
-    keywords = {"scale": scaling}
+    keywords = {"scale": scale}
     keywords.update({"window_size": (-1, 0)} if "window_size" in _VARLEN_KEYWORDS else {"is_causal": True})
     groups = query.shape[1] // key.shape[1]
     if groups > 1 and "enable_gqa" in _VARLEN_KEYWORDS:
@@ -138,8 +142,61 @@ def _varlen_attention(query, key, value, rows: PackedRows, scaling):
     elif groups > 1:
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
     out = _varlen_attn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                       rows.cu_seq_lens, rows.cu_seq_lens, rows.longest, rows.longest, **keywords)  # [T, Hq, D]
+                       cu_seq_lens, cu_seq_lens, longest, longest, **keywords)  # [T, Hq, D]
     return out.unsqueeze(0)
+
+
+# One opaque op to torch.compile (hf_grpo.training_compile): the row bounds are read on the host inside it, so
+# they never enter a graph as constants, and no graph breaks around it (a break inside activation
+# checkpointing's recompute is not allowed). Its backward recomputes the attention: it saves only q, k, v.
+@torch.library.custom_op("hf_grpo::packed_attention", mutates_args=())
+def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,
+                     cu_seq_lens_host: torch.Tensor, scale: float) -> torch.Tensor:
+    return _attend(query, key, value, cu_seq_lens, cu_seq_lens_host.tolist(), scale).contiguous()
+
+
+@packed_attention.register_fake
+def _(query, key, value, cu_seq_lens, cu_seq_lens_host, scale):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+
+@torch.library.custom_op("hf_grpo::packed_attention_backward", mutates_args=())
+def packed_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              cu_seq_lens: torch.Tensor, cu_seq_lens_host: torch.Tensor,
+                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    inputs = [t.detach().requires_grad_() for t in (query, key, value)]
+    with _autograd_inside_op():
+        out = _attend(*inputs, cu_seq_lens, cu_seq_lens_host.tolist(), scale)
+        # contiguous, as the fake below says: a compiled backward lays out what follows by the fake's strides
+        return tuple(g.contiguous() for g in torch.autograd.grad(out, inputs, grad))
+
+
+@contextlib.contextmanager
+def _autograd_inside_op():
+    """Record autograd inside a custom op's implementation, which the dispatcher runs with autograd excluded."""
+    keys = torch._C.DispatchKey
+    with (torch._C._SetExcludeDispatchKeyGuard(keys.AutogradFunctionality, False),
+          torch._C._SetExcludeDispatchKeyGuard(keys.ADInplaceOrView, False), torch.enable_grad()):
+        yield
+
+
+@packed_attention_backward.register_fake
+def _(grad, query, key, value, cu_seq_lens, cu_seq_lens_host, scale):
+    return tuple(t.new_empty(t.shape) for t in (query, key, value))
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:5])
+    ctx.scale = inputs[5]
+
+
+def _backward(ctx, grad):
+    query, key, value, cu_seq_lens, cu_seq_lens_host = ctx.saved_tensors
+    grads = packed_attention_backward(grad, query, key, value, cu_seq_lens, cu_seq_lens_host, ctx.scale)
+    return (*grads, None, None, None)
+
+
+packed_attention.register_autograd(_backward, setup_context=_save_inputs)
 
 
 def _route_packed(original):
@@ -152,7 +209,9 @@ def _route_packed(original):
                   packed_rows: PackedRows | None = None, **kwargs: Any):
         if packed_rows is None:
             return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        return _packed_attention(query, key, value, packed_rows, dropout, scaling), None
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        rows = packed_rows
+        return packed_attention(query, key, value, rows.cu_seq_lens, rows.cu_seq_lens_host, scale), None
 
     attention.routes_packed_rows = True
     return attention

@@ -29,6 +29,7 @@ head chunk that runs out of memory is halved on every rank and retried (``hf_grp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -41,7 +42,7 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
-from . import autosize, token_budget, train_backoff, zero3_leaves
+from . import autosize, token_budget, train_backoff, training_compile, zero3_leaves
 from .attention import cudnn_attention
 from .config import GRPOConfig
 from .generation import GenerationBackend, dense_mirror, resolve_backend
@@ -132,6 +133,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             # whose forward the wrapper calls.
             reference = self.accelerator.unwrap_model(self.ref_model)
             install_chunked_lm_head(reference, return_entropy=False, **head)
+        self._train_layers = self._compiled_training_layers()
         self.add_callback(_RunCallbacks(self))
         self.add_callback(autosize.SaveSizesCallback())
 
@@ -188,7 +190,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         inner_before = self.perf.total("generation_s") + self.perf.total("reward_s")
         start = time.perf_counter()
-        loss = super().training_step(model, inputs, num_items_in_batch)
+        with self._routed_training_layers():  # scoring, forward and backward (its recompute too); not generation
+            loss = super().training_step(model, inputs, num_items_in_batch)
         self.perf.sync()
         inner = self.perf.total("generation_s") + self.perf.total("reward_s") - inner_before
         # Generation and scoring happen inside training_step (in _prepare_inputs); they are not training.
@@ -224,6 +227,10 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ---- overrides of TRL 1.16 private methods -------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
+        with self._train_layers.suspended() if self._train_layers is not None else contextlib.nullcontext():
+            return self._generate_unrouted(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
+
+    def _generate_unrouted(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
         plain_path = not (
             self.use_vllm or self.use_transformers_continuous_batching or multimodal_fields or images is not None
         )
@@ -287,6 +294,43 @@ class GRPOTrainer(trl.GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
 
     # ---- helpers -----------------------------------------------------------------------------
+    def _compiled_training_layers(self) -> training_compile.CompiledTrainingLayers | None:
+        """The compiled decoder layers of the scoring and training forwards (``compile_training``), or None."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        sharded = "ZeRO-3" if plugin is not None and zero3_leaves.is_zero3_config(plugin.deepspeed_config) else None
+        if self.is_fsdp_enabled:
+            sharded = "FSDP"
+        compiled, reason = training_compile.choose(self.args.compile_training, self._scored_models(),
+                                                   self.accelerator.device, sharded)
+        if self.accelerator.is_main_process:
+            if compiled is not None:
+                logger.info("training forward: decoder layers compiled (compile_training=%r)", self.args.compile_training)
+            elif self.args.compile_training == "on":
+                logger.warning("compile_training='on' is not applied: %s", reason)
+        return compiled
+
+    def _scored_models(self) -> list[torch.nn.Module]:
+        """The policy, and the reference model where there is one: the models whose forwards score tokens."""
+        models = [self.model]
+        if self.ref_model is not None:
+            models.append(self.accelerator.unwrap_model(self.ref_model))
+        return models
+
+    def _routed_training_layers(self):
+        if self._train_layers is None:
+            return contextlib.nullcontext()
+        before = self._train_layers.compiles
+
+        @contextlib.contextmanager
+        def routed():
+            try:
+                with self._train_layers.route(*self._scored_models()):
+                    yield
+            finally:
+                self.perf.add("train_compiles", float(self._train_layers.compiles - before))
+
+        return routed()
+
     def _longest_prompt(self) -> int | None:
         """Tokens in the training set's longest prompt (scanned once: the cache sizing and the "auto" probe
         both ask)."""

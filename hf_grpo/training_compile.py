@@ -1,0 +1,112 @@
+"""The training forward's decoder layers compiled: one ``torch.compile`` per layer class, dynamic shapes.
+
+Measured on an H100/H200 (``bench/phase_timer.py``), a 0.5B model's training half of a GRPO step is bound by
+the host, not the GPU: the GPU is busy for about a fifth of it, and the rest is Python and kernel launches of
+eager layers (norms, rotary embeddings, activations and residual adds a few kernels each, run again by
+activation checkpointing's recompute). Compiled, each layer is a handful of fused kernels and one call.
+
+* One compile serves every layer of a class (parameters are graph inputs, as in the decode step's
+  ``generation.regional_compile``), and ``dynamic=True`` makes one graph serve every micro-batch shape, so
+  a run compiles a bounded number of times (``compiles`` counts the graphs; ``perf/train_compiles``).
+* Layers are routed through the compiled forward only inside ``route`` - the trainer's ``training_step``
+  (scoring, forward and backward, so activation checkpointing's recompute runs the same code) - and lifted
+  again around generation (``suspended``), whose decoders compile or capture the layers their own way.
+* The packed attention of ``hf_grpo.padding_free`` stays outside the graph (its row bounds are host
+  integers that would specialize it), as does nothing else: the graph breaks around it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from .generation.regional_compile import decoder_layers
+
+
+class CompiledTrainingLayers:
+    def __init__(self, backend: str | object = "inductor") -> None:
+        self.backend = backend  # torch.compile's backend (tests count graphs through their own)
+        self.compiles = 0  # graphs compiled, over the run
+        self._compiled: dict[type, object] = {}
+        self._routed: list[torch.nn.Module] = []
+
+    @staticmethod
+    def unavailable_reason(model: torch.nn.Module) -> str | None:
+        """Why ``model``'s decoder layers cannot be routed through one compiled forward, or None."""
+        layers = decoder_layers(model)
+        if layers is None:
+            return f"{type(model).__name__} has no list of decoder layers with self_attn"
+        if any("forward" in vars(layer) for layer in layers):
+            return "a decoder layer's forward is replaced on the instance (offloading hooks?)"
+        return None
+
+    def _counting_backend(self, graph, example_inputs):
+        self.compiles += 1
+        backend = torch._dynamo.lookup_backend(self.backend) if isinstance(self.backend, str) else self.backend
+        return backend(graph, example_inputs)
+
+    def _compiled_forward(self, layer: torch.nn.Module):
+        cls = type(layer)
+        if cls not in self._compiled:
+            self._compiled[cls] = torch.compile(cls.forward, backend=self._counting_backend, dynamic=True)
+        return self._compiled[cls]
+
+    def _attach(self, layers) -> None:
+        for layer in layers:
+            layer.forward = functools.partial(self._compiled_forward(layer), layer)
+            self._routed.append(layer)
+
+    def _detach(self) -> None:
+        for layer in self._routed:
+            del layer.forward  # the instance attribute: the class's forward serves again
+        self._routed.clear()
+
+    @contextmanager
+    def route(self, *models: torch.nn.Module) -> Iterator[None]:
+        """Within the block, the decoder layers of ``models`` run the compiled forward (an inner route, while
+        layers are routed, does nothing)."""
+        if self._routed:
+            yield
+            return
+        self._attach([layer for model in models for layer in decoder_layers(model)])
+        try:
+            yield
+        finally:
+            self._detach()
+
+    @contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Within the block, the layers routed by an enclosing ``route`` run their own forward again."""
+        layers = list(self._routed)
+        self._detach()
+        try:
+            yield
+        finally:
+            self._attach(layers)
+
+
+SETTINGS = ("auto", "on", "off")
+
+
+def validate_setting(value: str) -> None:
+    if value not in SETTINGS:
+        raise ValueError(f"compile_training must be one of {list(SETTINGS)}, got {value!r}")
+
+
+def choose(setting: str, models: list[torch.nn.Module], device: torch.device, sharded: str | None):
+    """``(CompiledTrainingLayers or None, why not)`` for the ``compile_training`` setting. ``sharded`` names a
+    launch that shards parameters (ZeRO-3, FSDP), whose gathering hooks the compiled layers would bypass."""
+    if setting == "off":
+        return None, "compile_training='off'"
+    if setting == "auto" and device.type != "cuda":
+        return None, f"compile_training='auto' compiles on CUDA only (device {device.type})"
+    if sharded is not None:
+        return None, f"{sharded} shards the parameters that the layers would read"
+    for model in models:
+        reason = CompiledTrainingLayers.unavailable_reason(model)
+        if reason is not None:
+            return None, reason
+    return CompiledTrainingLayers(), None
