@@ -318,6 +318,8 @@ def parse_args(argv=None):
     parser.add_argument("--lora_r", type=int, default=0, help="LoRA rank (peft; 0: full fine-tuning)")
     parser.add_argument("--padding_free", choices=["default", "on", "off"], default="default",
                         help="hf_grpo only: score rows packed (on) or padded (off); default: the config's default")
+    parser.add_argument("--compile_training", choices=["default", "auto", "on", "off"], default="default",
+                        help="hf_grpo only: compile the training forward's decoder layers (default: the config's)")
     parser.add_argument("--phases", action="store_true",
                         help="time each step's phases (bench/phase_timer.py; syncs the device at every boundary)")
     parser.add_argument("--seed", type=int, default=0)
@@ -385,6 +387,8 @@ def main(argv=None) -> int:
             common["cudnn_attention"] = args.cudnn_attention == "on"
         if args.padding_free != "default":
             common["padding_free"] = args.padding_free == "on"
+        if args.compile_training != "default":
+            common["compile_training"] = args.compile_training
     elif args.cudnn_attention != "default":
         torch.backends.cuda.enable_cudnn_sdp(args.cudnn_attention == "on")
     config = GRPOConfig(**common)
@@ -467,7 +471,9 @@ def main(argv=None) -> int:
         gradient_accumulation_steps=args.gradient_accumulation_steps, num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, prompt_len_range=[args.min_prompt, args.max_prompt],
         beta=args.beta, num_iterations=args.num_iterations, lora_r=args.lora_r,
-        padding_free=getattr(trainer.args, "padding_free", None), checkpointing=bool(getattr(trainer.args, checkpointing_field)),
+        padding_free=getattr(trainer.args, "padding_free", None),
+        compile_training=getattr(trainer, "_train_layers", None) is not None if args.impl == "hf_grpo" else None,
+        checkpointing=bool(getattr(trainer.args, checkpointing_field)),
         tensor_batch_size=args.tensor_batch_size if args.impl == "hf_grpo" else None,
         per_device_generation_batch_size=(trainer.args.per_device_generation_batch_size
                                           if args.impl == "hf_grpo" else None),

@@ -122,7 +122,7 @@ def table(records: list[dict]) -> str:
     names = ("step", "training_half", *PHASES)
     lines = [f"{'run':34} {'kind':8} " + " ".join(f"{n[:12]:>12}" for n in names)]
     for r in records:
-        label = r["impl"] if r["impl"] == "trl" else f"{r['backend']} pf={r.get('padding_free')}"
+        label = r["impl"] if r["impl"] == "trl" else f"{r['backend']} pf={r.get('padding_free')} c={r.get('compile_training')}"
         label += f" lora{r['lora_r']}" if r.get("lora_r") else ""
         for kind in ("with_rollout", "without_rollout"):
             row = (r.get("phases") or {}).get(f"median_{kind}")
