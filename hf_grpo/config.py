@@ -169,6 +169,29 @@ def resolve_batch_fields(values: dict[str, Any], explicit: Collection[str], worl
     return values
 
 
+def check_generation_choices(backend: str, use_vllm: bool, continuous_batching: bool, *, use_vllm_given: bool) -> None:
+    """Refuse two generation settings that pick different generators: one of them would be ignored without a word
+    (TRL's vLLM and continuous-batching paths bypass ``generation_backend``)."""
+    if use_vllm and backend in ("hf", "cuda_graph"):
+        raise ValueError(
+            f"use_vllm=True and generation_backend={backend!r} contradict each other: with use_vllm TRL generates "
+            f"with vLLM and the {backend!r} backend never runs; set generation_backend='vllm' (or 'auto') to "
+            f"generate with vLLM, or use_vllm=False to generate with {backend!r}"
+        )
+    if backend == "vllm" and use_vllm_given and not use_vllm:
+        raise ValueError(
+            "generation_backend='vllm' and use_vllm=False contradict each other: generation_backend='vllm' is TRL's "
+            "vLLM mode (use_vllm=True); drop use_vllm=False, or pick generation_backend 'auto', 'hf' or 'cuda_graph'"
+        )
+    if continuous_batching and backend != "auto":
+        raise ValueError(
+            f"use_transformers_continuous_batching=True and generation_backend={backend!r} contradict each other: "
+            f"continuous batching is TRL's own generation path and the {backend!r} backend would never run; set "
+            f"generation_backend='auto' to generate with continuous batching, or "
+            f"use_transformers_continuous_batching=False"
+        )
+
+
 def batch_field_defaults() -> dict[str, Any]:
     """The dataclass defaults of ``BATCH_FIELDS``."""
     return {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name in BATCH_FIELDS}
@@ -340,6 +363,8 @@ class GRPOConfig(trl.GRPOConfig):
             raise ValueError(
                 f"generation_backend must be one of {BACKEND_NAMES}, got {self.generation_backend!r}"
             )
+        check_generation_choices(self.generation_backend, self.use_vllm, self.use_transformers_continuous_batching,
+                                 use_vllm_given="use_vllm" in self._explicit_fields)
         if self.generation_backend == "vllm":
             self.use_vllm = True
         validate_mirror_setting(self.zero3_generation_mirror)

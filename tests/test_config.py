@@ -186,6 +186,30 @@ def test_vllm_backend_turns_on_trls_vllm_mode(make_config):
     assert config.use_vllm is True
 
 
+@pytest.mark.parametrize("fields, named", [
+    (dict(use_vllm=True, generation_backend="hf"), ("use_vllm=True", "generation_backend='hf'")),
+    (dict(use_vllm=True, generation_backend="cuda_graph"), ("use_vllm=True", "generation_backend='cuda_graph'")),
+    (dict(use_vllm=False, generation_backend="vllm"), ("use_vllm=False", "generation_backend='vllm'")),
+    (dict(use_transformers_continuous_batching=True, generation_backend="cuda_graph"),
+     ("use_transformers_continuous_batching=True", "generation_backend='cuda_graph'")),
+    (dict(use_transformers_continuous_batching=True, generation_backend="hf"),
+     ("use_transformers_continuous_batching=True", "generation_backend='hf'")),
+    (dict(use_transformers_continuous_batching=True, generation_backend="vllm"),
+     ("use_transformers_continuous_batching=True", "generation_backend='vllm'")),
+])
+def test_contradictory_generation_choices_are_refused_naming_both(make_config, fields, named):
+    """TRL's vLLM and continuous-batching paths bypass generation_backend: one of the two choices would be ignored."""
+    with pytest.raises(ValueError) as err:
+        make_config(per_device_train_batch_size=4, num_generations=4, **fields)
+    assert all(name in str(err.value) for name in named), str(err.value)
+
+
+@pytest.mark.parametrize("fields", [dict(use_vllm=True), dict(use_vllm=True, generation_backend="vllm"),
+                                    dict(use_transformers_continuous_batching=True)])
+def test_consistent_generation_choices_are_accepted(make_config, fields):
+    assert make_config(per_device_train_batch_size=4, num_generations=4, **fields).generation_backend in ("auto", "vllm")
+
+
 def test_an_explicit_value_equal_to_the_default_still_beats_the_preset(tmp_path):
     kwargs = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, use_cpu=True)
     default_rows = batch_field_defaults()["tensor_batch_size"]  # 1024; the memory preset's is 512
