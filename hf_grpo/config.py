@@ -382,9 +382,111 @@ class GRPOConfig(trl.GRPOConfig):
         super().__post_init__()
         check_token_budget(self)  # after TRL's checks: reads loss_type and the entropy settings
 
+    # ---- the batch-size guide's API (hf_grpo's seed guide: "Batch Size Configuration Guide for DeepSpeed Training")
+    @property
+    def optimization(self) -> OptimizationView:
+        """The guide's ``config.optimization.<field>`` view onto the flat fields (reads and writes them)."""
+        return OptimizationView(self)
+
+    def revalidate(self, world_size: int | None = None) -> None:
+        """Re-derive and re-check the batch fields after writes through ``optimization`` (the trainer calls it)."""
+        world_size = current_world_size() if world_size is None else world_size
+        values = {name: getattr(self, name) for name in BATCH_FIELDS}
+        values.update(preset=None, generation_batch_size=None)  # S stays; TRL's global rollout is re-derived
+        resolved = resolve_batch_fields(values, set(BATCH_FIELDS), world_size)
+        for name, value in resolved.items():
+            if name not in ("preset", "generation_batch_size"):
+                setattr(self, name, value)
+        # TRL's meaning: the global rollout, per_device_train_batch_size x world size x steps_per_generation
+        self.generation_batch_size = self.per_device_train_batch_size * world_size * self.steps_per_generation
+        self._batch_fields_changed = False
+
     def batch_plan(self, world_size: int | None = None) -> BatchPlan:
         """The batch plan for ``world_size`` processes (default: this launch's)."""
         return BatchPlan.from_fields(vars(self), current_world_size() if world_size is None else world_size)
+
+
+# ``config.optimization.<name>``: the guide's names for the flat fields (a field only some configs have, such as
+# DiffuGRPOConfig's enable_profiling, is offered where the config has it).
+OPTIMIZATION_FIELDS = {
+    "per_device_train_batch_size": "per_device_train_batch_size",
+    # the per-device chunk, as in the guide; not TRL's generation_batch_size (the global rollout), which keeps its meaning
+    "generation_batch_size": "per_device_generation_batch_size",
+    "tensor_batch_size": "tensor_batch_size",
+    "enable_gradient_checkpointing": CHECKPOINTING,
+    "enable_mixed_precision": "bf16",
+    "enable_profiling": "enable_profiling",
+}
+
+
+class OptimizationView:
+    """``config.optimization``: the guide's names for the flat fields of a ``GRPOConfig`` (or a subclass).
+
+    A write checks its own value at once (a positive integer, a bool); rules that tie several fields together are
+    checked again when a trainer is built from the config (``GRPOConfig.revalidate``), since the guide sets the
+    fields one at a time."""
+
+    __slots__ = ("_config",)
+
+    def __init__(self, config: GRPOConfig):
+        object.__setattr__(self, "_config", config)
+
+    def _fields(self) -> dict[str, str]:
+        config = object.__getattribute__(self, "_config")
+        return {name: flat for name, flat in OPTIMIZATION_FIELDS.items() if hasattr(config, flat)}
+
+    def _flat(self, name: str) -> str:
+        fields = self._fields()
+        if name not in fields:
+            raise AttributeError(f"config.optimization has no field {name!r}; it has {sorted(fields)}")
+        return fields[name]
+
+    def __dir__(self):
+        return sorted(self._fields())
+
+    def __repr__(self):
+        return "OptimizationView(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self._fields()) + ")"
+
+    def __getattr__(self, name: str) -> Any:
+        flat = self._flat(name)
+        config = object.__getattribute__(self, "_config")
+        if name == "enable_mixed_precision":
+            return bool(config.bf16 or config.fp16)
+        return getattr(config, flat)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        flat = self._flat(name)
+        config = object.__getattribute__(self, "_config")
+        if name.startswith("enable_"):
+            if not isinstance(value, bool):
+                raise ValueError(f"config.optimization.{name} must be True or False, got {value!r}")
+            if name == "enable_mixed_precision":
+                if value and not _bf16_available():
+                    logger.warning("enable_mixed_precision=True: no bf16-capable GPU here, training stays in fp32")
+                config.bf16 = bool(value and _bf16_available())
+                if not value:
+                    config.fp16 = False
+                return
+            if name == "enable_gradient_checkpointing":
+                set_checkpointing(config, value)
+                return
+            setattr(config, flat, value)
+            return
+        allow_none = name == "tensor_batch_size"
+        if (value is None and not allow_none) or (value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1)):
+            none = " or None (no chunking)" if allow_none else ""
+            raise ValueError(f"config.optimization.{name} ({flat}) must be a positive integer{none}, got {value!r}")
+        setattr(config, flat, value)
+        config._batch_fields_changed = True
+
+
+def set_checkpointing(config, value: bool) -> None:
+    """Set activation checkpointing after construction: transformers 5 reads ``activation_checkpointing``, TRL
+    reads its deprecated alias ``gradient_checkpointing``; ``__post_init__`` mirrors them once, so set both."""
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        if hasattr(config, name):
+            setattr(config, name, value)
 
 
 def preset_config(preset: str, overrides: dict[str, Any], config_cls: type | None = None) -> GRPOConfig:

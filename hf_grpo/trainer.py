@@ -109,6 +109,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                 f"hf_grpo.GRPOTrainer needs args=hf_grpo.GRPOConfig(...), got args={got}; the per-device batch "
                 f"fields live on hf_grpo.GRPOConfig: pass args=hf_grpo.GRPOConfig(output_dir=..., ...)"
             )
+        if getattr(config, "_batch_fields_changed", False):
+            config.revalidate()  # fields written through config.optimization (the guide's API) are re-checked here
         super().__init__(*args, **kwargs)
         token_budget.check_trainer(self)
         self.perf = PerformanceStats(self.accelerator.device)

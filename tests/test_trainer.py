@@ -395,3 +395,20 @@ def test_environments_leave_the_decoder_cache_unreserved(tmp_path, monkeypatch):
     trainer._batch_environments = [None] * 8  # as after a batch of 8: TRL's tokenizer zips prompts against it
     assert trainer._generation_backend(trainer.model) is backend
     assert backend.reserved is None  # the cache then grows along its ladder, as for a set it cannot scan
+
+
+def test_fields_written_through_optimization_are_rechecked_by_the_trainer(tmp_path):
+    """The seed guide sets sizes one at a time on a built config (config.optimization.<field> = ...): the trainer
+    re-derives TRL's global rollout from them, and refuses a combination the batch contract forbids."""
+    values = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, num_generations=4,
+                  per_device_train_batch_size=8, per_device_generation_batch_size=4)
+    config = GRPOConfig(**values)
+    config.optimization.per_device_train_batch_size = 4
+    trainer = GRPOTrainer(model=build_tiny_model(TOKENIZER), reward_funcs=count_a_reward, args=config,
+                          train_dataset=prompt_dataset(), processing_class=TOKENIZER)
+    assert (trainer.args.per_device_train_batch_size, trainer.args.generation_batch_size) == (4, 4)
+    config = GRPOConfig(**values)
+    config.optimization.per_device_train_batch_size = 3
+    with pytest.raises(ValueError, match=r"num_generations"):
+        GRPOTrainer(model=build_tiny_model(TOKENIZER), reward_funcs=count_a_reward, args=config,
+                    train_dataset=prompt_dataset(), processing_class=TOKENIZER)
