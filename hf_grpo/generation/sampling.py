@@ -123,9 +123,10 @@ def unsupported_generation_setting(gc: GenerationConfig) -> str | None:
 def effective_generation_config(model: torch.nn.Module, gc: GenerationConfig) -> GenerationConfig:
     """The config ``model.generate(generation_config=gc)`` runs with: the fields ``gc`` leaves unset (None) taken
     from the model's own ``generation_config`` (a checkpoint's ``generation_config.json``), then from transformers'
-    defaults. Without transformers' merge (a model that is not a ``GenerationMixin``), ``gc`` itself."""
+    defaults. Without transformers' merge (a model that is not a ``GenerationMixin``, or has no generation config of
+    its own), ``gc`` itself."""
     prepare = getattr(model, "_prepare_generation_config", None)
-    if prepare is None:
+    if prepare is None or getattr(model, "generation_config", None) is None:
         return gc
     return prepare(gc)[0]
 
