@@ -410,7 +410,8 @@ class GRPOConfig(trl.GRPOConfig):
 # DiffuGRPOConfig's enable_profiling, is offered where the config has it).
 OPTIMIZATION_FIELDS = {
     "per_device_train_batch_size": "per_device_train_batch_size",
-    # the per-device chunk, as in the guide; not TRL's generation_batch_size (the global rollout), which keeps its meaning
+    # the per-device chunk, as in the guide; not TRL's generation_batch_size (the global rollout, which keeps
+    # its meaning)
     "generation_batch_size": "per_device_generation_batch_size",
     "tensor_batch_size": "tensor_batch_size",
     "enable_gradient_checkpointing": CHECKPOINTING,

@@ -80,12 +80,14 @@ def build_tiny_model(
 
 
 # Mixture-of-experts stand-ins: the "tiny" shape with 4 experts of which 2 are routed per token. Each family keeps
-# its own router_aux_loss_coef default (0.001), so TRL turns the router's load-balancing loss on, as for a hub model.
+# its own router_aux_loss_coef default (0.001; OLMoE's 0.01), so TRL turns the router's load-balancing loss on,
+# as for a hub model.
 TINY_MOE = {
     "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=64),
     "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32),
 }
 
 

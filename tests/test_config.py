@@ -207,7 +207,8 @@ def test_contradictory_generation_choices_are_refused_naming_both(make_config, f
 @pytest.mark.parametrize("fields", [dict(use_vllm=True), dict(use_vllm=True, generation_backend="vllm"),
                                     dict(use_transformers_continuous_batching=True)])
 def test_consistent_generation_choices_are_accepted(make_config, fields):
-    assert make_config(per_device_train_batch_size=4, num_generations=4, **fields).generation_backend in ("auto", "vllm")
+    config = make_config(per_device_train_batch_size=4, num_generations=4, **fields)
+    assert config.generation_backend in ("auto", "vllm")
 
 
 def test_an_explicit_value_equal_to_the_default_still_beats_the_preset(tmp_path):

@@ -217,7 +217,7 @@ def test_two_steps_equal_trls(tmp_path, monkeypatch, checkpoint, loss_type, num_
 
 # Mixture-of-experts checkpoints with their family's defaults: router_aux_loss_coef=0.001, so TRL adds the router's
 # load-balancing loss and logs it as aux_loss. "+router_logits": a config saved with output_router_logits=True.
-MOE_CASES = {"qwen2_moe": {}, "qwen3_moe": {}, "mixtral": {},
+MOE_CASES = {"qwen2_moe": {}, "qwen3_moe": {}, "mixtral": {}, "olmoe": {},
              "qwen2_moe+router_logits": {"output_router_logits": True}}
 
 
