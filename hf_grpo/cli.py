@@ -41,6 +41,11 @@ def build_plan(argv: Sequence[str]) -> BatchPlan:
         description="Print the batch plan (per-device and global sizes) for a GRPO config. No model is loaded.",
     )
     parser.add_argument("--config", help="a recipe YAML; flags given here override its values")
+    from .translate import FRAMEWORKS
+
+    parser.add_argument("--from", dest="framework", choices=list(FRAMEWORKS),  # served by translate_plan
+                        help="translate that framework's batch settings (KEY=VALUE ...) into hf-grpo flags and print "
+                        "their plan (see: hf-grpo plan --from FRAMEWORK --help)")
     parser.add_argument("--num_processes", type=int, default=1, help="data-parallel processes (default: 1)")
     parser.add_argument("--preset", choices=["memory", "balanced", "speed"], default=None)
     for name in BATCH_FIELDS:

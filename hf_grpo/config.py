@@ -170,6 +170,29 @@ def resolve_batch_fields(values: dict[str, Any], explicit: Collection[str], worl
     return values
 
 
+def check_generation_choices(backend: str, use_vllm: bool, continuous_batching: bool, *, use_vllm_given: bool) -> None:
+    """Refuse two generation settings that pick different generators: one of them would be ignored without a word
+    (TRL's vLLM and continuous-batching paths bypass ``generation_backend``)."""
+    if use_vllm and backend in ("hf", "cuda_graph"):
+        raise ValueError(
+            f"use_vllm=True and generation_backend={backend!r} contradict each other: with use_vllm TRL generates "
+            f"with vLLM and the {backend!r} backend never runs; set generation_backend='vllm' (or 'auto') to "
+            f"generate with vLLM, or use_vllm=False to generate with {backend!r}"
+        )
+    if backend == "vllm" and use_vllm_given and not use_vllm:
+        raise ValueError(
+            "generation_backend='vllm' and use_vllm=False contradict each other: generation_backend='vllm' is TRL's "
+            "vLLM mode (use_vllm=True); drop use_vllm=False, or pick generation_backend 'auto', 'hf' or 'cuda_graph'"
+        )
+    if continuous_batching and backend != "auto":
+        raise ValueError(
+            f"use_transformers_continuous_batching=True and generation_backend={backend!r} contradict each other: "
+            f"continuous batching is TRL's own generation path and the {backend!r} backend would never run; set "
+            f"generation_backend='auto' to generate with continuous batching, or "
+            f"use_transformers_continuous_batching=False"
+        )
+
+
 def batch_field_defaults() -> dict[str, Any]:
     """The dataclass defaults of ``BATCH_FIELDS``."""
     return {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name in BATCH_FIELDS}
@@ -231,10 +254,11 @@ class GRPOConfig(trl.GRPOConfig):
         release_generation_memory (`bool`, *optional*, defaults to `True`):
             Free the generation backend's KV cache and captured graph after each rollout (the
             decode step's compile is kept), so they do not sit in memory through the backward.
-        padding_free (`bool`, *optional*, defaults to `True`):
+        padding_free (`bool`, *optional*, defaults to `False`):
             Score micro-batches with their rows packed into one sequence (each row keeps its own
             positions and attends only to itself), so no layer computes over padding. Applies to the
             reference, old-policy and training forwards; models it cannot serve exactly keep padding.
+            Off by default: measured slower where the step is bound by the host (small models).
         cudnn_attention (`bool`, *optional*, defaults to `False`):
             Let PyTorch's SDPA use cuDNN's attention kernel during ``train()``. Off by default: cuDNN builds
             a kernel for each new sequence shape (0.07 to 1.2 s each on an H100), and varied prompt lengths
@@ -303,12 +327,13 @@ class GRPOConfig(trl.GRPOConfig):
         },
     )
     padding_free: bool = field(
-        default=True,
+        default=False,
         metadata={
             "help": "Score each micro-batch (reference, old and policy log-probs, and the training forward) with its "
-            "rows packed into one sequence, so no layer runs over padding (hf_grpo.padding_free). Models it cannot "
-            "serve exactly (no rotary positions, soft-capped or non-causal attention, vision inputs) keep the padded "
-            "path with a warning."
+            "rows packed into one sequence, so no layer runs over padding (hf_grpo.padding_free). Off by default: at "
+            "0.5B on an H200 the step is bound by the host, and packing made it slower (docs/performance.md). Models "
+            "it cannot serve exactly (no rotary positions, soft-capped or non-causal attention, vision inputs) keep "
+            "the padded path with a warning."
         },
     )
     cudnn_attention: bool = field(
@@ -367,6 +392,8 @@ class GRPOConfig(trl.GRPOConfig):
             raise ValueError(
                 f"generation_backend must be one of {BACKEND_NAMES}, got {self.generation_backend!r}"
             )
+        check_generation_choices(self.generation_backend, self.use_vllm, self.use_transformers_continuous_batching,
+                                 use_vllm_given="use_vllm" in self._explicit_fields)
         if self.generation_backend == "vllm":
             self.use_vllm = True
         validate_mirror_setting(self.zero3_generation_mirror)
@@ -385,9 +412,112 @@ class GRPOConfig(trl.GRPOConfig):
         super().__post_init__()
         check_token_budget(self)  # after TRL's checks: reads loss_type and the entropy settings
 
+    # ---- the batch-size guide's API (hf_grpo's seed guide: "Batch Size Configuration Guide for DeepSpeed Training")
+    @property
+    def optimization(self) -> OptimizationView:
+        """The guide's ``config.optimization.<field>`` view onto the flat fields (reads and writes them)."""
+        return OptimizationView(self)
+
+    def revalidate(self, world_size: int | None = None) -> None:
+        """Re-derive and re-check the batch fields after writes through ``optimization`` (the trainer calls it)."""
+        world_size = current_world_size() if world_size is None else world_size
+        values = {name: getattr(self, name) for name in BATCH_FIELDS}
+        values.update(preset=None, generation_batch_size=None)  # S stays; TRL's global rollout is re-derived
+        resolved = resolve_batch_fields(values, set(BATCH_FIELDS), world_size)
+        for name, value in resolved.items():
+            if name not in ("preset", "generation_batch_size"):
+                setattr(self, name, value)
+        # TRL's meaning: the global rollout, per_device_train_batch_size x world size x steps_per_generation
+        self.generation_batch_size = self.per_device_train_batch_size * world_size * self.steps_per_generation
+        self._batch_fields_changed = False
+
     def batch_plan(self, world_size: int | None = None) -> BatchPlan:
         """The batch plan for ``world_size`` processes (default: this launch's)."""
         return BatchPlan.from_fields(vars(self), current_world_size() if world_size is None else world_size)
+
+
+# ``config.optimization.<name>``: the guide's names for the flat fields (a field only some configs have, such as
+# DiffuGRPOConfig's enable_profiling, is offered where the config has it).
+OPTIMIZATION_FIELDS = {
+    "per_device_train_batch_size": "per_device_train_batch_size",
+    # the per-device chunk, as in the guide; not TRL's generation_batch_size (the global rollout, which keeps
+    # its meaning)
+    "generation_batch_size": "per_device_generation_batch_size",
+    "tensor_batch_size": "tensor_batch_size",
+    "enable_gradient_checkpointing": CHECKPOINTING,
+    "enable_mixed_precision": "bf16",
+    "enable_profiling": "enable_profiling",
+}
+
+
+class OptimizationView:
+    """``config.optimization``: the guide's names for the flat fields of a ``GRPOConfig`` (or a subclass).
+
+    A write checks its own value at once (a positive integer, a bool); rules that tie several fields together are
+    checked again when a trainer is built from the config (``GRPOConfig.revalidate``), since the guide sets the
+    fields one at a time."""
+
+    __slots__ = ("_config",)
+
+    def __init__(self, config: GRPOConfig):
+        object.__setattr__(self, "_config", config)
+
+    def _fields(self) -> dict[str, str]:
+        config = object.__getattribute__(self, "_config")
+        return {name: flat for name, flat in OPTIMIZATION_FIELDS.items() if hasattr(config, flat)}
+
+    def _flat(self, name: str) -> str:
+        fields = self._fields()
+        if name not in fields:
+            raise AttributeError(f"config.optimization has no field {name!r}; it has {sorted(fields)}")
+        return fields[name]
+
+    def __dir__(self):
+        return sorted(self._fields())
+
+    def __repr__(self):
+        return "OptimizationView(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self._fields()) + ")"
+
+    def __getattr__(self, name: str) -> Any:
+        flat = self._flat(name)
+        config = object.__getattribute__(self, "_config")
+        if name == "enable_mixed_precision":
+            return bool(config.bf16 or config.fp16)
+        return getattr(config, flat)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        flat = self._flat(name)
+        config = object.__getattribute__(self, "_config")
+        if name.startswith("enable_"):
+            if not isinstance(value, bool):
+                raise ValueError(f"config.optimization.{name} must be True or False, got {value!r}")
+            if name == "enable_mixed_precision":
+                if value and not _bf16_available():
+                    logger.warning("enable_mixed_precision=True: no bf16-capable GPU here, training stays in fp32")
+                config.bf16 = bool(value and _bf16_available())
+                if not value:
+                    config.fp16 = False
+                return
+            if name == "enable_gradient_checkpointing":
+                set_checkpointing(config, value)
+                return
+            setattr(config, flat, value)
+            return
+        allow_none = name == "tensor_batch_size"
+        if (value is None and not allow_none) or (value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1)):
+            none = " or None (no chunking)" if allow_none else ""
+            raise ValueError(f"config.optimization.{name} ({flat}) must be a positive integer{none}, got {value!r}")
+        setattr(config, flat, value)
+        config._batch_fields_changed = True
+
+
+def set_checkpointing(config, value: bool) -> None:
+    """Set activation checkpointing after construction: transformers 5 reads ``activation_checkpointing``, TRL
+    reads its deprecated alias ``gradient_checkpointing``; ``__post_init__`` mirrors them once, so set both."""
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        if hasattr(config, name):
+            setattr(config, name, value)
 
 
 def preset_config(preset: str, overrides: dict[str, Any], config_cls: type | None = None) -> GRPOConfig:

@@ -6,6 +6,12 @@ instance once more, on top of TRL's patch, so the row chunk is the user's
 ``tensor_batch_size``. Calls without ``fused_lm_head=True`` (generation) go to TRL's patch,
 which hands them to the model's own forward. Because the call still enters through the
 wrapped model (DDP, DeepSpeed, PEFT), their hooks run as usual.
+
+Mixture-of-experts models: when router logits are asked for (TRL asks whenever the model's config has a
+non-zero ``router_aux_loss_coef``; the config's ``output_router_logits`` asks on every call, as the model's own
+forward does), the output carries the router's load-balancing loss as ``aux_loss``, the value TRL's head
+returns (transformers' ``load_balancing_loss_func`` over the backbone's router logits and attention mask),
+and ``loss`` includes it weighted by the config's ``router_aux_loss_coef``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import types
 from contextlib import nullcontext
 
 import torch
+import transformers
+from packaging.version import Version
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
 from . import padding_free
@@ -33,11 +41,27 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     for scale in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
         if getattr(config, scale, None) not in (None, 1, 1.0):
             return f"the model scales its logits ({scale})"
-    if getattr(config, "output_router_logits", False):
-        return "the model adds a router load-balancing loss to its forward"
     if model.get_output_embeddings() is None:
         return "the model has no output embedding (LM head)"
     return None
+
+
+def _expert_counts(model: torch.nn.Module, config) -> tuple[int, int]:
+    """(experts, experts per token) as TRL 1.16's head reads them: GPT-OSS's config lacks ``num_experts`` before
+    transformers 5.6, where the model carries it."""
+    if config.model_type == "gpt_oss" and Version(transformers.__version__) < Version("5.6.0"):
+        return model.num_experts, model.num_experts_per_tok
+    return config.num_experts, config.num_experts_per_tok
+
+
+def router_aux_loss(model: torch.nn.Module, router_logits, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The MoE load-balancing loss of one forward: transformers' function, which every MoE family shares.
+
+    ``attention_mask`` None (padding-free rows) counts every token."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    experts, per_token = _expert_counts(model, model.config.get_text_config())
+    return load_balancing_loss_func(router_logits, experts, per_token, attention_mask)
 
 
 def install_chunked_lm_head(
@@ -65,6 +89,7 @@ def install_chunked_lm_head(
         padding_free_rows = False
     previous_forward = model.forward
     backbone_name = model.base_model_prefix
+    text_config = model.config.get_text_config()
 
     # Keep the model's own signature: `generate` reads it to decide which kwargs to pass, and without
     # `logits_to_keep` there its prefill would build logits for every prompt token.
@@ -75,9 +100,13 @@ def install_chunked_lm_head(
                 *args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, **kwargs
             )
         kwargs["use_cache"] = False
+        if getattr(text_config, "output_router_logits", False):  # as the model's own forward: the config asks
+            kwargs.setdefault("output_router_logits", True)
         backbone = getattr(self, backbone_name)
         packed = None
-        if padding_free_rows and not args and shift_labels is None and kwargs.get("attention_mask") is not None:
+        # MoE router logits are scored against the padded rows' mask (TRL's aux loss): those stay padded
+        if (padding_free_rows and not args and shift_labels is None and kwargs.get("attention_mask") is not None
+                and not kwargs.get("output_router_logits")):
             packed = padding_free.pack_rows(kwargs["input_ids"], kwargs["attention_mask"])
             packed = packed if packed is not None and padding_free.packable(self, packed) else None
         if packed is not None:
@@ -86,7 +115,8 @@ def install_chunked_lm_head(
             mask = targets != -100  # [B, L-1]
             scored = hidden[packed.index[:, :-1][mask]]  # a scored position's hidden state, from its packed place
         else:
-            hidden = backbone(*args, **kwargs).last_hidden_state  # [B, L, H]
+            backbone_outputs = backbone(*args, **kwargs)
+            hidden = backbone_outputs.last_hidden_state  # [B, L, H]
             if shift_labels is None:  # causal LM: position i predicts token i + 1
                 hidden, targets = hidden[:, :-1], labels[:, 1:]
             else:
@@ -125,9 +155,11 @@ def install_chunked_lm_head(
         if entropy is not None:
             entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
         denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        return FusedCausalLMOutput(
-            loss=-log_probs.sum() / denominator, log_probs=log_probs, entropy=entropy, label_mask=mask
-        )
+        loss, aux_loss = -log_probs.sum() / denominator, None
+        if kwargs.get("output_router_logits"):
+            aux_loss = router_aux_loss(self, backbone_outputs.router_logits, kwargs.get("attention_mask"))
+            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask, aux_loss=aux_loss)
 
     model.forward = types.MethodType(forward, model)
     return True

@@ -11,7 +11,7 @@ import string
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 PAD, EOS = "<pad>", "<eos>"
 DEFAULT_ALPHABET = string.ascii_lowercase + string.digits + " +-*/=()<>.,?:"
@@ -79,6 +79,32 @@ def build_tiny_model(
     return model
 
 
+# Mixture-of-experts stand-ins: the "tiny" shape with 4 experts of which 2 are routed per token. Each family keeps
+# its own router_aux_loss_coef default (0.001; OLMoE's 0.01), so TRL turns the router's load-balancing loss on,
+# as for a hub model.
+TINY_MOE = {
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64),
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, intermediate_size=32),
+}
+
+
+def build_tiny_moe_model(tokenizer: PreTrainedTokenizerFast, model_type: str, *, seed: int = 0, **config_overrides):
+    """A randomly initialised mixture-of-experts causal LM of ``model_type`` (a key of ``TINY_MOE``), "tiny"-sized."""
+    if model_type not in TINY_MOE:
+        raise ValueError(f"model_type must be one of {sorted(TINY_MOE)}, got {model_type!r}")
+    dims = {**SHAPES["tiny"], "vocab_size": len(tokenizer), **TINY_MOE[model_type]}
+    config = AutoConfig.for_model(
+        model_type, **dims, max_position_embeddings=4096, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
 
 def build_byte_level_tokenizer(alphabet: str = string.printable) -> PreTrainedTokenizerFast:
     """One token per byte of ``alphabet``, laid out as a byte-level BPE (GPT-2 / Qwen2 style) with no merges.
@@ -115,8 +141,11 @@ def save_tiny_checkpoint(
     seed: int = 0,
     chat_template: bool = True,
     dtype: torch.dtype = torch.float32,
+    moe: str | None = None,
+    **config_overrides,
 ) -> str:
-    """Write a tiny Qwen2 model and its tokenizer with ``save_pretrained``, laid out as a hub download.
+    """Write a tiny Qwen2 model (or, with ``moe``, a mixture-of-experts one of that family: ``TINY_MOE``) and its
+    tokenizer with ``save_pretrained``, laid out as a hub download.
 
     The directory takes the same ``from_pretrained`` path as a real checkpoint (TRL also builds
     the reference model from it). Returns the directory as a string.
@@ -124,7 +153,12 @@ def save_tiny_checkpoint(
     tokenizer = build_byte_level_tokenizer()
     if chat_template:
         tokenizer.chat_template = CHAR_CHAT_TEMPLATE
-    model = build_tiny_model(tokenizer, shape=shape, seed=seed, dtype=dtype)
+    if moe is not None and shape != "tiny":
+        raise ValueError(f"the mixture-of-experts stand-ins come in the 'tiny' shape only, got shape={shape!r}")
+    if moe is None:
+        model = build_tiny_model(tokenizer, shape=shape, seed=seed, dtype=dtype, **config_overrides)
+    else:
+        model = build_tiny_moe_model(tokenizer, moe, seed=seed, **config_overrides).to(dtype)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return str(directory)

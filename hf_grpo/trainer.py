@@ -19,7 +19,7 @@ Each is thin and calls TRL's own code wherever it can:
 
 Also: ``_prepare_inputs`` (TRL's, calls it and counts the micro-batch's tokens), TRL's
 ``_tokenize_prompts`` called once over the training prompts to size the ``cuda_graph`` cache for the
-run (``_longest_prompt``), and the public
+run (``_longest_prompt``; not with ``environment_factory``, whose prompts only batches can tokenize), and the public
 ``training_step`` (time accounting) and ``log`` (``perf/`` figures), transformers'
 ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules: ``hf_grpo.zero3_leaves``), and ``train``
 (settles "auto" sizes
@@ -110,6 +110,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                 f"hf_grpo.GRPOTrainer needs args=hf_grpo.GRPOConfig(...), got args={got}; the per-device batch "
                 f"fields live on hf_grpo.GRPOConfig: pass args=hf_grpo.GRPOConfig(output_dir=..., ...)"
             )
+        if getattr(config, "_batch_fields_changed", False):
+            config.revalidate()  # fields written through config.optimization (the guide's API) are re-checked here
         super().__init__(*args, **kwargs)
         token_budget.check_trainer(self)
         self.perf = PerformanceStats(self.accelerator.device)
@@ -340,7 +342,12 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _scan_longest_prompt(self, limit: int = 200_000) -> int | None:
         """Tokens in the training set's longest prompt, tokenized as TRL tokenizes them; None when unknown
-        (no plain "prompt" column, images, or more than ``limit`` prompts, where the scan would cost too much)."""
+        (no plain "prompt" column, images, environments, or more than ``limit`` prompts, where the scan would cost
+        too much)."""
+        if self.environment_factories is not None:
+            # Each rollout's environment appends its reset() observation to the prompt, so the dataset's prompts do
+            # not tell the length; and TRL tokenizes them against the current batch's environments only.
+            return None
         dataset = self.train_dataset
         names = getattr(dataset, "column_names", None) or []
         if dataset is None or "prompt" not in names or len(dataset) > limit:

@@ -92,3 +92,9 @@ def test_console_script_is_installed():
     result = subprocess.run([exe, "plan", "--per_device_train_batch_size", "8"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("rollout: 1 prompt x 8 generations")
+
+
+def test_plan_help_documents_from():
+    result = run_cli("plan", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "--from" in result.stdout and "verl" in result.stdout and "KEY=VALUE" in result.stdout

@@ -186,6 +186,31 @@ def test_vllm_backend_turns_on_trls_vllm_mode(make_config):
     assert config.use_vllm is True
 
 
+@pytest.mark.parametrize("fields, named", [
+    (dict(use_vllm=True, generation_backend="hf"), ("use_vllm=True", "generation_backend='hf'")),
+    (dict(use_vllm=True, generation_backend="cuda_graph"), ("use_vllm=True", "generation_backend='cuda_graph'")),
+    (dict(use_vllm=False, generation_backend="vllm"), ("use_vllm=False", "generation_backend='vllm'")),
+    (dict(use_transformers_continuous_batching=True, generation_backend="cuda_graph"),
+     ("use_transformers_continuous_batching=True", "generation_backend='cuda_graph'")),
+    (dict(use_transformers_continuous_batching=True, generation_backend="hf"),
+     ("use_transformers_continuous_batching=True", "generation_backend='hf'")),
+    (dict(use_transformers_continuous_batching=True, generation_backend="vllm"),
+     ("use_transformers_continuous_batching=True", "generation_backend='vllm'")),
+])
+def test_contradictory_generation_choices_are_refused_naming_both(make_config, fields, named):
+    """TRL's vLLM and continuous-batching paths bypass generation_backend: one of the two choices would be ignored."""
+    with pytest.raises(ValueError) as err:
+        make_config(per_device_train_batch_size=4, num_generations=4, **fields)
+    assert all(name in str(err.value) for name in named), str(err.value)
+
+
+@pytest.mark.parametrize("fields", [dict(use_vllm=True), dict(use_vllm=True, generation_backend="vllm"),
+                                    dict(use_transformers_continuous_batching=True)])
+def test_consistent_generation_choices_are_accepted(make_config, fields):
+    config = make_config(per_device_train_batch_size=4, num_generations=4, **fields)
+    assert config.generation_backend in ("auto", "vllm")
+
+
 def test_an_explicit_value_equal_to_the_default_still_beats_the_preset(tmp_path):
     kwargs = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, use_cpu=True)
     default_rows = batch_field_defaults()["tensor_batch_size"]  # 1024; the memory preset's is 512
@@ -218,3 +243,48 @@ def test_recipe_preset_fills_what_the_user_left_out(tmp_path):
             "--preset", "memory"]
     config, _, _ = parse_recipe_args({"report_to": "none", "tensor_batch_size": 4096}, argv)
     assert (config.tensor_batch_size, config.per_device_generation_batch_size) == (512, 2)
+
+
+GUIDE_EXAMPLE_2 = """
+config = hf_grpo.create_memory_optimized_config()
+config.optimization.per_device_train_batch_size = 1
+config.optimization.generation_batch_size = 2
+config.optimization.tensor_batch_size = 512
+"""
+
+
+def test_the_seed_guides_example_2_runs_from_the_top_level_import():
+    """The guide's "4 x RTX 4090 with ZeRO-3" example, verbatim, with ``import hf_grpo``: an autoregressive config
+    (hf_grpo.GRPOConfig, not the diffusion one) whose .optimization writes the flat per-device fields."""
+    import hf_grpo
+
+    scope = {"hf_grpo": hf_grpo}
+    exec(GUIDE_EXAMPLE_2, scope)
+    config = scope["config"]
+    assert type(config) is hf_grpo.GRPOConfig
+    assert (config.per_device_train_batch_size, config.per_device_generation_batch_size, config.tensor_batch_size,
+            getattr(config, CHECKPOINTING)) == (1, 2, 512, True)
+    assert (config.optimization.per_device_train_batch_size, config.optimization.generation_batch_size) == (1, 2)
+    # "Effective global batch sizes: Training: 1 x 4 = 4, Generation: 2 x 4 = 8" (its 4 GPUs)
+    assert config.optimization.per_device_train_batch_size * 4 == 4
+    assert config.optimization.generation_batch_size * 4 == 8
+
+
+def test_the_optimization_view_is_one_definition_for_both_configs():
+    from hf_grpo.diffusion import DiffuGRPOConfig
+
+    assert DiffuGRPOConfig.optimization is GRPOConfig.optimization
+
+
+def test_optimization_writes_are_checked_and_rederived(make_config):
+    config = make_config(per_device_train_batch_size=8, num_generations=4, per_device_generation_batch_size=4)
+    with pytest.raises(ValueError, match=r"config.optimization.generation_batch_size .* positive integer, got 0"):
+        config.optimization.generation_batch_size = 0
+    with pytest.raises(AttributeError, match=r"no field 'enable_profiling'"):  # a DiffuGRPOConfig field only
+        config.optimization.enable_profiling = True
+    config.optimization.per_device_train_batch_size = 4
+    config.revalidate(world_size=1)  # what GRPOTrainer does with such a config
+    assert config.generation_batch_size == 4  # TRL's global rollout, re-derived from the new micro-batch
+    config.optimization.per_device_train_batch_size = 3
+    with pytest.raises(ValueError, match=r"num_generations"):
+        config.revalidate(world_size=1)

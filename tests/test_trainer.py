@@ -327,3 +327,88 @@ def test_cudnn_attention_is_left_out_of_training_unless_asked_and_put_back_after
     assert recorder.seen == [allowed, allowed]
     assert in_backward and set(in_backward) == {allowed}
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+class CounterEnvironment:
+    """An environment as TRL's environment_factory takes it: reset() and one tool method."""
+
+    def reset(self, **kwargs):
+        self.total = 0
+        return "start"
+
+    def add(self, amount: int) -> int:
+        """Add an amount to the total.
+
+        Args:
+            amount: what to add
+        """
+        self.total += amount
+        return self.total
+
+
+def environment_trainer(tmp_path, fixed=True, **overrides):
+    """A trainer with environment_factory: conversational prompts, a tool-calling chat template (TRL's Qwen3);
+    ``fixed``: completions without a tool call (one turn)."""
+    from pathlib import Path
+
+    from hf_grpo.tiny import build_byte_level_tokenizer
+
+    tokenizer = build_byte_level_tokenizer()
+    tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()
+    letters, eos = tokenizer.convert_tokens_to_ids(list("abc")), tokenizer.eos_token_id
+
+    class Completions(HFGenerateBackend):
+        def generate(self, model, prompt_ids, **kwargs):
+            return [[letters[row % 3]] * (1 + row % 4) + [eos] for row in range(len(prompt_ids))]
+
+    values = dict(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, bf16=False, max_steps=1,
+                  per_device_train_batch_size=8, num_generations=4, max_completion_length=6, logging_steps=1,
+                  save_strategy="no", disable_tqdm=True, gradient_checkpointing=False)
+    dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS * 2]})
+    trainer = GRPOTrainer(model=build_tiny_model(tokenizer, seed=0), reward_funcs=count_a_reward,
+                          args=GRPOConfig(**values, **overrides), train_dataset=dataset, processing_class=tokenizer,
+                          environment_factory=CounterEnvironment)
+    if fixed:
+        trainer._backend = Completions()
+    return trainer
+
+
+def test_environments_train_with_a_token_budget(tmp_path):
+    """The budget's train-start check scans the longest prompt; with environments TRL cannot tokenize the dataset
+    outside a batch (and reset() lengthens each prompt), so the scan stands aside and the budget is checked per step."""
+    trainer = environment_trainer(tmp_path, max_tokens_per_micro_batch=2048)
+    assert trainer._longest_prompt() is None
+    trainer.train()
+    assert trainer.state.global_step == 1 and "loss" in trainer.state.log_history[0]
+
+
+def test_environments_leave_the_decoder_cache_unreserved(tmp_path, monkeypatch):
+    class ReservingBackend(FixedBackend):
+        reserved = None
+
+        def reserve(self, positions):
+            self.reserved = positions
+
+    trainer = environment_trainer(tmp_path, fixed=False)
+    backend = ReservingBackend()
+    monkeypatch.setattr("hf_grpo.trainer.resolve_backend", lambda name, model: (backend, None))
+    trainer._batch_environments = [None] * 8  # as after a batch of 8: TRL's tokenizer zips prompts against it
+    assert trainer._generation_backend(trainer.model) is backend
+    assert backend.reserved is None  # the cache then grows along its ladder, as for a set it cannot scan
+
+
+def test_fields_written_through_optimization_are_rechecked_by_the_trainer(tmp_path):
+    """The seed guide sets sizes one at a time on a built config (config.optimization.<field> = ...): the trainer
+    re-derives TRL's global rollout from them, and refuses a combination the batch contract forbids."""
+    values = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, num_generations=4,
+                  per_device_train_batch_size=8, per_device_generation_batch_size=4)
+    config = GRPOConfig(**values)
+    config.optimization.per_device_train_batch_size = 4
+    trainer = GRPOTrainer(model=build_tiny_model(TOKENIZER), reward_funcs=count_a_reward, args=config,
+                          train_dataset=prompt_dataset(), processing_class=TOKENIZER)
+    assert (trainer.args.per_device_train_batch_size, trainer.args.generation_batch_size) == (4, 4)
+    config = GRPOConfig(**values)
+    config.optimization.per_device_train_batch_size = 3
+    with pytest.raises(ValueError, match=r"num_generations"):
+        GRPOTrainer(model=build_tiny_model(TOKENIZER), reward_funcs=count_a_reward, args=config,
+                    train_dataset=prompt_dataset(), processing_class=TOKENIZER)

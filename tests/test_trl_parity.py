@@ -156,6 +156,37 @@ def run(checkpoint, output_dir, ours, **fields):
     return logs, recorder.updates
 
 
+def assert_same_logs(ours_logs, trl_logs):
+    """Both runs logged two steps, and hf_grpo every figure TRL logged (timings aside), with the same value."""
+    assert len(ours_logs) == len(trl_logs) == 2
+    for step, (ours, theirs) in enumerate(zip(ours_logs, trl_logs), start=1):
+        keys = {k for k in theirs if not TIMING.match(k)}
+        assert keys <= set(ours), f"step {step}: hf_grpo did not log {sorted(keys - set(ours))}"
+        for key in sorted(keys):
+            assert ours[key] == pytest.approx(theirs[key], rel=LOG_RTOL, abs=LOG_ATOL), (
+                f"step {step}: {key} is {ours[key]} in hf_grpo, {theirs[key]} in TRL")
+
+
+def assert_same_updates(ours_updates, trl_updates):
+    assert len(ours_updates) == len(trl_updates) == 2
+    for step, (ours, theirs) in enumerate(zip(ours_updates, trl_updates), start=1):
+        assert theirs.norm() > 0, f"step {step} changed no parameter: the comparison would be empty"
+        relative = ((ours - theirs).norm() / theirs.norm()).item()
+        assert relative < RTOL, f"step {step}: updates differ by {relative:.2e} (relative)"
+
+
+def spy_on_chunked_head(monkeypatch) -> list[tuple[int, int]]:
+    """(rows, chunk_rows) of every call of hf_grpo's chunked head from now on."""
+    calls = []
+
+    def spy(hidden, *args, chunk_rows, **kwargs):
+        calls.append((hidden.shape[0], chunk_rows))
+        return chunked_logprobs(hidden, *args, chunk_rows=chunk_rows, **kwargs)
+
+    monkeypatch.setattr(hf_grpo.logprob_head, "chunked_logprobs", spy)
+    return calls
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 @pytest.mark.parametrize("num_iterations", [1, 2])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -165,38 +196,17 @@ def test_two_steps_equal_trls(tmp_path, monkeypatch, checkpoint, loss_type, num_
         fields["importance_sampling_level"] = "sequence"  # as the LUSPO paper (TRL warns otherwise)
     if loss_type == "cispo":
         fields["epsilon_high"] = 5.0  # TRL's recommended value; its default (0.2) clamps every ratio to 0.2
-    calls = []  # (rows, chunk_rows) of every call of hf_grpo's chunked head
-
-    def spy(hidden, *args, chunk_rows, **kwargs):
-        calls.append((hidden.shape[0], chunk_rows))
-        return chunked_logprobs(hidden, *args, chunk_rows=chunk_rows, **kwargs)
-
-    packed = []  # the micro-batches hf_grpo scored padding-free (hf_grpo.padding_free, on by default)
-
-    def packed_spy(model, backbone, rows, **kwargs):
-        packed.append(rows.tokens)
-        return real_packed(model, backbone, rows, **kwargs)
-
-    real_packed = hf_grpo.padding_free.packed_hidden_states
-    monkeypatch.setattr(hf_grpo.logprob_head, "chunked_logprobs", spy)
-    monkeypatch.setattr(hf_grpo.padding_free, "packed_hidden_states", packed_spy)
+    calls = spy_on_chunked_head(monkeypatch)
     ours_logs, ours_updates = run(checkpoint, tmp_path / "ours", ours=True, **fields)
     monkeypatch.undo()
     # hf_grpo's head really ran, in chunks: every call with chunk_rows=5, some over more rows than that.
     assert calls and {chunk for _, chunk in calls} == {5} and max(rows for rows, _ in calls) > 5, calls
-    # ... and every forward ran its rows packed: TRL's padded figures below are what packing must reproduce
-    assert len(packed) == len(calls), (len(packed), len(calls))
     trl_logs, trl_updates = run(checkpoint, tmp_path / "trl", ours=False, **fields)
 
-    assert len(ours_logs) == len(trl_logs) == len(ours_updates) == len(trl_updates) == 2
-    for step, (ours, theirs) in enumerate(zip(ours_logs, trl_logs), start=1):
-        keys = {k for k in theirs if not TIMING.match(k)}
-        assert {"loss", "grad_norm", "entropy"} <= keys
-        assert ("kl" in keys) == (beta > 0)
-        assert keys <= set(ours), f"step {step}: hf_grpo did not log {sorted(keys - set(ours))}"
-        for key in sorted(keys):
-            assert ours[key] == pytest.approx(theirs[key], rel=LOG_RTOL, abs=LOG_ATOL), (
-                f"step {step}: {key} is {ours[key]} in hf_grpo, {theirs[key]} in TRL")
+    assert_same_logs(ours_logs, trl_logs)
+    for theirs in trl_logs:
+        assert {"loss", "grad_norm", "entropy"} <= set(theirs)
+        assert ("kl" in theirs) == (beta > 0)
     # The regime is not trivial: step 2's policy is off the reference, and off the old policy enough that the
     # clipped loss types clip some tokens but not all.
     if beta > 0:
@@ -204,7 +214,52 @@ def test_two_steps_equal_trls(tmp_path, monkeypatch, checkpoint, loss_type, num_
     if num_iterations == 2 and "clip_ratio/region_mean" in trl_logs[1]:
         assert 0 < trl_logs[1]["clip_ratio/region_mean"] < 1
 
-    for step, (ours, theirs) in enumerate(zip(ours_updates, trl_updates), start=1):
-        assert theirs.norm() > 0, f"step {step} changed no parameter: the comparison would be empty"
-        relative = ((ours - theirs).norm() / theirs.norm()).item()
-        assert relative < RTOL, f"step {step}: updates differ by {relative:.2e} (relative)"
+    assert_same_updates(ours_updates, trl_updates)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_padding_free_two_steps_equal_trls_padded(tmp_path, monkeypatch, checkpoint, loss_type):
+    # Rows packed into one sequence (padding_free) against TRL's padded rows, in the case where most can go
+    # wrong: a reference model, and a second pass over the rollout against the old policy's log-probs.
+    fields = dict(loss_type=loss_type, num_iterations=2, beta=0.04, padding_free=True)
+    if loss_type == "luspo":
+        fields["importance_sampling_level"] = "sequence"
+    if loss_type == "cispo":
+        fields["epsilon_high"] = 5.0
+    packed = []  # tokens of every micro-batch hf_grpo scored packed
+
+    def packed_spy(model, backbone, rows, **kwargs):
+        packed.append(rows.tokens)
+        return real_packed(model, backbone, rows, **kwargs)
+
+    real_packed = hf_grpo.padding_free.packed_hidden_states
+    calls = spy_on_chunked_head(monkeypatch)
+    monkeypatch.setattr(hf_grpo.padding_free, "packed_hidden_states", packed_spy)
+    ours_logs, ours_updates = run(checkpoint, tmp_path / "ours", ours=True, **fields)
+    monkeypatch.undo()
+    assert packed and len(packed) == len(calls), "not every forward ran its rows packed"
+    fields.pop("padding_free")
+    trl_logs, trl_updates = run(checkpoint, tmp_path / "trl", ours=False, **fields)
+    assert_same_logs(ours_logs, trl_logs)
+    assert_same_updates(ours_updates, trl_updates)
+
+
+# Mixture-of-experts checkpoints with their family's defaults: router_aux_loss_coef=0.001, so TRL adds the router's
+# load-balancing loss and logs it as aux_loss. "+router_logits": a config saved with output_router_logits=True.
+MOE_CASES = {"qwen2_moe": {}, "qwen3_moe": {}, "mixtral": {}, "olmoe": {},
+             "qwen2_moe+router_logits": {"output_router_logits": True}}
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_moe_checkpoint_trains_as_in_trl(tmp_path, monkeypatch, case):
+    checkpoint = save_tiny_checkpoint(tmp_path / "moe", moe=case.split("+")[0], **MOE_CASES[case])
+    fields = dict(beta=0.04, num_iterations=2)  # reference and old-policy scoring run through the head too
+    calls = spy_on_chunked_head(monkeypatch)
+    ours_logs, ours_updates = run(checkpoint, tmp_path / "ours", ours=True, **fields)
+    monkeypatch.undo()
+    assert calls and {chunk for _, chunk in calls} == {5}, "hf_grpo's chunked head did not score the MoE model"
+    trl_logs, trl_updates = run(checkpoint, tmp_path / "trl", ours=False, **fields)
+
+    assert all("aux_loss" in logs and logs["aux_loss"] > 0 for logs in trl_logs), trl_logs
+    assert_same_logs(ours_logs, trl_logs)  # aux_loss and loss among them
+    assert_same_updates(ours_updates, trl_updates)

@@ -1,8 +1,8 @@
 """DiffuGRPOConfig: hf_grpo's GRPOConfig plus the masked-diffusion sampler and log-prob estimator settings.
 
-It also carries the API of the batch-size guide this project grew from ("Batch Size Configuration Guide
-for DeepSpeed Training"): ``config.optimization.<field>`` reads and writes the flat fields, under the
-guide's names:
+It also carries (from ``hf_grpo.GRPOConfig``) the API of the batch-size guide this project grew from ("Batch Size
+Configuration Guide for DeepSpeed Training"): ``config.optimization.<field>`` reads and writes the flat fields,
+under the guide's names:
 
 =================================  ===================================================================
 ``config.optimization.``            flat field
@@ -29,14 +29,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import (
-    BATCH_FIELDS,
-    CHECKPOINTING,
+from ..config import (  # noqa: F401 (OptimizationView, set_checkpointing: this package's names too)
     GRPOConfig,
+    OptimizationView,
     _bf16_available,
-    current_world_size,
     preset_config,
-    resolve_batch_fields,
+    set_checkpointing,
 )
 from .block_cache import BLOCK_CACHES, check_block_cache_name
 
@@ -197,25 +195,11 @@ class DiffuGRPOConfig(GRPOConfig):
         if self.logprob_estimator not in ESTIMATORS:
             raise ValueError(f"logprob_estimator must be one of {ESTIMATORS}, got {self.logprob_estimator!r}")
 
-    # ---- the guide's API -----------------------------------------------------------------------
-    @property
-    def optimization(self) -> OptimizationView:
-        """The guide's ``config.optimization.<field>`` view onto the flat fields (reads and writes them)."""
-        return OptimizationView(self)
-
     def revalidate(self, world_size: int | None = None) -> None:
-        """Re-derive and re-check the batch fields after writes through ``optimization`` (the trainer calls it)."""
-        world_size = current_world_size() if world_size is None else world_size
-        values = {name: getattr(self, name) for name in BATCH_FIELDS}
-        values.update(preset=None, generation_batch_size=None)  # S stays; TRL's global rollout is re-derived
-        resolved = resolve_batch_fields(values, set(BATCH_FIELDS), world_size)
-        for name, value in resolved.items():
-            if name not in ("preset", "generation_batch_size"):
-                setattr(self, name, value)
-        # TRL's meaning: the global rollout, per_device_train_batch_size x world size x steps_per_generation
-        self.generation_batch_size = self.per_device_train_batch_size * world_size * self.steps_per_generation
+        """``GRPOConfig.revalidate`` (batch fields written through ``config.optimization``), then the diffusion
+        settings that depend on them."""
+        super().revalidate(world_size)
         self._validate_diffusion()
-        self._batch_fields_changed = False
 
     def diffusion_plan(self, world_size: int | None = None) -> str:
         """The sampler and estimator settings with their derived figures, as the trainer logs them."""
@@ -256,76 +240,6 @@ class DiffuGRPOConfig(GRPOConfig):
             f"└── at rollout time: {extra}",
         ]
         return "\n".join(lines)
-
-
-# The guide's names for the flat fields.
-OPTIMIZATION_FIELDS = {
-    "per_device_train_batch_size": "per_device_train_batch_size",
-    "generation_batch_size": "per_device_generation_batch_size",
-    "tensor_batch_size": "tensor_batch_size",
-    "enable_gradient_checkpointing": CHECKPOINTING,
-    "enable_mixed_precision": "bf16",
-    "enable_profiling": "enable_profiling",
-}
-
-
-class OptimizationView:
-    """``config.optimization``: the guide's names for the flat fields of a ``DiffuGRPOConfig``."""
-
-    __slots__ = ("_config",)
-
-    def __init__(self, config: DiffuGRPOConfig):
-        object.__setattr__(self, "_config", config)
-
-    def __dir__(self):
-        return sorted(OPTIMIZATION_FIELDS)
-
-    def __repr__(self):
-        return "OptimizationView(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in OPTIMIZATION_FIELDS) + ")"
-
-    def __getattr__(self, name: str) -> Any:
-        if name not in OPTIMIZATION_FIELDS:
-            raise AttributeError(f"config.optimization has no field {name!r}; it has {sorted(OPTIMIZATION_FIELDS)}")
-        config = object.__getattribute__(self, "_config")
-        if name == "enable_mixed_precision":
-            return bool(config.bf16 or config.fp16)
-        return getattr(config, OPTIMIZATION_FIELDS[name])
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name not in OPTIMIZATION_FIELDS:
-            raise AttributeError(f"config.optimization has no field {name!r}; it has {sorted(OPTIMIZATION_FIELDS)}")
-        config = object.__getattribute__(self, "_config")
-        flat = OPTIMIZATION_FIELDS[name]
-        if name.startswith("enable_"):
-            if not isinstance(value, bool):
-                raise ValueError(f"config.optimization.{name} must be True or False, got {value!r}")
-            if name == "enable_mixed_precision":
-                if value and not _bf16_available():
-                    logger.warning("enable_mixed_precision=True: no bf16-capable GPU here, training stays in fp32")
-                config.bf16 = bool(value and _bf16_available())
-                if not value:
-                    config.fp16 = False
-                return
-            if name == "enable_gradient_checkpointing":
-                set_checkpointing(config, value)
-                return
-            setattr(config, flat, value)
-            return
-        allow_none = name == "tensor_batch_size"
-        if (value is None and not allow_none) or (value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1)):
-            none = " or None (no chunking)" if allow_none else ""
-            raise ValueError(f"config.optimization.{name} ({flat}) must be a positive integer{none}, got {value!r}")
-        setattr(config, flat, value)
-        config._batch_fields_changed = True
-
-
-def set_checkpointing(config, value: bool) -> None:
-    """Set activation checkpointing after construction: transformers 5 reads ``activation_checkpointing``, TRL
-    reads its deprecated alias ``gradient_checkpointing``; ``__post_init__`` mirrors them once, so set both."""
-    for name in ("activation_checkpointing", "gradient_checkpointing"):
-        if hasattr(config, name):
-            setattr(config, name, value)
 
 
 def create_memory_optimized_config(**overrides: Any) -> DiffuGRPOConfig:

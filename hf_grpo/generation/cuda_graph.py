@@ -69,7 +69,7 @@ from .base import (
 from .fused_projections import validate_parts
 from .hf import HFGenerateBackend
 from .regional_compile import CompiledLayers
-from .sampling import SamplingSettings, unsupported_generation_setting
+from .sampling import SamplingSettings, effective_generation_config, unsupported_generation_setting
 from .static_decoder import (
     GQA_DECODE_ATTENTION,
     StaticDecoder,
@@ -270,7 +270,8 @@ class CudaGraphBackend(GenerationBackend):
                 f"the model is on {device.type}, and the cuda_graph backend needs a CUDA device "
                 "(resolve_backend falls back to 'hf' for such models)"
             )
-        gc = generation_config
+        # What model.generate honours (the "hf" backend, TRL's path) includes the model's own generation settings.
+        gc = effective_generation_config(base_model(model), generation_config)
         batch = min(chunk_size, len(prompt_ids))
         chunks = list(iter_chunks(prompt_ids, batch))  # raises for a chunk size below 1
 
@@ -290,7 +291,7 @@ class CudaGraphBackend(GenerationBackend):
             return self._fallback.generate(
                 model,
                 prompt_ids,
-                generation_config=gc,
+                generation_config=generation_config,
                 chunk_size=chunk_size,
                 pad_token_id=pad_token_id,
                 eos_token_ids=eos_token_ids,

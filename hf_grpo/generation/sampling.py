@@ -13,7 +13,9 @@ order, round to either side of a draw). One number per row, where the Gumbel-max
 per token: at 128 rows of a 152k vocabulary that noise was 78 MB written and read again every step.
 
 ``unsupported_generation_setting`` names the first setting of a ``GenerationConfig`` these
-functions do not implement; a backend sends such a call to ``model.generate``.
+functions do not implement; a backend sends such a call to ``model.generate``. Pass it the config
+``model.generate`` would run with (``effective_generation_config``): the call's, completed by the
+model's own ``generation_config`` and transformers' defaults.
 """
 
 from __future__ import annotations
@@ -24,11 +26,61 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
-# Generation settings implemented here; anything else set to a non-default value is unsupported.
+# Every field of transformers' GenerationConfig is in exactly one of the three groups below (a test checks it against
+# the installed transformers), so that a setting ``model.generate`` honours and this module does not implement sends
+# the call to ``model.generate`` instead of being dropped.
+
+# Read by the backend: the sampling law above, and the lengths and stop tokens of the decode loop.
+IMPLEMENTED_SETTINGS = frozenset({
+    "do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "min_new_tokens", "min_length",
+    "max_new_tokens", "max_length", "eos_token_id", "pad_token_id",
+})
+
+# Fields that do not change the tokens ``model.generate`` returns for a decoder-only model with one sampled or greedy
+# sequence per prompt (what the backend runs; every setting that leaves that mode is in the unsupported group).
+_ASSISTED = "tunes assisted decoding, which only an unsupported setting (assistant, prompt lookup, MTP) turns on"
+_BEAMS = "acts in beam search only (num_beams > 1 is unsupported)"
+NO_EFFECT_SETTINGS = {
+    "bos_token_id": "starts a prompt only when there are no input ids; prompts are always given",
+    "decoder_start_token_id": "encoder-decoder models only, which the backend refuses",
+    "use_cache": "whether a KV cache is kept: the same tokens (the backend keeps its own cache)",
+    "cache_implementation": "the kind of KV cache: the same tokens",
+    "cache_config": "the KV cache's settings: the same tokens",
+    "max_cache_len": "the KV cache's size: the same tokens",
+    "compile_config": "how generate compiles its forward: the same tokens",
+    "disable_compile": "whether generate compiles its forward: the same tokens",
+    "output_attentions": "extra outputs, returned only with return_dict_in_generate (unsupported)",
+    "output_hidden_states": "extra outputs, returned only with return_dict_in_generate (unsupported)",
+    "length_penalty": _BEAMS,
+    "early_stopping": _BEAMS,
+    "low_memory": "beam and contrastive search only, both unsupported",
+    "num_assistant_tokens": _ASSISTED,
+    "num_assistant_tokens_schedule": _ASSISTED,
+    "assistant_confidence_threshold": _ASSISTED,
+    "assistant_lookbehind": _ASSISTED,
+    "target_lookbehind": _ASSISTED,
+    "max_matching_ngram_size": _ASSISTED,
+    "assistant_ensemble_weight": _ASSISTED,
+    "is_assistant": _ASSISTED,
+    "continuous_batching_config": "read by continuous batching (generate_batch), not by generate",
+    "transformers_version": "metadata",
+    "_from_model_config": "metadata",
+}
+
+# Fields that change the tokens when set to anything but their neutral value: such a call goes to model.generate.
 _UNSUPPORTED_SETTINGS = {
     "num_beams": lambda v: v is not None and v > 1,
+    "num_beam_groups": lambda v: v is not None and v > 1,
+    "diversity_penalty": lambda v: v is not None and v != 0,
     "num_return_sequences": lambda v: v is not None and v > 1,
+    "constraints": lambda v: v is not None,
+    "force_words_ids": lambda v: v is not None,
+    "penalty_alpha": lambda v: v is not None and v > 0,
+    "dola_layers": lambda v: v is not None,
     "no_repeat_ngram_size": lambda v: v is not None and v > 0,
+    # decoder-only models: model.generate applies these two to the prompt (its "encoder input")
+    "encoder_no_repeat_ngram_size": lambda v: v is not None and v > 0,
+    "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
     "bad_words_ids": lambda v: v is not None,
     "suppress_tokens": lambda v: v is not None,
     "begin_suppress_tokens": lambda v: v is not None,
@@ -44,15 +96,19 @@ _UNSUPPORTED_SETTINGS = {
     "watermarking_config": lambda v: v is not None,
     "renormalize_logits": lambda v: bool(v),
     "remove_invalid_values": lambda v: bool(v),
+    "token_healing": lambda v: bool(v),
     "stop_strings": lambda v: v is not None,
     "max_time": lambda v: v is not None,
     "prefill_chunk_size": lambda v: v is not None,
-    "assistant_model": lambda v: v is not None,
     "prompt_lookup_num_tokens": lambda v: v is not None,
+    "assistant_early_exit": lambda v: v is not None,
+    "use_mtp": lambda v: bool(v),
+    "speculation_type": lambda v: v is not None,
     "output_scores": lambda v: bool(v),
     "output_logits": lambda v: bool(v),
     "return_dict_in_generate": lambda v: bool(v),
 }
+UNSUPPORTED_SETTINGS = frozenset(_UNSUPPORTED_SETTINGS)
 
 
 def unsupported_generation_setting(gc: GenerationConfig) -> str | None:
@@ -62,6 +118,17 @@ def unsupported_generation_setting(gc: GenerationConfig) -> str | None:
         if is_set(value):
             return f"generation setting {name}={value!r}"
     return None
+
+
+def effective_generation_config(model: torch.nn.Module, gc: GenerationConfig) -> GenerationConfig:
+    """The config ``model.generate(generation_config=gc)`` runs with: the fields ``gc`` leaves unset (None) taken
+    from the model's own ``generation_config`` (a checkpoint's ``generation_config.json``), then from transformers'
+    defaults. Without transformers' merge (a model that is not a ``GenerationMixin``, or has no generation config of
+    its own), ``gc`` itself."""
+    prepare = getattr(model, "_prepare_generation_config", None)
+    if prepare is None or getattr(model, "generation_config", None) is None:
+        return gc
+    return prepare(gc)[0]
 
 
 @dataclass(frozen=True)

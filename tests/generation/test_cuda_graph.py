@@ -18,7 +18,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from hf_grpo.generation import HFGenerateBackend, resolve_backend
-from hf_grpo.generation import cuda_graph, filled_attention
+from hf_grpo.generation import cuda_graph, filled_attention, sampling
 from hf_grpo.generation.cuda_graph import CudaGraphBackend, cache_len_ladder
 from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
 
@@ -154,6 +154,72 @@ def test_eager_step_matches_generate_with_penalty_and_min_tokens_on_cpu(tokenize
     )
     assert all(len(c) >= 5 for c in expected)
     assert got == expected
+
+
+# A value that turns each unsupported setting on (model.generate would change the tokens for it).
+UNSUPPORTED_EXAMPLES = dict(
+    num_beams=2, num_beam_groups=2, diversity_penalty=0.5, num_return_sequences=2, constraints=[object()],
+    force_words_ids=[[3]], penalty_alpha=0.6, dola_layers="high", no_repeat_ngram_size=2,
+    encoder_no_repeat_ngram_size=2, encoder_repetition_penalty=1.3, bad_words_ids=[[3]], suppress_tokens=[3],
+    begin_suppress_tokens=[3], sequence_bias={(3,): -1.0}, forced_bos_token_id=3, forced_eos_token_id=3,
+    typical_p=0.9, epsilon_cutoff=3e-4, eta_cutoff=3e-4, top_h=0.4, guidance_scale=1.5,
+    exponential_decay_length_penalty=(2, 1.1), watermarking_config={"greenlist_ratio": 0.25}, renormalize_logits=True,
+    remove_invalid_values=True, token_healing=True, stop_strings=["ab"], max_time=5.0, prefill_chunk_size=4,
+    prompt_lookup_num_tokens=3, assistant_early_exit=1, use_mtp=True, speculation_type="dflash", output_scores=True,
+    output_logits=True, return_dict_in_generate=True,
+)
+
+
+def test_every_generation_setting_is_implemented_inert_or_unsupported():
+    """Each field of the installed transformers' GenerationConfig is classified, once: a new field (or one left
+    out) must be decided on, not dropped by the backend."""
+    fields = set(GenerationConfig().to_dict())
+    groups = {"implemented": sampling.IMPLEMENTED_SETTINGS, "no effect": set(sampling.NO_EFFECT_SETTINGS),
+              "unsupported": sampling.UNSUPPORTED_SETTINGS}
+    classified = set().union(*groups.values())
+    assert fields <= classified, f"GenerationConfig fields nobody decided on: {sorted(fields - classified)}"
+    assert classified <= fields, f"not GenerationConfig fields: {sorted(classified - fields)}"
+    assert sum(len(group) for group in groups.values()) == len(classified), "a field is in two groups"
+    assert set(UNSUPPORTED_EXAMPLES) == sampling.UNSUPPORTED_SETTINGS
+
+
+class _RecordingFallback(HFGenerateBackend):
+    def __init__(self):
+        self.configs = []
+
+    def generate(self, model, prompt_ids, *, generation_config, **kwargs):
+        self.configs.append(generation_config)
+        return [[EOS] for _ in prompt_ids]
+
+
+def _served_by_fallback(model, prompts, gc) -> bool:
+    backend = CudaGraphBackend(use_cuda_graph=False)
+    backend._fallback = _RecordingFallback()
+    backend.generate(model, prompts, generation_config=gc, chunk_size=2, pad_token_id=PAD, eos_token_ids=[EOS])
+    assert backend._fallback.configs in ([], [gc]), "the fallback must get the call's own config"
+    return bool(backend._fallback.configs)
+
+
+@pytest.mark.parametrize("name", sorted(UNSUPPORTED_EXAMPLES))
+def test_every_unsupported_setting_falls_back_to_generate_and_says_so(tokenizer, name, caplog):
+    model = build_tiny_model(tokenizer).eval()
+    prompts = _prompts(tokenizer, 3, seed=2)
+    plain = dict(max_new_tokens=4, do_sample=True, pad_token_id=PAD, eos_token_id=EOS)
+    assert not _served_by_fallback(model, prompts, GenerationConfig(**plain))  # the backend serves the plain call
+    with caplog.at_level("WARNING", logger=cuda_graph.__name__):
+        assert _served_by_fallback(model, prompts, GenerationConfig(**plain, **{name: UNSUPPORTED_EXAMPLES[name]}))
+    assert f"generation setting {name}=" in caplog.text and "uses the hf backend" in caplog.text
+
+
+def test_a_checkpoints_own_generation_setting_falls_back_too(tokenizer):
+    """model.generate completes the call's config with the model's generation_config (a checkpoint's
+    generation_config.json): a setting found there counts as the call's."""
+    model = build_tiny_model(tokenizer).eval()
+    prompts = _prompts(tokenizer, 3, seed=2)
+    gc = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    assert not _served_by_fallback(model, prompts, gc)
+    model.generation_config.encoder_repetition_penalty = 1.3
+    assert _served_by_fallback(model, prompts, gc)
 
 
 def test_cache_len_ladder_rungs_and_bad_input():
