@@ -87,6 +87,13 @@ def _bf16_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
+def device_defaults() -> dict[str, Any]:
+    """CPU-only machines train on the CPU in fp32; GPUs use bf16 where they have it. Applied to the fields a
+    user leaves out, in the library as in the recipes (TRL's default bf16=True fails on a CPU)."""
+    cuda = _cuda_available()
+    return {"use_cpu": not cuda, "bf16": _bf16_available()}
+
+
 def parse_env_size(variable: str, raw: str) -> int | str:
     """A positive integer (or "auto") from an environment variable, or a ValueError naming it and the value."""
     text = raw.strip()
@@ -346,6 +353,7 @@ class GRPOConfig(trl.GRPOConfig):
         validate_leaf_setting(self.zero3_leaf_modules)
         if launched_with_deepspeed(self.deepspeed):  # before DeepSpeed builds its first op (TRL's checks below)
             warn_about_stale_build_locks(is_main_process=os.environ.get("RANK", "0") == "0")
+        self._fill_device_defaults()
         fraction = self.auto_memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"auto_memory_fraction must be a number in (0, 1], e.g. 0.9, got {fraction!r}")
@@ -356,6 +364,12 @@ class GRPOConfig(trl.GRPOConfig):
             setattr(self, name, value)
         super().__post_init__()
         check_token_budget(self)  # after TRL's checks: reads loss_type and the entropy settings
+
+    def _fill_device_defaults(self) -> None:
+        """``use_cpu`` and ``bf16`` the user left out get the machine's values (``device_defaults``)."""
+        for name, value in device_defaults().items():
+            if name not in self._explicit_fields and not (name == "bf16" and self.fp16):
+                setattr(self, name, value)
 
     def batch_plan(self, world_size: int | None = None) -> BatchPlan:
         """The batch plan for ``world_size`` processes (default: this launch's)."""

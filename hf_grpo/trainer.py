@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
-from . import autosize, token_budget, train_backoff, zero3_leaves
+from . import autosize, checks, token_budget, train_backoff, zero3_leaves
 from .attention import cudnn_attention
 from .config import GRPOConfig
 from .generation import GenerationBackend, dense_mirror, resolve_backend
@@ -109,7 +109,9 @@ class GRPOTrainer(trl.GRPOTrainer):
                 f"hf_grpo.GRPOTrainer needs args=hf_grpo.GRPOConfig(...), got args={got}; the per-device batch "
                 f"fields live on hf_grpo.GRPOConfig: pass args=hf_grpo.GRPOConfig(output_dir=..., ...)"
             )
+        self._check_inputs(*args, **kwargs)
         super().__init__(*args, **kwargs)
+        checks.check_reward_outputs(self)
         token_budget.check_trainer(self)
         self.perf = PerformanceStats(self.accelerator.device)
         self._backend: GenerationBackend | None = None
@@ -287,6 +289,14 @@ class GRPOTrainer(trl.GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
 
     # ---- helpers -----------------------------------------------------------------------------
+    @staticmethod
+    def _check_inputs(model=None, reward_funcs=None, args=None, train_dataset=None, *_, **kwargs) -> None:
+        """Before TRL loads anything: the training set, a model given by path, the generation backend."""
+        checks.check_train_dataset(train_dataset)
+        if isinstance(model, str):
+            checks.check_model_path(model)
+        checks.check_generation_backend_installed(args.generation_backend)
+
     def _longest_prompt(self) -> int | None:
         """Tokens in the training set's longest prompt (scanned once: the cache sizing and the "auto" probe
         both ask)."""
