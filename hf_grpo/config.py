@@ -323,6 +323,14 @@ class GRPOConfig(trl.GRPOConfig):
             "_no_split_modules). See hf_grpo.zero3_leaves."
         },
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Let a fresh run start in an output_dir that holds another run's checkpoint-N directories, "
+            "deleting them first. Without it such a run is refused (resume it with --resume_from_checkpoint). "
+            "See docs/output_dirs.md."
+        },
+    )
     max_tokens_per_micro_batch: int | None = field(
         default=None,
         metadata={

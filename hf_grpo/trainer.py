@@ -41,7 +41,7 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
-from . import autosize, checks, token_budget, train_backoff, zero3_leaves
+from . import autosize, checks, output_dirs, token_budget, train_backoff, zero3_leaves
 from .attention import cudnn_attention
 from .config import GRPOConfig
 from .generation import GenerationBackend, dense_mirror, resolve_backend
@@ -175,6 +175,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         return stats
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        # another run's checkpoints in output_dir: refused unless resuming or overwriting (hf_grpo.output_dirs)
+        output_dirs.check_fresh_run(self.args, resume_from_checkpoint, self.accelerator)
         # no per-shape cuDNN kernel builds (hf_grpo.attention), in the "auto" probes as in training
         with cudnn_attention(self.args.cudnn_attention):
             token_budget.check_longest_row(self.args, self._longest_prompt)  # before any probe or step
