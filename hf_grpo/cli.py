@@ -27,6 +27,18 @@ def _known_yaml_keys() -> set[str]:
     return keys
 
 
+def load_yaml(path: str):
+    """The YAML file's content; a syntax error is one line naming the file, the line and column, and the problem."""
+    with open(path) as handle:
+        try:
+            return yaml.safe_load(handle) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(f"{path} is not valid YAML{where}: {problem}") from None
+
+
 def _int_or_none(text: str) -> int | str | None:
     if text.lower() == "auto":  # per_device_train_batch_size, per_device_generation_batch_size, tensor_batch_size
         return "auto"
@@ -51,8 +63,7 @@ def build_plan(argv: Sequence[str]) -> BatchPlan:
 
     values = dict(defaults)
     if args.config:
-        with open(args.config) as handle:
-            loaded = yaml.safe_load(handle) or {}
+        loaded = load_yaml(args.config)
         if not isinstance(loaded, dict):
             raise ValueError(f"{args.config} must hold a mapping of config fields, got {type(loaded).__name__}")
         unknown = sorted(set(loaded) - _known_yaml_keys())
@@ -70,7 +81,7 @@ def build_plan(argv: Sequence[str]) -> BatchPlan:
 
 def translate_plan(argv: Sequence[str]) -> str:
     """``hf-grpo plan --from FRAMEWORK KEY=VALUE ...``: the equivalent flags and their plan (raises ValueError)."""
-    from .config import ENV_OVERRIDES
+    from .config import ENV_OVERRIDES, env_override
     from .translate import FRAMEWORKS, parse_settings, render, translate
 
     parser = argparse.ArgumentParser(
@@ -92,7 +103,7 @@ def translate_plan(argv: Sequence[str]) -> str:
     translation = translate(args.framework, settings, args.num_processes, args.num_generations)
     text = render(translation)
     for variable, name in ENV_OVERRIDES.items():  # the plan above is the flags'; at launch these win
-        if os.environ.get(variable):
+        if env_override(variable) is not None:
             text += f"\nnote: {variable}={os.environ[variable]} is set: at launch it overrides {name}"
     return text
 

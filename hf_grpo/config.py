@@ -94,6 +94,13 @@ def device_defaults() -> dict[str, Any]:
     return {"use_cpu": not cuda, "bf16": _bf16_available()}
 
 
+def env_override(variable: str) -> str | None:
+    """The value of a ``DIFFU_*`` variable, or None when it is unset, empty or only whitespace: all three mean
+    "no override" (``DIFFU_BATCH_SIZE= cmd`` or a blank line in a job file turns an override off)."""
+    raw = os.environ.get(variable)
+    return raw if raw is not None and raw.strip() else None
+
+
 def parse_env_size(variable: str, raw: str) -> int | str:
     """A positive integer (or "auto") from an environment variable, or a ValueError naming it and the value."""
     text = raw.strip()
@@ -132,8 +139,8 @@ def resolve_batch_fields(values: dict[str, Any], explicit: Collection[str], worl
             preset_chunk = values["per_device_generation_batch_size"]
 
     for variable, name in ENV_OVERRIDES.items():
-        raw = os.environ.get(variable)
-        if raw is None or raw == "":
+        raw = env_override(variable)
+        if raw is None:
             continue
         value = parse_env_size(variable, raw)
         if is_main_process() and value != values[name]:
@@ -168,7 +175,10 @@ def resolve_batch_fields(values: dict[str, Any], explicit: Collection[str], worl
     values["steps_per_generation"], values["generation_batch_size"] = steps, None
 
     if values["per_device_generation_batch_size"] is None:
-        values["per_device_generation_batch_size"] = P * steps if isinstance(P, int) else P
+        # derived from P x steps; from an invalid P or steps it stays a placeholder (1): validate() below refuses
+        # the invalid field itself, and the user did not set this one, so it adds no second error
+        derivable = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (P, steps))
+        values["per_device_generation_batch_size"] = P * steps if derivable else (1 if isinstance(P, int) else P)
     elif preset_chunk is not None and isinstance(P, int) and isinstance(steps, int):
         values["per_device_generation_batch_size"] = min(preset_chunk, P * steps)
 
