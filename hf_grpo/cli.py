@@ -82,7 +82,7 @@ def build_plan(argv: Sequence[str]) -> BatchPlan:
 def translate_plan(argv: Sequence[str]) -> str:
     """``hf-grpo plan --from FRAMEWORK KEY=VALUE ...``: the equivalent flags and their plan (raises ValueError)."""
     from .config import ENV_OVERRIDES, env_override
-    from .translate import FRAMEWORKS, parse_settings, render, translate
+    from .translate import FRAMEWORKS, flatten_config, merge_settings, parse_settings, render, translate
 
     parser = argparse.ArgumentParser(
         prog="hf-grpo plan --from",
@@ -93,6 +93,9 @@ def translate_plan(argv: Sequence[str]) -> str:
     parser.add_argument("--num_processes", type=int, default=None,
                         help="data-parallel processes (default: the framework's GPU keys, else 1)")
     parser.add_argument("--num_generations", type=int, default=None, help="trlx only: completions per prompt")
+    parser.add_argument("--config", default=None,
+                        help="the framework's whole YAML config (nested keys read as dotted paths); KEY=VALUE "
+                        "settings given too win over it; keys that are not batch settings are listed and ignored")
     parser.add_argument("settings", nargs="*", metavar="KEY=VALUE", help="the framework's own keys and values")
     args, extra = parser.parse_known_args(argv)
     # OpenRLHF's own flags look like --train_batch_size=256: take those as settings too
@@ -100,6 +103,11 @@ def translate_plan(argv: Sequence[str]) -> str:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)} (settings are KEY=VALUE)")
     settings = parse_settings([*args.settings, *extra])
+    if args.config:
+        loaded = load_yaml(args.config)
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{args.config} must hold a mapping (the framework's config), got {type(loaded).__name__}")
+        settings = merge_settings(args.framework, flatten_config(loaded), settings)
     translation = translate(args.framework, settings, args.num_processes, args.num_generations)
     text = render(translation)
     for variable, name in ENV_OVERRIDES.items():  # the plan above is the flags'; at launch these win
