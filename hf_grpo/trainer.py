@@ -23,7 +23,10 @@ run (``_longest_prompt``), and the public
 ``training_step`` (time accounting) and ``log`` (``perf/`` figures), transformers'
 ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules: ``hf_grpo.zero3_leaves``), and ``train``
 (settles "auto" sizes
-first: ``hf_grpo.autosize``; refuses a token budget the longest prompt cannot fit). A generation chunk or a
+first: ``hf_grpo.autosize``; refuses a token budget the longest prompt cannot fit, a fresh run into another run's
+checkpoints (``hf_grpo.output_dirs``) and a ZeRO checkpoint resumed in another launch shape
+(``hf_grpo.zero_resume``)). ``__init__`` checks the training set, a model path and the reward functions'
+outputs first (``hf_grpo.checks``). A generation chunk or a
 head chunk that runs out of memory is halved on every rank and retried (``hf_grpo.oom``).
 """
 
@@ -41,7 +44,7 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
-from . import autosize, checks, output_dirs, token_budget, train_backoff, zero3_leaves
+from . import autosize, checks, output_dirs, token_budget, train_backoff, zero3_leaves, zero_resume
 from .attention import cudnn_attention
 from .config import GRPOConfig
 from .generation import GenerationBackend, dense_mirror, resolve_backend
@@ -182,6 +185,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             token_budget.check_longest_row(self.args, self._longest_prompt)  # before any probe or step
             # "auto" sizes are settled before TRL and transformers size the dataloader and the accumulation
             checkpoint = autosize.checkpoint_dir(resume_from_checkpoint, self.args.output_dir)
+            zero_resume.check_resume_shape(checkpoint, self.accelerator.num_processes, self.is_deepspeed_enabled)
             if autosize.resolve_auto_sizes(self, checkpoint):
                 self.perf = PerformanceStats(self.accelerator.device)  # the probes are not part of the run's figures
             if self._train_backoff is None and self.accelerator.is_main_process:
