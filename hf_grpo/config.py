@@ -178,7 +178,7 @@ def resolve_batch_fields(values: dict[str, Any], explicit: Collection[str], worl
         # derived from P x steps; from an invalid P or steps it stays a placeholder (1): validate() below refuses
         # the invalid field itself, and the user did not set this one, so it adds no second error
         derivable = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (P, steps))
-        values["per_device_generation_batch_size"] = P * steps if derivable else (1 if isinstance(P, int) else P)
+        values["per_device_generation_batch_size"] = P * steps if derivable else 1
     elif preset_chunk is not None and isinstance(P, int) and isinstance(steps, int):
         values["per_device_generation_batch_size"] = min(preset_chunk, P * steps)
 
