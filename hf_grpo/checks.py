@@ -8,8 +8,9 @@ import functools
 import importlib.util
 import numbers
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping
 
+import numpy as np
 import torch
 
 PROMPT_COLUMN = "prompt"
@@ -80,9 +81,12 @@ def check_generation_backend_installed(generation_backend: str) -> None:
 
 
 def _is_number(value) -> bool:
-    if value is None or isinstance(value, numbers.Real):
+    """None, a real number (Python's or numpy's, bools included), or a one-element tensor or numpy array."""
+    if value is None or isinstance(value, (numbers.Real, np.bool_)):
         return True
-    return isinstance(value, torch.Tensor) and value.numel() == 1
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, np.ndarray) and value.size == 1
 
 
 def numeric_rewards(reward_func: Callable, name: str) -> Callable:
@@ -92,7 +96,9 @@ def numeric_rewards(reward_func: Callable, name: str) -> Callable:
     @functools.wraps(reward_func)
     def checked(*args, **kwargs):
         rewards = reward_func(*args, **kwargs)
-        if isinstance(rewards, (str, bytes)) or not isinstance(rewards, (Sequence, torch.Tensor)):
+        # a list, tuple, tensor or numpy array: whatever TRL turns into a tensor, but not a string or a mapping
+        if isinstance(rewards, (str, bytes, Mapping)) or not isinstance(rewards, Iterable) or not hasattr(
+                rewards, "__len__"):
             raise TypeError(
                 f"reward function {name!r} returned {type(rewards).__name__} {rewards!r:.80}; a reward function "
                 f"returns a list with one float (or None) per completion"

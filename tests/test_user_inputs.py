@@ -121,16 +121,30 @@ def test_a_reward_returning_strings_is_named_with_its_value(tmp_path):
     assert "numbers (int or float) or None" in message
 
 
-def test_numeric_rewards_pass_through_unchanged(tmp_path):
+@pytest.mark.parametrize("kind", ["mixed list", "numpy array", "tensor"])
+def test_numeric_rewards_pass_through_unchanged(tmp_path, kind):
+    import numpy as np
+
     calls = []
 
-    def mixed(completions, **kwargs):
+    def numeric(completions, **kwargs):
         calls.append(1)
-        return [1, 0.5, None, torch.tensor(0.25)] * (len(completions) // 4)
+        n = len(completions)
+        if kind == "numpy array":
+            return np.linspace(0, 1, n)
+        if kind == "tensor":
+            return torch.linspace(0, 1, n)
+        return [1, 0.5, None, torch.tensor(0.25), np.float32(0.5), True, np.int64(0), np.bool_(False)][:n]
 
-    trainer = trainer_with(tmp_path, reward=mixed)
+    trainer = trainer_with(tmp_path, reward=numeric)
     trainer.train()
     assert calls and trainer.state.global_step == 1
+
+
+def test_a_reward_returning_one_number_instead_of_a_list_is_named(tmp_path):
+    trainer = trainer_with(tmp_path, reward=lambda completions, **kwargs: 1.0)
+    with pytest.raises(TypeError, match="returned float 1.0; a reward function returns a list with one float"):
+        trainer.train()
 
 
 # ---- the device and the generation backend --------------------------------------------------------------
