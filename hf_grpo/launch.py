@@ -209,9 +209,17 @@ def run_recipe(defaults: dict[str, Any], reward_funcs, build_dataset, argv: list
         peft_config=get_peft_config(model_args),
         callbacks=[MetricsFileCallback(training_args.output_dir)],
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume_argument(training_args.resume_from_checkpoint))
     finish(trainer, recipe_args, plot_title)
     return trainer
+
+
+def resume_argument(value: str | None) -> str | bool | None:
+    """``--resume_from_checkpoint`` as ``Trainer.train`` takes it: ``true`` resumes from the latest checkpoint in
+    output_dir (the flag arrives as text, which the Trainer would read as a directory named "true")."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true" or None
+    return value
 
 
 def _rounded(value):

@@ -64,3 +64,16 @@ def test_rows_of_an_older_metrics_file_without_run_numbers_are_kept(tmp_path):
     rows = metrics(tmp_path)
     assert rows[0] == {"step": 5, "loss": 0.1} and rows[1]["run"] == 1
     assert [r["step"] for r in current_run_rows(rows)] == [1]
+
+
+def test_a_recipe_resumes_from_the_latest_checkpoint_with_resume_from_checkpoint_true(tmp_path):
+    from project_files import load_recipe
+
+    quickstart = load_recipe("quickstart")
+    args = ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "8", "--save_steps", "1", "--logging_steps",
+            "1", "--disable_tqdm", "true", "--plot", "false"]
+    quickstart.main([*args, "--max_steps", "1"])
+    trainer = quickstart.main([*args, "--max_steps", "2", "--resume_from_checkpoint", "true"])
+    assert trainer.state.global_step == 2
+    rows = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [(r["run"], r["step"], r["run_start_step"]) for r in rows] == [(1, 1, 0), (2, 2, 1)]
