@@ -27,6 +27,18 @@ def _known_yaml_keys() -> set[str]:
     return keys
 
 
+def load_yaml(path: str):
+    """The YAML file's content; a syntax error is one line naming the file, the line and column, and the problem."""
+    with open(path) as handle:
+        try:
+            return yaml.safe_load(handle) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+            raise ValueError(f"{path} is not valid YAML{where}: {problem}") from None
+
+
 def _int_or_none(text: str) -> int | str | None:
     if text.lower() == "auto":  # per_device_train_batch_size, per_device_generation_batch_size, tensor_batch_size
         return "auto"
@@ -56,8 +68,7 @@ def build_plan(argv: Sequence[str]) -> BatchPlan:
 
     values = dict(defaults)
     if args.config:
-        with open(args.config) as handle:
-            loaded = yaml.safe_load(handle) or {}
+        loaded = load_yaml(args.config)
         if not isinstance(loaded, dict):
             raise ValueError(f"{args.config} must hold a mapping of config fields, got {type(loaded).__name__}")
         unknown = sorted(set(loaded) - _known_yaml_keys())
@@ -75,8 +86,8 @@ def build_plan(argv: Sequence[str]) -> BatchPlan:
 
 def translate_plan(argv: Sequence[str]) -> str:
     """``hf-grpo plan --from FRAMEWORK KEY=VALUE ...``: the equivalent flags and their plan (raises ValueError)."""
-    from .config import ENV_OVERRIDES
-    from .translate import FRAMEWORKS, parse_settings, render, translate
+    from .config import ENV_OVERRIDES, env_override
+    from .translate import FRAMEWORKS, flatten_config, merge_settings, parse_settings, render, translate
 
     parser = argparse.ArgumentParser(
         prog="hf-grpo plan --from",
@@ -87,6 +98,9 @@ def translate_plan(argv: Sequence[str]) -> str:
     parser.add_argument("--num_processes", type=int, default=None,
                         help="data-parallel processes (default: the framework's GPU keys, else 1)")
     parser.add_argument("--num_generations", type=int, default=None, help="trlx only: completions per prompt")
+    parser.add_argument("--config", default=None,
+                        help="the framework's whole YAML config (nested keys read as dotted paths); KEY=VALUE "
+                        "settings given too win over it; keys that are not batch settings are listed and ignored")
     parser.add_argument("settings", nargs="*", metavar="KEY=VALUE", help="the framework's own keys and values")
     args, extra = parser.parse_known_args(argv)
     # OpenRLHF's own flags look like --train_batch_size=256: take those as settings too
@@ -94,10 +108,15 @@ def translate_plan(argv: Sequence[str]) -> str:
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)} (settings are KEY=VALUE)")
     settings = parse_settings([*args.settings, *extra])
+    if args.config:
+        loaded = load_yaml(args.config)
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{args.config} must hold a mapping (the framework's config), got {type(loaded).__name__}")
+        settings = merge_settings(args.framework, flatten_config(loaded), settings)
     translation = translate(args.framework, settings, args.num_processes, args.num_generations)
     text = render(translation)
     for variable, name in ENV_OVERRIDES.items():  # the plan above is the flags'; at launch these win
-        if os.environ.get(variable):
+        if env_override(variable) is not None:
             text += f"\nnote: {variable}={os.environ[variable]} is set: at launch it overrides {name}"
     return text
 

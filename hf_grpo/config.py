@@ -88,6 +88,20 @@ def _bf16_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
+def device_defaults() -> dict[str, Any]:
+    """CPU-only machines train on the CPU in fp32; GPUs use bf16 where they have it. Applied to the fields a
+    user leaves out, in the library as in the recipes (TRL's default bf16=True fails on a CPU)."""
+    cuda = _cuda_available()
+    return {"use_cpu": not cuda, "bf16": _bf16_available()}
+
+
+def env_override(variable: str) -> str | None:
+    """The value of a ``DIFFU_*`` variable, or None when it is unset, empty or only whitespace: all three mean
+    "no override" (``DIFFU_BATCH_SIZE= cmd`` or a blank line in a job file turns an override off)."""
+    raw = os.environ.get(variable)
+    return raw if raw is not None and raw.strip() else None
+
+
 def parse_env_size(variable: str, raw: str) -> int | str:
     """A positive integer (or "auto") from an environment variable, or a ValueError naming it and the value."""
     text = raw.strip()
@@ -126,8 +140,8 @@ def resolve_batch_fields(values: dict[str, Any], explicit: Collection[str], worl
             preset_chunk = values["per_device_generation_batch_size"]
 
     for variable, name in ENV_OVERRIDES.items():
-        raw = os.environ.get(variable)
-        if raw is None or raw == "":
+        raw = env_override(variable)
+        if raw is None:
             continue
         value = parse_env_size(variable, raw)
         if is_main_process() and value != values[name]:
@@ -162,7 +176,10 @@ def resolve_batch_fields(values: dict[str, Any], explicit: Collection[str], worl
     values["steps_per_generation"], values["generation_batch_size"] = steps, None
 
     if values["per_device_generation_batch_size"] is None:
-        values["per_device_generation_batch_size"] = P * steps if isinstance(P, int) else P
+        # derived from P x steps; from an invalid P or steps it stays a placeholder (1): validate() below refuses
+        # the invalid field itself, and the user did not set this one, so it adds no second error
+        derivable = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (P, steps))
+        values["per_device_generation_batch_size"] = P * steps if derivable else 1
     elif preset_chunk is not None and isinstance(P, int) and isinstance(steps, int):
         values["per_device_generation_batch_size"] = min(preset_chunk, P * steps)
 
@@ -368,6 +385,14 @@ class GRPOConfig(trl.GRPOConfig):
             "hf_grpo.training_compile."
         },
     )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={
+            "help": "Let a fresh run start in an output_dir that holds another run's checkpoint-N directories, "
+            "deleting them first. Without it such a run is refused (resume it with --resume_from_checkpoint). "
+            "See docs/output_dirs.md."
+        },
+    )
     max_tokens_per_micro_batch: int | None = field(
         default=None,
         metadata={
@@ -401,6 +426,7 @@ class GRPOConfig(trl.GRPOConfig):
         validate_compile_setting(self.compile_training)
         if launched_with_deepspeed(self.deepspeed):  # before DeepSpeed builds its first op (TRL's checks below)
             warn_about_stale_build_locks(is_main_process=os.environ.get("RANK", "0") == "0")
+        self._fill_device_defaults()
         fraction = self.auto_memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"auto_memory_fraction must be a number in (0, 1], e.g. 0.9, got {fraction!r}")
@@ -430,6 +456,12 @@ class GRPOConfig(trl.GRPOConfig):
         # TRL's meaning: the global rollout, per_device_train_batch_size x world size x steps_per_generation
         self.generation_batch_size = self.per_device_train_batch_size * world_size * self.steps_per_generation
         self._batch_fields_changed = False
+
+    def _fill_device_defaults(self) -> None:
+        """``use_cpu`` and ``bf16`` the user left out get the machine's values (``device_defaults``)."""
+        for name, value in device_defaults().items():
+            if name not in self._explicit_fields and not (name == "bf16" and self.fp16):
+                setattr(self, name, value)
 
     def batch_plan(self, world_size: int | None = None) -> BatchPlan:
         """The batch plan for ``world_size`` processes (default: this launch's)."""

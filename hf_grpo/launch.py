@@ -15,7 +15,8 @@ import torch
 import yaml
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
-from .config import GRPOConfig, explicit_fields
+from .checks import check_model_path
+from .config import GRPOConfig, device_defaults, explicit_fields
 from .recipe_args import RecipeArguments
 from .reporting import METRICS_FILE, PLOT_FILE, MetricsFileCallback, plot_metrics
 from .shutdown import close_distributed
@@ -25,12 +26,6 @@ from .trainer import GRPOTrainer
 
 logger = logging.getLogger("hf_grpo")
 PERFORMANCE_FILE = "performance.json"
-
-
-def device_defaults() -> dict[str, Any]:
-    """CPU-only machines train on the CPU in fp32; GPUs use bf16 where they have it."""
-    cuda = torch.cuda.is_available()
-    return {"use_cpu": not cuda, "bf16": cuda and torch.cuda.is_bf16_supported()}
 
 
 def cpu_launch_without_mixed_precision() -> None:
@@ -62,14 +57,45 @@ def parse_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None, c
     if unknown:
         raise ValueError(f"recipe defaults name unknown fields: {unknown[::2]}")
     argv = sys.argv[1:] if argv is None else list(argv)
+    flags, yaml_keys = flag_fields(argv), yaml_fields(argv)
     # A preset fills only what the user left out: the YAML's keys and the flags, not the recipe's defaults.
-    with explicit_fields(user_given_fields(argv)):
-        return parser.parse_args_and_config(args=argv)
+    with explicit_fields(flags | yaml_keys):
+        training_args, recipe_args, model_args = parser.parse_args_and_config(args=argv)
+    choose_model_source(recipe_args, model_args, flags, yaml_keys)
+    return training_args, recipe_args, model_args
 
 
-def user_given_fields(argv: list[str]) -> set[str]:
-    """Field names set by ``--flag`` on the command line or as keys of the ``--config`` YAML."""
-    names = {token[2:].split("=", 1)[0] for token in argv if token.startswith("--")}
+def choose_model_source(recipe_args: RecipeArguments, model_args: ModelConfig, flags: set[str],
+                        yaml_keys: set[str]) -> None:
+    """``tiny`` or ``model_name_or_path``, by the precedence of where each was set (flag > YAML > recipe
+    default): a checkpoint named on the command line wins over the quickstarts' default ``tiny=True`` (which
+    silently ignored it before); both set at the same level is a contradiction, refused."""
+    if not recipe_args.tiny or model_args.model_name_or_path is None:
+        return
+
+    def level(name: str) -> int:
+        return 2 if name in flags else 1 if name in yaml_keys else 0
+
+    tiny, checkpoint = level("tiny"), level("model_name_or_path")
+    if tiny == checkpoint:
+        where = {2: "on the command line", 1: "in the --config YAML", 0: "in the recipe's defaults"}[tiny]
+        raise ValueError(
+            f"tiny=True and model_name_or_path={model_args.model_name_or_path!r} are both set {where} and "
+            f"contradict each other: tiny builds a random model in code instead of loading one; drop tiny to "
+            f"train the checkpoint, or drop model_name_or_path to train the tiny model"
+        )
+    if checkpoint > tiny:
+        recipe_args.tiny = False
+
+
+def flag_fields(argv: list[str]) -> set[str]:
+    """Field names set by ``--flag`` on the command line."""
+    return {token[2:].split("=", 1)[0] for token in argv if token.startswith("--")} - {"config"}
+
+
+def yaml_fields(argv: list[str]) -> set[str]:
+    """Field names set as keys of the ``--config`` YAML."""
+    names: set[str] = set()
     for index, token in enumerate(argv):
         path = token.split("=", 1)[1] if token.startswith("--config=") else (
             argv[index + 1] if token == "--config" and index + 1 < len(argv) else None)
@@ -145,6 +171,7 @@ def load_pretrained(model_args: ModelConfig, training_args: GRPOConfig):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     name = model_args.model_name_or_path
+    check_model_path(name)
     model = AutoModelForCausalLM.from_pretrained(name, **pretrained_init_kwargs(model_args, training_args))
     tokenizer = AutoTokenizer.from_pretrained(
         name, revision=model_args.model_revision, padding_side="left",
@@ -182,9 +209,17 @@ def run_recipe(defaults: dict[str, Any], reward_funcs, build_dataset, argv: list
         peft_config=get_peft_config(model_args),
         callbacks=[MetricsFileCallback(training_args.output_dir)],
     )
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume_argument(training_args.resume_from_checkpoint))
     finish(trainer, recipe_args, plot_title)
     return trainer
+
+
+def resume_argument(value: str | None) -> str | bool | None:
+    """``--resume_from_checkpoint`` as ``Trainer.train`` takes it: ``true`` resumes from the latest checkpoint in
+    output_dir (the flag arrives as text, which the Trainer would read as a directory named "true")."""
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true" or None
+    return value
 
 
 def _rounded(value):

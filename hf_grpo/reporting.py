@@ -13,30 +13,51 @@ PLOT_FILE = "reward_loss.png"
 
 
 class MetricsFileCallback(TrainerCallback):
-    """Appends ``{"step", "reward", "loss", ...}`` to ``output_dir/metrics.jsonl`` at every training log."""
+    """Appends ``{"step", "reward", "loss", ..., "run", "run_start_step"}`` to ``output_dir/metrics.jsonl`` at
+    every training log.
+
+    The file is only ever appended to: each ``train()`` into the directory is a new ``run`` (1, 2, ...) whose
+    rows carry the step it started from (0 fresh, N resumed from ``checkpoint-N``). ``current_run_rows`` reads
+    back the rows of the latest run's history; nothing a failed or redone run logged is lost from the file.
+    """
 
     def __init__(self, output_dir: str):
         self.path = os.path.join(output_dir, METRICS_FILE)
+        self.run = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        # A resumed run keeps the lines of the steps it already did and drops the ones it will redo.
-        if state.is_world_process_zero and os.path.exists(self.path):
-            rows = [r for r in read_metrics(self.path) if r["step"] <= state.global_step]
-            with open(self.path, "w") as handle:
-                handle.writelines(json.dumps(r) + "\n" for r in rows)
+        if state.is_world_process_zero:
+            earlier = read_metrics(self.path) if os.path.exists(self.path) else []
+            self.run = 1 + max((row.get("run", 0) for row in earlier), default=0)
+            self.run_start_step = state.global_step  # after a resume: the checkpoint's step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs or "loss" not in logs:
             return
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         row = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
+        if self.run is not None:
+            row.update(run=self.run, run_start_step=self.run_start_step)
         with open(self.path, "a") as handle:
             handle.write(json.dumps(row) + "\n")
 
 
 def read_metrics(path: str) -> list[dict]:
+    """Every row of a metrics file, in the order written (all runs)."""
     with open(path) as handle:
         return [json.loads(line) for line in handle if line.strip()]
+
+
+def current_run_rows(rows: list[dict]) -> list[dict]:
+    """The history of the latest run: each run replaces the rows of earlier runs past the step it started from
+    (a fresh run, started at 0, replaces them all; a resumed one only the steps it redid)."""
+    kept: list[dict] = []
+    for row in rows:
+        start = row.get("run_start_step")
+        if start is not None and (not kept or kept[-1].get("run") != row.get("run")):
+            kept = [r for r in kept if r["step"] <= start]  # the first row of a new run
+        kept.append(row)
+    return kept
 
 
 def plot_metrics(metrics_path: str, png_path: str, title: str = "GRPO training") -> str:
@@ -46,7 +67,7 @@ def plot_metrics(metrics_path: str, png_path: str, title: str = "GRPO training")
     matplotlib.use("Agg")  # no display on training machines
     import matplotlib.pyplot as plt
 
-    rows = [r for r in read_metrics(metrics_path) if "reward" in r]
+    rows = [r for r in current_run_rows(read_metrics(metrics_path)) if "reward" in r]
     steps = [r["step"] for r in rows]
     fig, reward_axis = plt.subplots(figsize=(7, 4))
     reward_axis.plot(steps, [r["reward"] for r in rows], color="tab:blue", marker="o", markersize=3, label="reward")

@@ -190,6 +190,11 @@ def gsm8k_prompt(question: str) -> str:
     return f"{question.strip()}\n\n{GSM8K_INSTRUCTION}"
 
 
+def _has_content(path: str) -> bool:
+    with open(path) as handle:
+        return any(line.strip() for line in handle)
+
+
 def gsm8k_dataset(name_or_path: str = "openai/gsm8k", split: str = "train") -> datasets.Dataset:
     """GSM8K mapped to columns ``prompt`` (question + answer-format instruction) and ``answer``
     (the full reference: reasoning then ``#### N``); all other columns are dropped.
@@ -204,6 +209,9 @@ def gsm8k_dataset(name_or_path: str = "openai/gsm8k", split: str = "train") -> d
     path = os.fspath(name_or_path)
     if os.path.isfile(path) and path.lower().endswith((".jsonl", ".json")):
         local_split = "train" + (split[split.index("[") :] if "[" in split else "")
+        if not _has_content(path):  # the json builder would raise a bare StopIteration
+            raise ValueError(f"GSM8K data file {path!r} is empty; it needs one JSON object per line with "
+                             f"'question' and 'answer'")
         ds = datasets.load_dataset("json", data_files=path, split=local_split)
     else:
         ds = datasets.load_dataset(path, "main", split=split)

@@ -23,7 +23,10 @@ run (``_longest_prompt``; not with ``environment_factory``, whose prompts only b
 ``training_step`` (time accounting) and ``log`` (``perf/`` figures), transformers'
 ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules: ``hf_grpo.zero3_leaves``), and ``train``
 (settles "auto" sizes
-first: ``hf_grpo.autosize``; refuses a token budget the longest prompt cannot fit). A generation chunk or a
+first: ``hf_grpo.autosize``; refuses a token budget the longest prompt cannot fit, a fresh run into another run's
+checkpoints (``hf_grpo.output_dirs``) and a ZeRO checkpoint resumed in another launch shape
+(``hf_grpo.zero_resume``)). ``__init__`` checks the training set, a model path and the reward functions'
+outputs first (``hf_grpo.checks``). A generation chunk or a
 head chunk that runs out of memory is halved on every rank and retried (``hf_grpo.oom``).
 """
 
@@ -42,7 +45,8 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
-from . import autosize, token_budget, train_backoff, training_compile, zero3_leaves
+from . import (autosize, checks, output_dirs, token_budget, train_backoff, training_compile, zero3_leaves,
+               zero_resume)
 from .attention import cudnn_attention
 from .config import GRPOConfig
 from .generation import GenerationBackend, dense_mirror, resolve_backend
@@ -112,7 +116,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             )
         if getattr(config, "_batch_fields_changed", False):
             config.revalidate()  # fields written through config.optimization (the guide's API) are re-checked here
+        self._check_inputs(*args, **kwargs)
         super().__init__(*args, **kwargs)
+        checks.check_reward_outputs(self)
         token_budget.check_trainer(self)
         self.perf = PerformanceStats(self.accelerator.device)
         self._backend: GenerationBackend | None = None
@@ -177,11 +183,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         return stats
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        # another run's checkpoints in output_dir: refused unless resuming or overwriting (hf_grpo.output_dirs)
+        output_dirs.check_fresh_run(self.args, resume_from_checkpoint, self.accelerator)
         # no per-shape cuDNN kernel builds (hf_grpo.attention), in the "auto" probes as in training
         with cudnn_attention(self.args.cudnn_attention):
             token_budget.check_longest_row(self.args, self._longest_prompt)  # before any probe or step
             # "auto" sizes are settled before TRL and transformers size the dataloader and the accumulation
             checkpoint = autosize.checkpoint_dir(resume_from_checkpoint, self.args.output_dir)
+            zero_resume.check_resume_shape(checkpoint, self.accelerator.num_processes, self.is_deepspeed_enabled)
             if autosize.resolve_auto_sizes(self, checkpoint):
                 self.perf = PerformanceStats(self.accelerator.device)  # the probes are not part of the run's figures
             if self._train_backoff is None and self.accelerator.is_main_process:
@@ -332,6 +341,14 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self.perf.add("train_compiles", float(self._train_layers.compiles - before))
 
         return routed()
+
+    @staticmethod
+    def _check_inputs(model=None, reward_funcs=None, args=None, train_dataset=None, *_, **kwargs) -> None:
+        """Before TRL loads anything: the training set, a model given by path, the generation backend."""
+        checks.check_train_dataset(train_dataset)
+        if isinstance(model, str):
+            checks.check_model_path(model)
+        checks.check_generation_backend_installed(args.generation_backend)
 
     def _longest_prompt(self) -> int | None:
         """Tokens in the training set's longest prompt (scanned once: the cache sizing and the "auto" probe

@@ -25,6 +25,8 @@ What each knob counts, read off the frameworks' own code:
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -78,15 +80,85 @@ def parse_settings(pairs: Iterable[str]) -> dict[str, str]:
     return settings
 
 
+def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A framework's nested YAML config as dotted keys: ``{"data": {"train_batch_size": 8}}`` ->
+    ``{"data.train_batch_size": 8}``."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flatten_config(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def merge_settings(framework: str, base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A config file's settings with command-line ``KEY=VALUE`` on top: an override in tail form
+    (``rollout.n=8``) replaces the file's full key (``actor_rollout_ref.rollout.n``)."""
+    merged = dict(base)
+    for key, value in overrides.items():
+        matches = _matching(FRAMEWORKS[framework][0], key)
+        if len(matches) == 1:
+            merged.pop(matches[0].key, None)
+        merged[key] = value
+    return merged
+
+
+def _matching(knobs: tuple[Knob, ...], given: str) -> list[Knob]:
+    return [k for k in knobs if k.key == given] or [k for k in knobs if k.key.endswith("." + given)]
+
+
+def _close_knob(knobs: tuple[Knob, ...], given: str) -> str | None:
+    """The knob ``given`` is a likely typo of: same parent path (if one is given), a last segment nearly equal.
+    Strict (ratio >= 0.88, at most 3 characters longer or shorter), so that real non-batch keys of a pasted
+    config (``data.val_batch_size``, ``critic.ppo_mini_batch_size``) are never taken for typos."""
+    parent, _, leaf = given.rpartition(".")
+    leaves = {}
+    for knob in knobs:
+        knob_parent, _, knob_leaf = knob.key.rpartition(".")
+        if not parent or ("." + knob_parent).endswith("." + parent):
+            leaves.setdefault(knob_leaf, knob.key)
+    close = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.88)
+    if close and abs(len(close[0]) - len(leaf)) <= 3:
+        return leaves[close[0]]
+    return None
+
+
+def _is_null(raw: Any) -> bool:
+    return raw is None or str(raw).strip().lower() in ("null", "none", "~", "")
+
+
+def split_settings(framework: str, settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """(the batch settings, the other keys) of a whole pasted config. A key that looks like a typo of a batch
+    key (``train_batch_sise``) is an error with "did you mean", unless its value is null."""
+    knobs = FRAMEWORKS[framework][0]
+    batch: dict[str, Any] = {}
+    others: list[str] = []
+    for given, raw in settings.items():
+        if _matching(knobs, given):
+            batch[given] = raw
+        elif _close_knob(knobs, given) is not None and not _is_null(raw):
+            _unknown(framework, knobs, given)
+        else:
+            others.append(given)
+    return batch, others
+
+
+def _unknown(framework: str, knobs: tuple[Knob, ...], given: str):
+    near = _close_knob(knobs, given)
+    hint = f"; did you mean {near!r}?" if near else ";"
+    raise TranslationError(f"{framework}: unknown key {given!r}{hint} the {framework} keys hf-grpo translates "
+                           f"are: {', '.join(k.key for k in knobs)}")
+
+
 def _resolve(framework: str, knobs: tuple[Knob, ...], settings: Mapping[str, Any]) -> dict[str, Any]:
     """Full key -> typed value. A key may be its full path or any unambiguous dotted tail of it."""
-    valid = ", ".join(k.key for k in knobs)
     found: dict[str, Any] = {}
     for given, raw in settings.items():
-        matches = [k for k in knobs if k.key == given] or [k for k in knobs if k.key.endswith("." + given)]
+        matches = _matching(knobs, given)
         if not matches:
-            raise TranslationError(f"{framework}: unknown key {given!r}; the {framework} keys hf-grpo translates "
-                                   f"are: {valid}")
+            _unknown(framework, knobs, given)
         if len(matches) > 1:
             raise TranslationError(f"{framework}: {given!r} is ambiguous, it ends "
                                    f"{' and '.join(k.key for k in matches)}; give the full key")
@@ -535,16 +607,25 @@ FRAMEWORKS: dict[str, tuple[tuple[Knob, ...], Callable[..., Translation]]] = {
 
 def translate(framework: str, settings: Mapping[str, Any], world_size: int | None = None,
               num_generations: int | None = None) -> Translation:
-    """Dispatch to ``from_<framework>``; ``num_generations`` is for trlx only (its PPO has no groups)."""
+    """Dispatch to ``from_<framework>``; ``num_generations`` is for trlx only (its PPO has no groups).
+
+    ``settings`` may be a whole config of the framework: keys that are not batch settings are left out and
+    listed once in a note; a near miss of a batch key is an error with "did you mean"."""
     if framework not in FRAMEWORKS:
         raise TranslationError(f"unknown framework {framework!r}; one of {', '.join(FRAMEWORKS)}")
+    settings, others = split_settings(framework, settings)
     if framework == "trlx":
-        return from_trlx(settings, world_size, num_generations)
-    if num_generations is not None:
+        translation = from_trlx(settings, world_size, num_generations)
+    elif num_generations is not None:
         key = {"skyrl": "generator.n_samples_per_prompt", "verl": "actor_rollout_ref.rollout.n",
                "openrlhf": "n_samples_per_prompt", "d1": "num_generations"}[framework]
         raise TranslationError(f"--num_generations is for trlx only; {framework} sets the group size with {key}")
-    return FRAMEWORKS[framework][1](settings, world_size)
+    else:
+        translation = FRAMEWORKS[framework][1](settings, world_size)
+    if others:
+        note = f"not batch settings, ignored ({len(others)}): {', '.join(others)}"
+        translation = dataclasses.replace(translation, notes=(*translation.notes, note))
+    return translation
 
 
 def render(translation: Translation) -> str:
@@ -561,5 +642,6 @@ def knob_keys(framework: str) -> list[str]:
     return [k.key for k in FRAMEWORKS[framework][0]]
 
 
-__all__ = ["FRAMEWORKS", "Knob", "Translation", "TranslationError", "from_d1", "from_openrlhf", "from_skyrl",
-           "from_trlx", "from_verl", "knob_keys", "parse_settings", "render", "translate"]
+__all__ = ["FRAMEWORKS", "Knob", "Translation", "TranslationError", "flatten_config", "from_d1", "from_openrlhf",
+           "from_skyrl", "from_trlx", "from_verl", "knob_keys", "parse_settings", "render", "split_settings",
+           "translate"]

@@ -3,6 +3,7 @@ to fill its 8 completion slots with its prompt's letter (diffu-GRPO, the d1 meth
 
     accelerate launch recipes/diffu_quickstart.py              # CPU or one GPU, a few minutes on CPU
     python recipes/diffu_quickstart.py --max_steps 20          # same, without the launcher
+    python recipes/diffu_quickstart.py --model_name_or_path ./my-llada     # a saved checkpoint, not the tiny model
     accelerate launch --config_file accelerate_configs/zero2.yaml recipes/diffu_quickstart.py
 
 The completion is decoded in 2 blocks of 4 masked tokens, one token per denoising step; the policy's

@@ -2,6 +2,7 @@
 
     accelerate launch recipes/quickstart.py                 # CPU or one GPU, about two minutes on CPU
     python recipes/quickstart.py --max_steps 20             # same, without the launcher
+    python recipes/quickstart.py --model_name_or_path ./my-checkpoint   # a saved checkpoint, not the tiny model
     accelerate launch --config_file accelerate_configs/zero2.yaml recipes/quickstart.py
     accelerate launch recipes/quickstart.py --config recipes/quickstart.yaml --preset memory
 

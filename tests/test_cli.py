@@ -98,3 +98,27 @@ def test_plan_help_documents_from():
     result = run_cli("plan", "--help")
     assert result.returncode == 0, result.stderr
     assert "--from" in result.stdout and "verl" in result.stdout and "KEY=VALUE" in result.stdout
+
+
+def test_a_yaml_syntax_error_is_one_line_naming_file_and_place(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("per_device_train_batch_size: [8\n")
+    result = run_cli("plan", "--config", str(config))
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.startswith(f"error: {config} is not valid YAML at line 2, column 1: expected ',' or ']'")
+
+
+@pytest.mark.parametrize("field", ["per_device_train_batch_size", "steps_per_generation"])
+def test_an_invalid_size_is_one_error_not_also_the_fields_derived_from_it(field):
+    result = run_cli("plan", f"--{field}", "0")
+    assert result.returncode == 1
+    assert result.stderr == f"error: Invalid batch sizes:\n  - {field} must be an integer >= 1, got 0\n"
+
+
+def test_a_whitespace_env_value_adds_no_note_to_the_translated_plan():
+    result = run_cli("plan", "--from", "verl", "data.train_batch_size=16", "actor_rollout_ref.rollout.n=8",
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", env={"DIFFU_BATCH_SIZE": " "})
+    assert result.returncode == 0, result.stderr
+    assert "DIFFU_BATCH_SIZE" not in result.stdout

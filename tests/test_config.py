@@ -167,12 +167,22 @@ def test_env_override_is_logged_only_on_the_main_process(make_config, monkeypatc
     assert "DIFFU_TENSOR_BATCH_SIZE" not in caplog.text
 
 
-@pytest.mark.parametrize("raw", ["abc", "0", "-2", "1.5", " ", "4x"])
+@pytest.mark.parametrize("raw", ["abc", "0", "-2", "1.5", "4x", " 4x "])
 def test_bad_env_values_are_rejected_naming_variable_and_value(make_config, monkeypatch, raw):
     monkeypatch.setenv("DIFFU_BATCH_SIZE", raw)
     with pytest.raises(ValueError) as err:
         make_config(per_device_train_batch_size=4, num_generations=4)
     assert f"DIFFU_BATCH_SIZE={raw!r} is not a positive integer" in str(err.value)
+
+
+@pytest.mark.parametrize("raw", ["", " ", "\t\n"])
+def test_empty_or_whitespace_env_values_mean_unset(make_config, monkeypatch, caplog, raw):
+    monkeypatch.setenv("DIFFU_BATCH_SIZE", raw)
+    monkeypatch.setenv("DIFFU_TRAIN_BATCH_SIZE", raw)
+    with caplog.at_level(logging.WARNING, logger="hf_grpo"):
+        config = make_config(per_device_train_batch_size=4, num_generations=4)
+    assert (config.per_device_train_batch_size, config.per_device_generation_batch_size) == (4, 4)
+    assert "DIFFU_" not in caplog.text
 
 
 def test_env_override_that_breaks_a_rule_is_caught(make_config, monkeypatch):

@@ -311,3 +311,84 @@ def test_readme_shows_one_worked_example_per_framework_with_these_flags():
         assert options.get("--num_processes") == (None if world is None else str(world)), framework
         assert options.get("--num_generations") == (None if num_generations is None else str(num_generations))
         assert f"\n{flags}\n" in section, framework
+
+
+# ---- a whole pasted config ----------------------------------------------------------------------------------
+
+VERL_YAML = """\
+data:
+  train_batch_size: 64
+  val_batch_size: null
+  max_response_length: 256
+actor_rollout_ref:
+  model:
+    path: Qwen/Qwen2.5-0.5B
+  actor:
+    strategy: fsdp
+    ppo_mini_batch_size: 32
+    ppo_micro_batch_size: null
+    ppo_micro_batch_size_per_gpu: 4
+    ppo_epochs: 1
+    clip_ratio: 0.2
+    optim:
+      lr: 1.0e-6
+  rollout:
+    name: vllm
+    n: 8
+    log_prob_micro_batch_size: null
+critic:
+  ppo_mini_batch_size: 32
+  ppo_micro_batch_size_per_gpu: 4
+algorithm:
+  adv_estimator: grpo
+trainer:
+  nnodes: 1
+  n_gpus_per_node: 8
+  total_epochs: 15
+  logger: ['console', 'wandb']
+"""
+
+
+def test_a_whole_verl_config_translates_its_batch_keys_and_lists_the_others_once(tmp_path, capsys):
+    config = tmp_path / "verl.yaml"
+    config.write_text(VERL_YAML)
+    assert main(["plan", "--from", "verl", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1] == ("--per_device_train_batch_size 4 --gradient_accumulation_steps 8 "
+                                   "--steps_per_generation 16 --num_generations 8 --num_iterations 1 "
+                                   "--max_completion_length 256")
+    ignored = [line for line in out.splitlines() if "not batch settings, ignored" in line]
+    assert ignored == ["note: not batch settings, ignored (12): data.val_batch_size, actor_rollout_ref.model.path, "
+                       "actor_rollout_ref.actor.strategy, actor_rollout_ref.actor.clip_ratio, "
+                       "actor_rollout_ref.actor.optim.lr, actor_rollout_ref.rollout.name, "
+                       "actor_rollout_ref.rollout.log_prob_micro_batch_size, critic.ppo_mini_batch_size, "
+                       "critic.ppo_micro_batch_size_per_gpu, algorithm.adv_estimator, trainer.total_epochs, "
+                       "trainer.logger"]
+
+
+def test_pasted_key_value_settings_keep_their_non_batch_keys_out_of_the_way():
+    translation = translate("skyrl", parse_settings([
+        "trainer.train_batch_size=16", "generator.n_samples_per_prompt=4", "trainer.policy_mini_batch_size=16",
+        "trainer.micro_train_batch_size_per_gpu=8", "trainer.eval_batch_size=1024", "trainer.policy.optimizer_config.lr=1e-6",
+        "generator.backend=vllm"]))
+    assert translation.fields["per_device_train_batch_size"] == 8
+    assert translation.notes[-1] == ("not batch settings, ignored (3): trainer.eval_batch_size, "
+                                     "trainer.policy.optimizer_config.lr, generator.backend")
+
+
+@pytest.mark.parametrize("framework, typo, meant", [
+    ("verl", "actor_rollout_ref.actor.ppo_mini_batch_sise=16", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+    ("skyrl", "train_batch_sise=8", "trainer.train_batch_size"),
+    ("trlx", "method.num_rollout=128", "method.num_rollouts"),
+    ("verl", "trainer.n_gpu_per_node=8", "trainer.n_gpus_per_node"),
+])
+def test_a_typo_of_a_batch_key_is_answered_with_did_you_mean(framework, typo, meant):
+    message = _error(framework, [typo], num_generations=4 if framework == "trlx" else None)
+    assert f"unknown key {typo.split('=')[0]!r}; did you mean {meant!r}?" in message
+
+
+def test_a_yaml_key_given_again_on_the_command_line_is_overridden_not_doubled(tmp_path, capsys):
+    config = tmp_path / "verl.yaml"
+    config.write_text(VERL_YAML)
+    assert main(["plan", "--from", "verl", "--config", str(config), "rollout.n=4"]) == 0
+    assert "--num_generations 4" in capsys.readouterr().out.splitlines()[1]

@@ -12,6 +12,7 @@ from typing import Any
 
 from trl import ModelConfig
 
+from ..checks import check_model_path
 from ..launch import parse_recipe_args, pretrained_init_kwargs, run_recipe
 from .config import DiffuGRPOConfig
 from .tiny import DEFAULT_ALPHABET, build_diffusion_tokenizer, build_tiny_diffusion_model
@@ -28,6 +29,7 @@ def load_pretrained_diffusion(model_args: ModelConfig, training_args: DiffuGRPOC
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     name = model_args.model_name_or_path
+    check_model_path(name)
     kwargs = pretrained_init_kwargs(model_args, training_args)
     try:
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)

@@ -101,6 +101,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
                             f"diffusion fields (block_length, diffusion_steps, p_mask_prompt, ...) live there")
         if getattr(args, "_batch_fields_changed", False):
             args.revalidate()  # fields written through config.optimization are re-derived and checked here
+        self._check_inputs(model, reward_funcs, args, kwargs.get("train_dataset"))  # before loading by name
         if isinstance(model, str):
             model = self._load(model, args, kwargs.get("quantization_config"))
             kwargs.pop("quantization_config", None)

@@ -1,0 +1,128 @@
+"""Checks of what a user hands the trainer, made before any model loads or step runs, so that a mistake is
+an error naming what was found and what is needed, not an exception deep inside TRL or a run that "succeeds"
+at doing nothing."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import numbers
+import os
+from collections.abc import Callable, Iterable, Mapping
+
+import numpy as np
+import torch
+
+PROMPT_COLUMN = "prompt"
+MODEL_CONFIG_FILE = "config.json"
+
+
+def check_train_dataset(dataset) -> None:
+    """Refuse a training set with no rows or without the ``prompt`` column TRL reads.
+
+    An empty set would train zero steps and then save the untouched model as if trained; a missing column
+    would fail only once training began. Streaming datasets (no length, maybe no column list) pass.
+    """
+    if dataset is None:
+        return
+    columns = getattr(dataset, "column_names", None)
+    if columns is not None and PROMPT_COLUMN not in columns:
+        raise ValueError(
+            f"train_dataset has no {PROMPT_COLUMN!r} column (found columns {list(columns)}); GRPO generates from "
+            f"each row's {PROMPT_COLUMN!r}: rename the column holding the prompts, e.g. "
+            f"dataset.rename_column({(list(columns) or ['question'])[0]!r}, 'prompt')"
+        )
+    try:
+        rows = len(dataset)
+    except TypeError:  # an IterableDataset: its length is unknown before it is read
+        return
+    if rows == 0:
+        raise ValueError(
+            "train_dataset has 0 rows: training would run no step and save the untouched model as if trained; "
+            "check the dataset's split, filter or path (it needs at least one row with a 'prompt')"
+        )
+
+
+def looks_like_local_path(name: str) -> bool:
+    """True for ``./dir``, ``../dir``, ``/abs/dir``, ``~/dir`` and ``a/b/c``: never hub ids (``org/name``)."""
+    return (name.startswith(("./", "../", "/", "~")) or name in (".", "..") or os.path.isabs(name)
+            or name.rstrip("/").count("/") > 1)
+
+
+def check_model_path(name: str) -> None:
+    """A local model directory must exist and hold a ``config.json``; hub ids are left to the hub.
+
+    Without this, a mistyped ``./my-checkpoint`` reaches the hub client and fails with "Repo id must be in the
+    form 'repo_name' or 'namespace/repo_name'", which does not say the directory is missing.
+    """
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, MODEL_CONFIG_FILE)):
+            raise ValueError(
+                f"model_name_or_path={name!r} is a directory without {MODEL_CONFIG_FILE} (found "
+                f"{sorted(os.listdir(path))[:10]}); give the directory model.save_pretrained(...) wrote"
+            )
+        return
+    if looks_like_local_path(name):
+        raise ValueError(
+            f"model_name_or_path={name!r} is a local path, but no such directory exists ({os.path.abspath(path)}); "
+            f"give a directory written by model.save_pretrained(...), or a hub id such as 'Qwen/Qwen2.5-0.5B'"
+        )
+
+
+def check_generation_backend_installed(generation_backend: str) -> None:
+    """``generation_backend="vllm"`` needs the vllm package; say so in the user's terms (TRL's own message
+    speaks of ``use_vllm``, which the user did not set)."""
+    if generation_backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError(
+            "generation_backend='vllm' needs the vllm package, which is not installed: pip install vllm, or set "
+            "generation_backend to 'auto', 'hf' or 'cuda_graph'"
+        )
+
+
+def _is_number(value) -> bool:
+    """None, a real number (Python's or numpy's, bools included), or a one-element tensor or numpy array."""
+    if value is None or isinstance(value, (numbers.Real, np.bool_)):
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, np.ndarray) and value.size == 1
+
+
+def numeric_rewards(reward_func: Callable, name: str) -> Callable:
+    """``reward_func`` wrapped so that a value that is not a number (or None) is an error naming the function,
+    the value and its position, instead of torch's "too many dimensions 'str'"."""
+
+    @functools.wraps(reward_func)
+    def checked(*args, **kwargs):
+        rewards = reward_func(*args, **kwargs)
+        # a list, tuple, tensor or numpy array: whatever TRL turns into a tensor, but not a string or a mapping
+        if isinstance(rewards, (str, bytes, Mapping)) or not isinstance(rewards, Iterable) or not hasattr(
+                rewards, "__len__"):
+            raise TypeError(
+                f"reward function {name!r} returned {type(rewards).__name__} {rewards!r:.80}; a reward function "
+                f"returns a list with one float (or None) per completion"
+            )
+        for index, value in enumerate(rewards):
+            if not _is_number(value):
+                raise TypeError(
+                    f"reward function {name!r} returned {type(value).__name__} {value!r:.80} for completion "
+                    f"{index}; rewards must be numbers (int or float) or None, one per completion"
+                )
+        return rewards
+
+    return checked
+
+
+def check_reward_outputs(trainer) -> None:
+    """Wrap each plain (synchronous, non-model) reward function of a TRL trainer with ``numeric_rewards``."""
+    for index, (func, name) in enumerate(zip(trainer.reward_funcs, trainer.reward_func_names, strict=True)):
+        if isinstance(func, torch.nn.Module) or not callable(func) or _is_async(func):
+            continue
+        trainer.reward_funcs[index] = numeric_rewards(func, name)
+
+
+def _is_async(func) -> bool:
+    import inspect
+
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(getattr(func, "__call__", None))

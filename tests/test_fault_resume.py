@@ -1,0 +1,84 @@
+"""A rank killed mid-run under 2-process ZeRO-2 (CPU, gloo): the run is resumed from its last checkpoint in the
+same launch shape and ends where an uninterrupted run ends, the same logged metrics and the same weights."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from side_by_side import stop
+from test_launch import QUICK, ROOT, _final_state, launch
+
+from hf_grpo.reporting import current_run_rows, read_metrics
+
+pytestmark = pytest.mark.slow
+STEPS = 6
+COMMON = [*QUICK, "--save_steps", "2", "--save_total_limit", "10", "--max_steps", str(STEPS)]
+
+
+def zero2_command(output_dir, *extra):
+    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--config_file",
+            str(ROOT / "accelerate_configs" / "zero2.yaml"), "--mixed_precision", "no",
+            str(ROOT / "recipes" / "quickstart.py"), *COMMON, "--output_dir", str(output_dir), *map(str, extra)]
+
+
+def complete_checkpoints(output_dir):
+    """Checkpoints whose save finished: trainer_state.json is written after the weights and optimizer state."""
+    found = [p for p in output_dir.glob("checkpoint-*") if (p / "trainer_state.json").exists()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def rank_process(launcher, rank):
+    import psutil
+
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "quickstart.py" in " ".join(child.cmdline()):
+                return child
+        except psutil.Error:
+            continue
+    return None
+
+
+def kill_rank_after_first_checkpoint(output_dir, rank=1, timeout=600):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))}
+    launcher = subprocess.Popen(zero2_command(output_dir), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not complete_checkpoints(output_dir):
+            assert launcher.poll() is None, f"the run ended before its first checkpoint: {launcher.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, "no checkpoint in time"
+            time.sleep(0.05)
+        victim = rank_process(launcher, rank)
+        assert victim is not None, "rank 1 not found among the launcher's processes"
+        os.kill(victim.pid, signal.SIGKILL)
+        launcher.wait(timeout=300)
+    finally:
+        stop(launcher)
+    return launcher.returncode
+
+
+def test_a_killed_rank_resumes_from_the_last_checkpoint_to_the_uninterrupted_result(tmp_path):
+    launch("zero2", "recipes/quickstart.py", *COMMON, "--output_dir", tmp_path / "straight")
+
+    interrupted = tmp_path / "interrupted"
+    assert kill_rank_after_first_checkpoint(interrupted) != 0  # the launcher reports the lost rank
+    last = complete_checkpoints(interrupted)[-1]
+    assert int(last.name.split("-")[1]) < STEPS, "the run finished before the kill: nothing was interrupted"
+    launch("zero2", "recipes/quickstart.py", *COMMON, "--output_dir", interrupted, "--resume_from_checkpoint", last)
+
+    straight = read_metrics(str(tmp_path / "straight" / "metrics.jsonl"))
+    resumed = current_run_rows(read_metrics(str(interrupted / "metrics.jsonl")))
+    assert [r["step"] for r in resumed] == [r["step"] for r in straight] == list(range(1, STEPS + 1))
+    assert [r["reward"] for r in resumed] == [r["reward"] for r in straight]
+    for ours, theirs in zip(resumed, straight):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
+    final, expected = _final_state(interrupted), _final_state(tmp_path / "straight")
+    for name in expected:
+        torch.testing.assert_close(final[name], expected[name], rtol=1e-6, atol=1e-7)
+    assert json.loads((last / "trainer_state.json").read_text())["global_step"] == int(last.name.split("-")[1])

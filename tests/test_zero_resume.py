@@ -1,0 +1,69 @@
+"""A ZeRO checkpoint resumed in another launch shape is refused, naming the optimizer state it would lose
+(hf_grpo.zero_resume), instead of exiting 0 with a fresh optimizer."""
+
+import sys
+
+import pytest
+from side_by_side import run_to_end
+from test_launch import QUICK, ROOT, launch
+from test_trainer import make_trainer
+
+from hf_grpo.zero_resume import check_resume_shape, saved_partitions
+
+
+def fake_zero_checkpoint(directory, ranks, step=2, prefix=""):
+    state = directory / f"checkpoint-{step}" / f"global_step{step}"
+    state.mkdir(parents=True)
+    (state.parent / "latest").write_text(f"global_step{step}")
+    for rank in range(ranks):
+        (state / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    (state / "mp_rank_00_model_states.pt").write_bytes(b"")
+    return str(state.parent)
+
+
+@pytest.mark.parametrize("prefix", ["", "bf16_"])
+def test_the_saved_partitions_are_counted(tmp_path, prefix):
+    assert saved_partitions(fake_zero_checkpoint(tmp_path, 2, prefix=prefix)) == 2
+    plain = tmp_path / "plain" / "checkpoint-1"
+    plain.mkdir(parents=True)
+    (plain / "optimizer.pt").write_bytes(b"")
+    assert saved_partitions(str(plain)) == 0  # a checkpoint without ZeRO resumes in any shape
+
+
+def test_the_same_shape_resumes_and_another_is_refused_naming_the_loss(tmp_path):
+    checkpoint = fake_zero_checkpoint(tmp_path, 2)
+    check_resume_shape(checkpoint, 2, uses_deepspeed=True)
+    with pytest.raises(ValueError) as err:
+        check_resume_shape(checkpoint, 1, uses_deepspeed=True)
+    message = str(err.value)
+    assert "optimizer state (Adam's moments and the fp32 master weights) of a DeepSpeed ZeRO run of 2 processes" \
+        in message and "global_step2/" in message
+    assert "this run has 1 process," in message and "accelerate launch --num_processes 2" in message
+
+
+def test_a_one_process_run_without_deepspeed_refuses_before_any_step(tmp_path):
+    checkpoint = fake_zero_checkpoint(tmp_path / "out", 2)
+    trainer = make_trainer(tmp_path, max_steps=3)
+    with pytest.raises(ValueError, match="this run does not use DeepSpeed, so it would resume with a fresh optimizer"):
+        trainer.train(resume_from_checkpoint=checkpoint)
+    assert trainer.state.global_step == 0
+
+
+@pytest.mark.slow
+def test_a_two_process_zero2_checkpoint_is_refused_by_a_one_process_resume(tmp_path):
+    """As a user does it: save under 2-process ZeRO-2 (CPU, gloo), resume with plain python and with the ZeRO-2
+    config on 1 process; both stop with the reason instead of training on with a fresh optimizer."""
+    out = tmp_path / "out"
+    common = [*QUICK, "--output_dir", out, "--save_steps", 2]
+    launch("zero2", "recipes/quickstart.py", *common, "--max_steps", 2)
+    checkpoint = out / "checkpoint-2"
+    assert saved_partitions(str(checkpoint)) == 2
+    resume = [*map(str, common), "--max_steps", "4", "--resume_from_checkpoint", str(checkpoint)]
+    plain = run_to_end([sys.executable, str(ROOT / "recipes" / "quickstart.py"), *resume], 900, cwd=ROOT)
+    one_zero2 = run_to_end([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+                            "--config_file", str(ROOT / "accelerate_configs" / "zero2.yaml"), "--mixed_precision",
+                            "no", str(ROOT / "recipes" / "quickstart.py"), *resume], 900, cwd=ROOT)
+    for result, reason in ((plain, "this run does not use DeepSpeed"), (one_zero2, "this run has 1 process,")):
+        assert result.returncode != 0
+        assert reason in result.stderr and "ZeRO run of 2 processes" in result.stderr, result.stderr[-3000:]
+    assert not (out / "checkpoint-4").exists()
