@@ -53,6 +53,8 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance.py
+from provenance import with_provenance  # noqa: E402
 import torch
 from transformers import TrainerCallback
 
@@ -312,7 +314,7 @@ def run_one(args, scenario) -> dict:
 
 
 def emit(record, out):
-    line = json.dumps(record)
+    line = json.dumps(with_provenance(record))
     print("RESULT " + line, flush=True)
     if out:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

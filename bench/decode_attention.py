@@ -23,6 +23,8 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance.py
+from provenance import with_provenance  # noqa: E402
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -105,6 +107,7 @@ def main(argv=None) -> int:
                 records.append({**base, "variant": "filled", "config": dataclasses.asdict(config),
                                 "ms": round(ms, 4), "gb_per_s": round(admitted_bytes / ms / 1e6, 1)})
             filled_attention.CONFIG = KernelConfig()
+    records = [with_provenance(record) for record in records]
     for record in records:
         print(json.dumps(record))
     if args.out:

@@ -35,6 +35,8 @@ import sys
 import time
 from collections import defaultdict
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance.py
+from provenance import with_provenance  # noqa: E402
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -244,6 +246,7 @@ def main(argv=None) -> int:
         record["rollout_profile"] = rollout_record
     if timeline_record is not None:
         record["rollout_timeline"] = timeline_record
+    record = with_provenance(record)
     print(json.dumps(record))
     if args.out:
         with open(args.out, "a") as fh:

@@ -48,6 +48,8 @@ import random
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance.py
+from provenance import with_provenance  # noqa: E402
 import torch
 import torch.nn.functional as F
 
@@ -341,6 +343,7 @@ def main(argv=None) -> list[dict]:
     out = open(args.out, "w") if args.out else None
 
     def emit(record):
+        record = with_provenance(record)
         records.append(record)
         line = json.dumps(record)
         print(line, flush=True)

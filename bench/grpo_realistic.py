@@ -85,6 +85,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # bench/rollout.py
 sys.path.insert(0, os.path.dirname(HERE))  # the repository root: hf_grpo
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance.py
+from provenance import with_provenance  # noqa: E402
 import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
@@ -524,7 +526,7 @@ def main(argv=None) -> int:
         trl=trl.__version__, datasets=datasets.__version__,
         cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if device == "cuda" else None,
     )
-    line = json.dumps(record)
+    line = json.dumps(with_provenance(record))
     print("RESULT", line, flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

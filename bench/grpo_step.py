@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
+import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance.py
+from provenance import with_provenance  # noqa: E402
 import torch
 from datasets import Dataset
 from transformers import TrainerCallback
@@ -108,6 +112,7 @@ def main():
         peak_mem_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2), gpu=torch.cuda.get_device_name(),
     )
     record["generated_tokens_per_s"] = round(completions * args.completion_len / record["generation_s_median"])
+    record = with_provenance(record)
     print("RESULT", json.dumps(record), flush=True)
     if args.out:
         with open(args.out, "a") as handle:

@@ -25,10 +25,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance.py
+from provenance import with_provenance  # noqa: E402
 import torch
 
 from hf_grpo.ops import chunked_logprobs
@@ -250,7 +253,7 @@ def _emit(impl, chunk_rows, v, h, n, dtype, gpu, status, note, peak, med, err, g
         "reps": reps,
         "max_abs_err": None if err is None else float(f"{err:.3e}"),
     }
-    print(json.dumps(rec), flush=True)
+    print(json.dumps(with_provenance(rec)), flush=True)
 
 
 if __name__ == "__main__":

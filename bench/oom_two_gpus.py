@@ -19,6 +19,8 @@ import os
 import random
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance.py
+from provenance import with_provenance  # noqa: E402
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
         losses=[entry["loss"] for entry in logged],
         peak_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3) if not args.tiny else None,
     )
-    print("RESULT " + json.dumps(record), flush=True)
+    print("RESULT " + json.dumps(with_provenance(record)), flush=True)
     close_distributed()
     return 0
 

@@ -38,6 +38,8 @@ import re
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance.py
+from provenance import with_provenance  # noqa: E402
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -247,6 +249,7 @@ def main(argv=None) -> int:
                 if backend == "trl":
                     trl_tps[n] = record["tokens_per_s"]
                 record["ratio_vs_trl"] = round(record["tokens_per_s"] / trl_tps[n], 2) if n in trl_tps else None
+                record = with_provenance(record)
                 records.append(record)
                 print(json.dumps(record), flush=True)
                 del out

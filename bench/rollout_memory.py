@@ -16,6 +16,8 @@ import os
 import random
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance.py
+from provenance import with_provenance  # noqa: E402
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -75,12 +77,12 @@ def main(argv=None) -> int:
             backend.generate(model, prompts, generation_config=config, chunk_size=args.completions,
                              pad_token_id=rollout.PAD, eos_token_ids=[rollout.EOS])
             mark(f"end of call {call}")
-    print(json.dumps(dict(
+    print(json.dumps(with_provenance(dict(
         backend=args.backend, decode_attention=args.decode_attention if args.backend == "cuda_graph" else None,
         model_shape=args.shape, completions=args.completions, completion_len=args.completion_len,
         prompt_len=args.prompt_len, peak_mem_gib=max(p["peak_gib"] for p in phases), phases=phases,
         gpu_name=torch.cuda.get_device_name(0), torch=torch.__version__,
-    )))
+    ))))
     return 0
 
 

@@ -33,6 +33,10 @@ import statistics
 import tempfile
 import time
 
+import os
+import sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance.py
+from provenance import with_provenance  # noqa: E402
 import torch
 from datasets import Dataset
 
@@ -173,6 +177,7 @@ def main(argv=None):
                 "out_of_memory": oom, "seconds": seconds, "peak_allocated_gib": peak, "grad_rel_diff_vs_one_pass": diff,
                 "device": torch.cuda.get_device_name() if inputs["prompt_ids"].is_cuda else "cpu",
             }
+            record = with_provenance(record)
             print("RESULT " + json.dumps(record), flush=True)
             if args.out:
                 with open(args.out, "a") as handle:

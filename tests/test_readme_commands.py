@@ -1,4 +1,4 @@
-"""Every command in README.md's (and docs/multi_node.md's) ```bash blocks, run as a user runs it, on this CPU.
+"""Every command in the ```bash blocks of README.md, docs/*.md and bench/README.md, run as a user runs it, on this CPU.
 
 ``REGISTRY`` maps each documented command (its exact text, whitespace-normalised, ``\\`` continuations
 joined, a trailing ``# comment`` dropped) to what the test does with it:
@@ -35,7 +35,8 @@ from side_by_side import free_port, wait_for_all
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BIN = pathlib.Path(sys.executable).parent  # the virtualenv's bin: accelerate, hf-grpo, python
-DOCS = ("README.md", "docs/multi_node.md")
+# Every page a user reads: a page added to docs/ is covered without a line here.
+DOCS = ("README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")), "bench/README.md")
 # ~20 s warm; a DeepSpeed launch JIT-builds its CPU comm op (~1.5 min) when the build cache is cold
 LAUNCH_TIMEOUT_S = 600
 
@@ -249,7 +250,7 @@ FP32 = "no CUDA device: training in fp32, not the launch config's mixed_precisio
 def trained(world: int, *keys: str, output: str = "out", final: str = "model.safetensors", bf16_config=False):
     """Two logged optimizer steps with finite losses, the batch plan of this world size, the files the README lists.
     ``bf16_config``: a shipped config says bf16; "on a machine without a GPU the recipes train in fp32 on the CPU
-    and say so once" (README, Launch anywhere)."""
+    and say so once" (docs/launch.md)."""
 
     def check(ran: Ran) -> None:
         assert f"hf-grpo batch plan (world size {world})" in ran.stderr, _tail(ran.stderr)
@@ -350,6 +351,27 @@ def the_pdsh_launch_reaches_deepspeeds_runner(doc: Documented, tmp: pathlib.Path
     assert "NCCL_DEBUG=INFO" in (tmp / ".deepspeed_env").read_text().splitlines()
 
 
+def a_gpu_benchmark_as_its_script_reads_it(doc: Documented, tmp: pathlib.Path) -> None:
+    """The bench/ script the command runs exists, defines every ``--flag`` the command passes, and (for a shell
+    runner) reads every ``VAR=value`` set before it, so the documented command is one the script accepts."""
+    words = shlex.split(doc.command)
+    variables = []
+    while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+        variables.append(words.pop(0).split("=", 1)[0])
+    scripts = [w for w in words if w.startswith("bench/") and w.endswith((".py", ".sh"))]
+    assert len(scripts) == 1, words
+    source = (ROOT / scripts[0]).read_text()
+    after = words[words.index(scripts[0]) + 1:]
+    flags = [w for w in after if w.startswith("--")]
+    unknown = [f for f in flags if f'"{f}"' not in source]
+    assert not unknown, (scripts[0], unknown)
+    unread = [v for v in variables if not re.search(rf"\$\{{?{v}\b", source)]
+    assert not unread, (scripts[0], unread)
+    if "accelerate launch" in doc.command:
+        config = words[words.index("--config_file") + 1]
+        assert (ROOT / config).exists(), config
+
+
 def sets_a_variable_for_the_launch(doc: Documented, tmp: pathlib.Path) -> None:
     name, value = doc.command.removeprefix("export ").split("=", 1)
     result = subprocess.run(["bash", "-c", f"{doc.command} && printenv {name}"], capture_output=True, text=True)
@@ -386,6 +408,10 @@ NODE_OUTPUT = "--max_steps 2 --logging_steps 1 --disable_tqdm true --save_strate
 MULTI_NODE_CONFIG = ("accelerate launch --config_file accelerate_configs/multi_node_zero2.yaml "
                      "--machine_rank $NODE_RANK --main_process_ip $MAIN_IP --main_process_port 29500 recipes/quickstart.py")
 
+# bench/README.md: GPU benchmarks. Their --tiny CPU smoke runs are tests of their own (test_token_budget.py,
+# test_train_backoff.py, diffusion/test_diffu_sampler_exact.py); here, that each command is one its script accepts.
+GPU_BENCHMARK = NotRun("a GPU benchmark (needs CUDA, minutes)", a_gpu_benchmark_as_its_script_reads_it)
+
 REGISTRY: dict[str, dict[str, Run | NotRun]] = {
     "README.md": {
         # "The two commands", 1: the part after the install, as written, from the repository root
@@ -397,13 +423,6 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
                    the_ci_runs_it),
         "python -m pytest tests -q":
             NotRun("runs this test suite (it would recurse); it is .ci/run's last command", the_ci_runs_it),
-        "python recipes/countdown.py --model_name_or_path ./my-checkpoint --use_peft true --lora_r 16 --lora_alpha 32 "
-        "--beta 0.04":
-            Run(trained(1, "kl", "rewards/countdown_reward/mean", final="adapter_model.safetensors"),
-                setup=_checkpoint,
-                replace=(Sub("./my-checkpoint", "{tmp}/my-checkpoint",
-                             "a checkpoint directory written by hf_grpo.tiny.save_tiny_checkpoint"),),
-                append=SHORT + " --max_completion_length 12 --num_train_samples 64"),
         "accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes 8 recipes/gsm8k.py "
         "--config recipes/gsm8k.yaml":
             Run(trained(2, "kl", "rewards/gsm8k_format_reward/mean", "rewards/gsm8k_correctness_reward/mean",
@@ -421,10 +440,14 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
         # "Masked-diffusion models": the diffusion quickstart, as written
         "accelerate launch recipes/diffu_quickstart.py":
             Run(trained(1, "rewards/reward/mean"), append=SHORT),
+    },
+    "docs/batch_sizes.md": {
         "hf-grpo plan --per_device_train_batch_size 16 --num_generations 8 --gradient_accumulation_steps 4 "
         "--steps_per_generation 4 --per_device_generation_batch_size 8 --num_processes 8":
             Run(prints_the_plan, slow=False, timeout=120),
-        # "Coming from other frameworks": one worked example per framework (tests/test_translate.py checks the maths)
+    },
+    "docs/other_frameworks.md": {
+        # one worked example per framework (tests/test_translate.py checks the maths)
         "hf-grpo plan --from skyrl trainer.train_batch_size=256 generator.n_samples_per_prompt=8 "
         "trainer.policy_mini_batch_size=64 trainer.micro_train_batch_size_per_gpu=4 trainer.update_epochs_per_batch=1 "
         "trainer.placement.policy_num_gpus_per_node=8 generator.sampling_params.max_generate_length=1024":
@@ -444,6 +467,15 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
         "num_generations=8 num_iterations=4 generation_batch_size=4 max_completion_length=256 block_length=32 "
         "diffusion_steps=128":
             Run(prints_the_translation, slow=False, timeout=120),
+    },
+    "docs/models.md": {
+        "python recipes/countdown.py --model_name_or_path ./my-checkpoint --use_peft true --lora_r 16 --lora_alpha 32 "
+        "--beta 0.04":
+            Run(trained(1, "kl", "rewards/countdown_reward/mean", final="adapter_model.safetensors"),
+                setup=_checkpoint,
+                replace=(Sub("./my-checkpoint", "{tmp}/my-checkpoint",
+                             "a checkpoint directory written by hf_grpo.tiny.save_tiny_checkpoint"),),
+                append=SHORT + " --max_completion_length 12 --num_train_samples 64"),
     },
     "docs/multi_node.md": {
         "export MAIN_IP=10.0.0.1":
@@ -468,17 +500,51 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
         "hf-grpo plan --config recipes/quickstart.yaml --num_processes 16 --per_device_train_batch_size 32":
             Run(prints_the_plan, slow=False, timeout=120),
     },
+    "bench/README.md": {
+        'STEPS=20 MAX_SECONDS=600 RUN_TIMEOUT=600 IMPLS="trl cuda_graph" bash bench/run_realistic.sh':
+            GPU_BENCHMARK,
+        'python bench/grpo_realistic.py --impl hf_grpo --backend cuda_graph --profile_step 5':
+            GPU_BENCHMARK,
+        'python bench/rollout.py --repeats 2 --out bench/results/raw/rollout.json':
+            GPU_BENCHMARK,
+        "python bench/decode_profile.py --shape 1.5b --batch 128 --prompt-len 64 --rollout-timeline "
+        "--out bench/results/raw/decode_profile.jsonl":
+            GPU_BENCHMARK,
+        'python bench/decode_attention.py --sweep --out bench/results/raw/decode_attention.jsonl':
+            GPU_BENCHMARK,
+        'python bench/logprobs.py --hidden 896 --tokens 8192 65536 --chunk-rows 1024 4096 --impls chunked trl':
+            GPU_BENCHMARK,
+        'STEPS=6 CONFIGS="zero2 zero3" bash bench/run_multi_gpu.sh':
+            GPU_BENCHMARK,
+        'STEPS=7 CONFIGS=zero3 TAG=leaves_off EXTRA="--zero3_leaf_modules off" bash bench/run_multi_gpu.sh':
+            GPU_BENCHMARK,
+        'python bench/autotune.py --scenario all --out bench/results/raw/autotune.jsonl':
+            GPU_BENCHMARK,
+        'python bench/autotune.py --scenario oom_train --out bench/results/raw/autotune_oom_train.jsonl':
+            GPU_BENCHMARK,
+        'accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_processes 2 bench/oom_two_gpus.py':
+            GPU_BENCHMARK,
+        'python bench/token_budget.py --out bench/results/raw/token_budget.jsonl':
+            GPU_BENCHMARK,
+        "python bench/diffu_llada.py --caches dual --rollout-tensor-batch 1024 "
+        "--out bench/results/raw/diffu_llada_t1024.jsonl":
+            GPU_BENCHMARK,
+        "python bench/diffu_llada.py --caches dual --rollout-tensor-batch 512 "
+        "--out bench/results/raw/diffu_llada_t512.jsonl":
+            GPU_BENCHMARK,
+    },
 }
 
 
 # ---- the tests -------------------------------------------------------------------------------------
 
 def test_every_documented_command_is_registered():
-    problems = []
+    problems = [f"REGISTRY names a page that is not among the docs: {doc}" for doc in REGISTRY if doc not in DOCS]
     for doc in DOCS:
         documented = [d.command for d in DOCUMENTED[doc]]
-        missing = [c for c in documented if c not in REGISTRY[doc]]
-        stale = [c for c in REGISTRY[doc] if c not in documented]
+        registered = REGISTRY.get(doc, {})
+        missing = [c for c in documented if c not in registered]
+        stale = [c for c in registered if c not in documented]
         problems += [f"{doc}: not in REGISTRY (add a line saying how the test runs it): {c!r}" for c in missing]
         problems += [f"{doc}: REGISTRY key no longer documented: {c!r}" for c in stale]
     assert not problems, "\n".join(problems)
@@ -486,13 +552,14 @@ def test_every_documented_command_is_registered():
 
 def _id(doc: str, index: int, command: str) -> str:
     last = command.split("&&")[-1].split("\n")[0]
-    return f"{pathlib.Path(doc).stem}-{index}-" + re.sub(r"[^A-Za-z0-9._]+", "-", last).strip("-")[:60]
+    page = doc.removesuffix(".md").replace("/", "-")
+    return f"{page}-{index}-" + re.sub(r"[^A-Za-z0-9._]+", "-", last).strip("-")[:60]
 
 
 def _cases():
     for doc in DOCS:
         for index, documented in enumerate(DOCUMENTED[doc]):
-            entry = REGISTRY[doc].get(documented.command)
+            entry = REGISTRY.get(doc, {}).get(documented.command)
             if entry is None:
                 continue  # reported by test_every_documented_command_is_registered
             slow = isinstance(entry, Run) and entry.slow

@@ -1,5 +1,6 @@
 """Every shipped YAML loads and is used; every path the README names exists."""
 
+import json
 import pathlib
 import re
 
@@ -66,12 +67,71 @@ def test_accelerate_configs(path):
     assert config["use_cpu"] is False  # CPU runs pass the override on the command line
 
 
-def test_every_path_the_readme_names_exists():
-    readme = (ROOT / "README.md").read_text()
-    paths = set(re.findall(r"(?:recipes|accelerate_configs|bench|tests|hf_grpo|docs)/[\w./-]+\.(?:py|yaml|jsonl|json|md|png)\b", readme))
-    assert paths, "the README names no file"
-    missing = sorted(p for p in paths if not (ROOT / p).exists())
+# What a user reads: the front door, every docs/ page, and the benchmarks' index.
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]
+PROJECT_PATH = re.compile(r"(?:recipes|accelerate_configs|bench|tests|hf_grpo|docs)/[\w./-]+\.(?:py|yaml|jsonl|json|md|png|txt|sh)\b")
+RESULTS = ROOT / "bench" / "results"
+# bench/README.md's commands write here (not tracked): those paths are outputs, not files the project ships
+RUN_OUTPUT = "bench/results/raw/"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_path_a_page_names_exists(page):
+    paths = set(PROJECT_PATH.findall(page.read_text()))
+    assert paths or page.parent.name == "docs", f"{page.name} names no file"
+    missing = sorted(p for p in paths if not p.startswith(RUN_OUTPUT) and not (ROOT / p).exists())
     assert not missing, missing
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_of_a_page_resolves(page):
+    """Markdown links ``[text](target)`` to files of the repository, relative to the page, as a browser follows them."""
+    targets = [t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", page.read_text())]
+    local = [t for t in targets if t and not re.match(r"[a-z]+:", t)]
+    missing = sorted(t for t in local if not (page.parent / t).exists())
+    assert not missing, missing
+
+
+def test_the_readme_is_a_front_door_to_the_docs():
+    """At most 300 lines; at least four docs/ pages, each one linked from the README's documentation table."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300, len(readme.splitlines())
+    pages = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))
+    assert len(pages) >= 4, pages
+    unlinked = [p for p in pages if f"]({p})" not in readme]
+    assert not unlinked, unlinked
+    assert "](bench/README.md)" in readme
+
+
+def test_every_results_file_is_named_by_a_page():
+    """A result file no page cites is a lab-notebook leftover; one a page cites but git lacks fails the path test."""
+    text = "\n".join(page.read_text() for page in PAGES)
+    unnamed = sorted(p.name for p in RESULTS.iterdir() if p.is_file() and p.name not in text)
+    assert not unnamed, unnamed
+
+
+def _result_rows(path: pathlib.Path) -> list[dict]:
+    if path.suffix == ".jsonl":
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    data = json.loads(path.read_text())
+    return data if isinstance(data, list) else [data]
+
+
+@pytest.mark.parametrize("path", sorted(p for p in RESULTS.glob("*") if p.suffix in {".json", ".jsonl", ".txt"}),
+                         ids=lambda p: p.name)
+def test_every_result_row_records_its_commit_gpu_torch_and_trl(path):
+    """``commit`` (what bench/provenance.py writes) or, for rows written before it, ``commit_added``
+    (bench/README.md says what that is), plus the GPU and the torch and TRL versions."""
+    if path.suffix == ".txt":
+        header = path.read_text().splitlines()[0]
+        assert re.match(r"# commit(_added)?: [0-9a-f]{7,}; gpu: .+; torch: .+; trl: .+", header), header
+        return
+    rows = _result_rows(path)
+    assert rows
+    for row in rows:
+        commit = row.get("commit") or row.get("commit_added")
+        assert commit and (commit == "unknown" or re.fullmatch(r"[0-9a-f]{7,40}", commit)), row
+        assert all(row.get(key) for key in ("gpu", "torch", "trl")), sorted(row)
 
 
 def test_no_shipped_file_cites_a_file_the_project_does_not_ship():

@@ -1,0 +1,50 @@
+"""What every benchmark row records about where it came from: the commit, the GPU and the library versions.
+
+Each script in bench/ passes the rows it prints through ``with_provenance``, so a result file says which code,
+on which card and with which torch / TRL produced it. The commit is ``git rev-parse --short HEAD`` of this
+checkout; outside a git checkout (a copied tree) it is ``$BENCH_COMMIT`` if set, else ``"unknown"``, never a guess.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pathlib
+import subprocess
+
+REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
+
+
+@functools.lru_cache(maxsize=None)
+def current_commit() -> str:
+    try:
+        result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPOSITORY, capture_output=True,
+                                text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        result = None
+    if result is not None and result.returncode == 0 and result.stdout.strip():
+        return result.stdout.strip()
+    return os.environ.get("BENCH_COMMIT") or "unknown"
+
+
+def _version(module_name: str) -> str:
+    try:
+        module = __import__(module_name)
+    except ImportError:
+        return "not installed"
+    return module.__version__
+
+
+@functools.lru_cache(maxsize=None)
+def provenance() -> dict[str, str]:
+    """commit, gpu (the CUDA device's name, or "cpu"), torch, transformers and trl versions."""
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return {"commit": current_commit(), "gpu": gpu, "torch": torch.__version__,
+            "transformers": _version("transformers"), "trl": _version("trl")}
+
+
+def with_provenance(record: dict) -> dict:
+    """``record`` with the provenance fields it does not set itself (a script's own ``gpu`` wins)."""
+    return {**record, **{key: value for key, value in provenance().items() if key not in record}}
