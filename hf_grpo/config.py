@@ -291,6 +291,11 @@ class GRPOConfig(trl.GRPOConfig):
             gathered by one hook instead of one per submodule (less host overhead a step, same values).
             ``"auto"``: the model's decoder-layer classes (its ``_no_split_modules``); ``"off"``: none; else
             comma-separated class names, e.g. ``"Qwen2DecoderLayer"``. No effect without ZeRO-3.
+        lora_generation_mirror (`str`, *optional*, defaults to `"auto"`):
+            For a LoRA policy outside ZeRO-3: ``"on"`` decodes from a copy of the weights with the
+            adapters merged, refreshed each rollout (one model copy per device), so LoRA rollouts run at
+            the plain model's speed; ``"auto"``: so when the ``cuda_graph`` backend serves it and memory
+            holds the copy twice over; ``"off"``: the decoder runs the adapters.
         compile_training (`str`, *optional*, defaults to `"auto"`):
             ``"on"``: the decoder layers of the scoring and training forwards run through one
             ``torch.compile`` per layer class (dynamic shapes: a few compiles a run, counted as
@@ -376,6 +381,15 @@ class GRPOConfig(trl.GRPOConfig):
             "_no_split_modules). See hf_grpo.zero3_leaves."
         },
     )
+    lora_generation_mirror: str = field(
+        default="auto",
+        metadata={
+            "help": "LoRA policies outside ZeRO-3: auto, on or off. 'on' decodes from a copy of the weights with the "
+            "adapters merged, refreshed each rollout (one model copy per device), so a LoRA rollout runs at the "
+            "plain model's speed; 'auto' does so for the cuda_graph backend when memory allows (see "
+            "hf_grpo.generation.dense_mirror)."
+        },
+    )
     compile_training: str = field(
         default="auto",
         metadata={
@@ -422,6 +436,7 @@ class GRPOConfig(trl.GRPOConfig):
         if self.generation_backend == "vllm":
             self.use_vllm = True
         validate_mirror_setting(self.zero3_generation_mirror)
+        validate_mirror_setting(self.lora_generation_mirror, "lora_generation_mirror")
         validate_leaf_setting(self.zero3_leaf_modules)
         validate_compile_setting(self.compile_training)
         if launched_with_deepspeed(self.deepspeed):  # before DeepSpeed builds its first op (TRL's checks below)

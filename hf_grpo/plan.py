@@ -58,6 +58,7 @@ class BatchPlan:
     # ZeRO-3 only, once the trainer has decided (hf_grpo.generation.dense_mirror): "on" or "off", else None; when on,
     # the dense copy of the weights the decoder reads: one model copy per device, in the generation dtype
     generation_mirror: str | None = None
+    generation_mirror_kind: str = "ZeRO-3"
     generation_mirror_bytes: int = 0
     generation_mirror_dtype: str | None = None
     # ZeRO-3 only, set by the trainer (hf_grpo.zero3_leaves): modules whose parameters one hook fetches together
@@ -190,6 +191,12 @@ class BatchPlan:
         return {**asdict(self), **derived}
 
     def _mirror_line(self) -> str:
+        if self.generation_mirror_kind == "LoRA":
+            if self.generation_mirror != "on":
+                return "│   └── LoRA: decoded with the adapters as they are (lora_generation_mirror)"
+            return (f"│   └── LoRA: decoded from a copy with the adapters merged, one {self.generation_mirror_dtype} "
+                    f"copy of the model per device ({_bytes(self.generation_mirror_bytes)}), refreshed each rollout "
+                    f"(lora_generation_mirror)")
         if self.generation_mirror != "on":
             return ("│   └── ZeRO-3: no dense mirror, the hf backend generates from the ZeRO-3 model "
                     "(zero3_generation_mirror)")

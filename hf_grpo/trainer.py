@@ -7,7 +7,8 @@ Each is thin and calls TRL's own code wherever it can:
   served by a backend from ``hf_grpo.generation``, ``per_device_generation_batch_size``
   prompts at a time, all inside one ``unwrap_model_for_generation`` (one ZeRO-3 gather per
   rollout). Every other path is TRL's, unchanged. Under ZeRO-3 with ``zero3_generation_mirror`` on, nothing is
-  gathered there: the rollout decodes from a dense mirror refreshed layer by layer (``generation.dense_mirror``).
+  gathered there: the rollout decodes from a dense mirror refreshed layer by layer (``generation.dense_mirror``);
+  a LoRA policy outside ZeRO-3 decodes from such a copy with its adapters merged (``lora_generation_mirror``).
 - ``compute_loss`` (public, TRL's): with ``max_tokens_per_micro_batch``, one micro-batch runs as token-budget
   passes (``hf_grpo.token_budget``), each through TRL's own ``compute_loss``. In a one-process run it also
   runs the backward, so that an out-of-memory there can be retried (``hf_grpo.train_backoff``).
@@ -72,7 +73,7 @@ class _RunCallbacks(TrainerCallback):
         self._optimizer_start = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._zero3_mirror()  # decided on every rank before the plan is printed
+        self.trainer._generation_mirror()  # decided on every rank before the plan is printed
         if state.is_world_process_zero:
             plan = self.trainer.batch_plan()
             logger.info("hf-grpo batch plan (world size %d):\n%s", plan.world_size, plan)
@@ -122,7 +123,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         token_budget.check_trainer(self)
         self.perf = PerformanceStats(self.accelerator.device)
         self._backend: GenerationBackend | None = None
-        self._mirror_choice: dense_mirror.MirrorChoice | None = None  # ZeRO-3's dense mirror, decided once
+        self._mirror_choice: dense_mirror.MirrorChoice | None = None  # ZeRO-3's or LoRA's dense mirror, decided once
         self._mirror_decided = False
         # chunk sizes halved on every rank after an out-of-memory, and kept so (hf_grpo.oom)
         self._oom_knobs = {name: SizeKnob(self.args, name, lambda *_: self.perf.add("oom_backoffs", 1))
@@ -179,7 +180,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         stats = {**self.perf.summary(), "generation_cache_gib": cache / 2**30,
                  "batch_plan": self.batch_plan().to_dict()}
         if self._mirror_choice is not None and self._mirror_choice.mirror is not None:
-            stats["mirror_refresh_s"] = self.perf.total("mirror_refresh_s")  # ZeRO-3: whole run, inside generation
+            stats["mirror_refresh_s"] = self.perf.total("mirror_refresh_s")  # whole run, inside generation
         return stats
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
@@ -250,7 +251,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 return super()._generate_single_turn(
                     prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs
                 )
-        mirror = self._zero3_mirror()
+        mirror = self._generation_mirror()
         with (
             self.perf.phase("generation"),
             unwrap_model_for_generation(
@@ -307,8 +308,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     # ---- helpers -----------------------------------------------------------------------------
     def _compiled_training_layers(self) -> training_compile.CompiledTrainingLayers | None:
         """The compiled decoder layers of the scoring and training forwards (``compile_training``), or None."""
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        sharded = "ZeRO-3" if plugin is not None and zero3_leaves.is_zero3_config(plugin.deepspeed_config) else None
+        sharded = "ZeRO-3" if self._zero3_configured() else None
         if self.is_fsdp_enabled:
             sharded = "FSDP"
         compiled, reason = training_compile.choose(self.args.compile_training, self._scored_models(),
@@ -385,25 +385,34 @@ class GRPOTrainer(trl.GRPOTrainer):
         prompt = self._longest_prompt() or max(token_budget.extents(inputs).prompt)
         return prompt + self.max_completion_length
 
-    def _zero3_mirror(self) -> dense_mirror.DenseMirror | None:
-        """Under ZeRO-3, the dense copy of the weights generation reads (``zero3_generation_mirror``), else None.
+    def _generation_mirror(self) -> dense_mirror.DenseMirror | None:
+        """The dense copy of the weights generation reads, or None: under ZeRO-3 (``zero3_generation_mirror``), and
+        for a LoRA policy otherwise (``lora_generation_mirror``: the adapters merged).
 
-        Decided once, the same on every rank: its refresh gathers layer by layer, a collective."""
+        Decided once, the same on every rank: under ZeRO-3 its refresh gathers layer by layer, a collective."""
         if not self._mirror_decided:
             model = self.accelerator.unwrap_model(self.model_wrapped)
-            if not dense_mirror.is_zero3_partitioned(model):
-                return None  # no ZeRO-3, or not partitioned yet (a model built in code, before DeepSpeed wraps it)
+            if dense_mirror.is_zero3_partitioned(model):
+                choice = dense_mirror.choose(self.args.zero3_generation_mirror, model, self.args.generation_backend,
+                                             self.accelerator.device, min_over_ranks)
+            elif self._zero3_configured():
+                return None  # not partitioned yet (a model built in code, before DeepSpeed wraps it)
+            else:
+                choice = dense_mirror.choose_lora(self.args.lora_generation_mirror, model,
+                                                  self.args.generation_backend, self.accelerator.device, min_over_ranks)
             self._mirror_decided = True
-            self._mirror_choice = dense_mirror.choose(self.args.zero3_generation_mirror, model,
-                                                      self.args.generation_backend, self.accelerator.device,
-                                                      min_over_ranks)
-            if self._mirror_choice is not None and self.accelerator.is_main_process:
-                logger.info("ZeRO-3 generation mirror: %s", self._mirror_choice)
+            self._mirror_choice = choice
+            if choice is not None and self.accelerator.is_main_process:
+                logger.info("%s generation mirror: %s", choice.kind, choice)
         return None if self._mirror_choice is None else self._mirror_choice.mirror
+
+    def _zero3_configured(self) -> bool:
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        return plugin is not None and zero3_leaves.is_zero3_config(plugin.deepspeed_config)
 
     def _generation_backend(self, model: torch.nn.Module) -> GenerationBackend:
         if self._backend is None:
-            mirror = self._zero3_mirror()  # under ZeRO-3 the backend serves the mirror, whoever asks first
+            mirror = self._generation_mirror()  # under ZeRO-3 the backend serves the mirror, whoever asks first
             served = model if mirror is None else mirror.module
             self._backend, reason = resolve_backend(self.args.generation_backend, served)
             if hasattr(self._backend, "reserve"):
