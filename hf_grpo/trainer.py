@@ -73,6 +73,7 @@ class _RunCallbacks(TrainerCallback):
         self._optimizer_start = None
 
     def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._train_layers = self.trainer._compiled_training_layers(state.max_steps)
         self.trainer._generation_mirror()  # decided on every rank before the plan is printed
         if state.is_world_process_zero:
             plan = self.trainer.batch_plan()
@@ -142,7 +143,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             # whose forward the wrapper calls.
             reference = self.accelerator.unwrap_model(self.ref_model)
             install_chunked_lm_head(reference, return_entropy=False, **head)
-        self._train_layers = self._compiled_training_layers()
+        self._train_layers: training_compile.CompiledTrainingLayers | None = None  # decided at train begin
         self.add_callback(_RunCallbacks(self))
         self.add_callback(autosize.SaveSizesCallback())
 
@@ -306,18 +307,20 @@ class GRPOTrainer(trl.GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _compiled_training_layers(self) -> training_compile.CompiledTrainingLayers | None:
+    def _compiled_training_layers(self, planned_steps: int) -> training_compile.CompiledTrainingLayers | None:
         """The compiled decoder layers of the scoring and training forwards (``compile_training``), or None."""
         sharded = "ZeRO-3" if self._zero3_configured() else None
         if self.is_fsdp_enabled:
             sharded = "FSDP"
         compiled, reason = training_compile.choose(self.args.compile_training, self._scored_models(),
-                                                   self.accelerator.device, sharded)
+                                                   self.accelerator.device, sharded, planned_steps)
         if self.accelerator.is_main_process:
             if compiled is not None:
                 logger.info("training forward: decoder layers compiled (compile_training=%r)", self.args.compile_training)
             elif self.args.compile_training == "on":
                 logger.warning("compile_training='on' is not applied: %s", reason)
+            else:
+                logger.info("training forward: eager (%s)", reason)
         return compiled
 
     def _scored_models(self) -> list[torch.nn.Module]:

@@ -54,7 +54,7 @@ def build(family: str, attn: str):
 def score(model, batch):
     ids, mask, labels = batch
     out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
-    weights = torch.linspace(0.5, 1.5, out.log_probs.numel()).view_as(out.log_probs)
+    weights = torch.linspace(0.5, 1.5, out.log_probs.numel(), device=out.log_probs.device).view_as(out.log_probs)
     model.zero_grad()
     ((out.log_probs * weights).sum() + out.entropy.sum()).backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}

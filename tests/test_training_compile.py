@@ -71,17 +71,25 @@ def test_suspended_layers_run_their_own_forward():
 
 
 @pytest.mark.parametrize(
-    ("setting", "device", "sharded", "reason"),
+    ("setting", "device", "sharded", "steps", "reason"),
     [
-        ("off", "cuda", None, "compile_training='off'"),
-        ("auto", "cpu", None, "compiles on CUDA only"),
-        ("on", "cuda", "ZeRO-3", "ZeRO-3 shards the parameters"),
+        ("off", "cuda", None, 1000, "compile_training='off'"),
+        ("auto", "cpu", None, 1000, "compiles on CUDA only"),
+        ("auto", "cuda", None, 20, "this run has 20: set 'on' to compile"),
+        ("on", "cuda", "ZeRO-3", 1000, "ZeRO-3 shards the parameters"),
     ],
 )
-def test_choose_says_why_not(setting, device, sharded, reason):
+def test_choose_says_why_not(setting, device, sharded, steps, reason):
     model = build_tiny_model(build_char_tokenizer())
-    chosen, why = training_compile.choose(setting, [model], torch.device(device), sharded)
+    chosen, why = training_compile.choose(setting, [model], torch.device(device), sharded, steps)
     assert chosen is None and reason in why
+
+
+@pytest.mark.parametrize(("setting", "steps"), [("auto", training_compile.AUTO_MIN_STEPS), ("on", 5)])
+def test_choose_compiles_long_cuda_runs_and_whatever_on_asks(setting, steps):
+    model = build_tiny_model(build_char_tokenizer())
+    chosen, why = training_compile.choose(setting, [model], torch.device("cuda"), None, steps)
+    assert isinstance(chosen, training_compile.CompiledTrainingLayers) and why is None
 
 
 def test_bad_setting_is_named(make_config):
