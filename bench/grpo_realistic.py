@@ -320,6 +320,8 @@ def parse_args(argv=None):
     parser.add_argument("--lora_r", type=int, default=0, help="LoRA rank (peft; 0: full fine-tuning)")
     parser.add_argument("--padding_free", choices=["default", "on", "off"], default="default",
                         help="hf_grpo only: score rows packed (on) or padded (off); default: the config's default")
+    parser.add_argument("--lora_generation_mirror", choices=["default", "auto", "on", "off"], default="default",
+                        help="hf_grpo only: decode LoRA rollouts from a merged copy (default: the config's)")
     parser.add_argument("--compile_training", choices=["default", "auto", "on", "off"], default="default",
                         help="hf_grpo only: compile the training forward's decoder layers (default: the config's)")
     parser.add_argument("--phases", action="store_true",
@@ -391,6 +393,8 @@ def main(argv=None) -> int:
             common["padding_free"] = args.padding_free == "on"
         if args.compile_training != "default":
             common["compile_training"] = args.compile_training
+        if args.lora_generation_mirror != "default":
+            common["lora_generation_mirror"] = args.lora_generation_mirror
     elif args.cudnn_attention != "default":
         torch.backends.cuda.enable_cudnn_sdp(args.cudnn_attention == "on")
     config = GRPOConfig(**common)
@@ -475,6 +479,7 @@ def main(argv=None) -> int:
         beta=args.beta, num_iterations=args.num_iterations, lora_r=args.lora_r,
         padding_free=getattr(trainer.args, "padding_free", None),
         compile_training=getattr(trainer, "_train_layers", None) is not None if args.impl == "hf_grpo" else None,
+        generation_mirror=str(getattr(trainer, "_mirror_choice", None)) if args.impl == "hf_grpo" else None,
         checkpointing=bool(getattr(trainer.args, checkpointing_field)),
         tensor_batch_size=args.tensor_batch_size if args.impl == "hf_grpo" else None,
         per_device_generation_batch_size=(trainer.args.per_device_generation_batch_size
