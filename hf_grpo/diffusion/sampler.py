@@ -62,7 +62,15 @@ from .block_cache import (
 )
 from .gumbel_max import gumbel_max
 from .gumbel_max import usable as gumbel_max_usable
-from .model import HeadBypass, accepts_kwarg, left_pad_tensors, pack_rows, padding_kwargs, slot_columns
+from .model import (
+    HeadBypass,
+    accepts_kwarg,
+    equal_length_groups,
+    left_pad_tensors,
+    pack_rows,
+    padding_kwargs,
+    slot_columns,
+)
 
 logger = logging.getLogger("hf_grpo")
 
@@ -302,7 +310,8 @@ class DiffusionSampler(GenerationBackend):
     (default None: exact) turns on the approximate key/value reuse of ``hf_grpo.diffusion.block_cache``;
     ``cuda_graph`` (None: on for ``"dual"`` on CUDA outside ZeRO-3) captures its cached step and replays it.
     ``tensor_batch_size`` (token rows, None: unbounded) bounds a block cache's full forwards (see
-    ``diffusion_generate``).
+    ``diffusion_generate``). ``attends_to_padding`` (a model that ignores the padding mask, as the released
+    LLaDA code does): chunks hold prompts of equal length only, so none is padded.
     """
 
     name = "diffusion"
@@ -321,6 +330,7 @@ class DiffusionSampler(GenerationBackend):
         block_cache: str | None = None,
         cuda_graph: bool | None = None,
         tensor_batch_size: int | None = None,
+        attends_to_padding: bool = False,
     ):
         check_block_cache_name(block_cache)
         if cuda_graph and block_cache is None:
@@ -331,6 +341,7 @@ class DiffusionSampler(GenerationBackend):
         self.remasking, self.cfg_scale, self.logits_shift = remasking, cfg_scale, logits_shift
         self.padding_style, self.block_cache = padding_style, block_cache
         self.autocast = autocast or nullcontext
+        self.attends_to_padding = attends_to_padding  # the model ignores the padding mask: never pad a chunk
         self.forwards = 0  # model forwards run so far (a CFG step counts once, with twice the rows)
 
     def generate(
@@ -351,13 +362,13 @@ class DiffusionSampler(GenerationBackend):
         temperature = float(generation_config.temperature or 0.0) if generation_config.do_sample else 0.0
         length = generation_config.max_new_tokens
         device = model_device(model)
-        completions: list[list[int]] = []
+        completions: list[list[int]] = [[] for _ in prompt_ids]
         blocks = length // self.block_length
         cuda_graph = self.cuda_graph
         if cuda_graph is None:
             cuda_graph = self.block_cache == "dual" and device.type == "cuda" and not is_zero3_partitioned(model)
-        for chunk in iter_chunks(prompt_ids, chunk_size):
-            ids, mask, padded = left_pad_tensors(chunk, pad_token_id, device)
+        for rows in self._chunks(prompt_ids, chunk_size):
+            ids, mask, padded = left_pad_tensors([list(prompt_ids[row]) for row in rows], pad_token_id, device)
             with self.autocast():
                 canvas = diffusion_generate(
                     model, ids, mask, gen_length=length, block_length=self.block_length, steps=self.steps,
@@ -367,8 +378,16 @@ class DiffusionSampler(GenerationBackend):
                     cuda_graph=cuda_graph, tensor_batch_size=self.tensor_batch_size,
                 )
             self.forwards += blocks * sum(1 for k in transfer_schedule(self.block_length, self.steps // blocks) if k)
-            completions.extend(cut_after_eos(canvas, eos_token_ids))
+            for row, tokens in zip(rows, cut_after_eos(canvas, eos_token_ids)):
+                completions[row] = tokens
         return completions
+
+    def _chunks(self, prompt_ids: Sequence[Sequence[int]], chunk_size: int) -> list[list[int]]:
+        """Row indices of each chunk: ``chunk_size`` consecutive prompts, or, for a model that attends to padding,
+        prompts of equal length (``chunk_size`` at most), so that no chunk is padded."""
+        if self.attends_to_padding:
+            return equal_length_groups([len(p) for p in prompt_ids], chunk_size)
+        return list(iter_chunks(range(len(prompt_ids)), chunk_size))
 
     def _warn_ignored(self, generation_config: GenerationConfig) -> None:
         if getattr(self, "_warned", False):

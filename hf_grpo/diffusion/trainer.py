@@ -54,6 +54,7 @@ from .config import DiffuGRPOConfig, set_checkpointing
 from .logprobs import EstimatorSpec, masked_logprobs, rollout_mask_seeds
 from .memory import MemoryTracker
 from .model import (
+    attends_to_padding,
     base_module,
     head_unsupported_reason,
     padding_style,
@@ -111,6 +112,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
                            type(base_module(model)).__name__)
             set_checkpointing(args, False)
         self._defer_logprobs = False
+        self._padding_probed = False
         self._active_seeds: torch.Tensor | None = None
         self._rollout_start_step = 0
         self._eval_rollouts = 0
@@ -231,7 +233,26 @@ class DiffuGRPOTrainer(GRPOTrainer):
                 how = ("no KV cache: every step recomputes the row" if args.block_cache is None
                        else f"APPROXIMATE {args.block_cache} block cache")
                 logger.info("generation backend: diffusion sampler (%s)", how)
+        self._probe_padding(model)
+        if isinstance(self._backend, DiffusionSampler):
+            self._backend.attends_to_padding = self.estimator.attends_to_padding
         return self._backend
+
+    def _probe_padding(self, model) -> None:
+        """Once, on the first forward of any kind: find a model that attends to the padding it is told to hide
+        (the released LLaDA code); the sampler and the estimator then never pad a batch (equal-length rows run
+        together). Every rank runs it (a ZeRO-3 forward is collective) and gets the same answer."""
+        if self._padding_probed:
+            return
+        self._padding_probed = True
+        with torch.no_grad(), self.accelerator.autocast():
+            attended = attends_to_padding(model, self.estimator.padding_style, self.mask_token_id,
+                                          self._tokenizer.pad_token_id, self.accelerator.device)
+        self.estimator.attends_to_padding = attended
+        if attended and self.accelerator.is_main_process:
+            logger.warning("%s attends to padding whatever mask it is given (as the released LLaDA modelling code "
+                           "does): prompts of equal length are sampled and scored together, so no batch is padded "
+                           "(more, smaller forwards where prompt lengths vary)", type(base_module(model)).__name__)
 
     def _generate_single_turn(self, *args, **kwargs):
         with self.memory.phase("generation"):
@@ -293,6 +314,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
         return torch.stack(per_seed, dim=1)
 
     def _estimate(self, model, batch, seeds, row_chunk, entropy: bool):
+        self._probe_padding(model)
         with self.perf.phase("logprob"), self.memory.phase("logprob"):
             result = masked_logprobs(
                 model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"],
