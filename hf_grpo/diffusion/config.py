@@ -47,6 +47,26 @@ ESTIMATORS = ("mean_field", "coupled")
 LOGITS_SHIFT = ("auto", True, False)
 
 
+OBJECTIVES = (None, "d1")
+# d1's objective in TRL's terms: what objective="d1" sets (a different value set by the user is an error)
+D1_OBJECTIVE = {
+    "loss_type": "bnpo",  # one token mean over the micro-batch
+    "use_bias_correction_kl": False,  # plain k3 KL (TRL 1.16's default multiplies it by the ratio)
+    "scale_rewards": "none",  # advantages r - mean of the group, no std scaling
+    "score_with_temperature": False,  # log-probs of the raw logits, not logits / temperature
+}
+# TRL terms d1's loss does not have: objective="d1" refuses a value other than their neutral one
+D1_NEUTRAL = {
+    "importance_sampling_level": "token",
+    "delta": None,
+    "top_entropy_quantile": 1.0,
+    "off_policy_mask_threshold": None,
+    "entropy_coef": 0.0,
+    "use_adaptive_entropy": False,
+    "mask_truncated_completions": False,
+}
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -91,6 +111,15 @@ class DiffuGRPOConfig(GRPOConfig):
         logits_shift (`str` or `bool`, defaults to `"auto"`):
             True if position i predicts token i + 1 (Dream), False if it predicts token i (LLaDA);
             ``"auto"`` decides from the model type (others: False).
+        objective (`str`, *optional*):
+            ``None`` (default): TRL's loss as its fields configure it. ``"d1"``: d1's diffu-GRPO objective term
+            by term: ``loss_type="bnpo"`` (one token mean over the micro-batch), ``use_bias_correction_kl=False``
+            (plain k3 KL), ``scale_rewards="none"`` (advantages ``r - mean``), ``score_with_temperature=False``
+            (raw logits); a different value of one of these, or of a TRL term d1 does not have (``delta``,
+            ``top_entropy_quantile``, entropy bonus, sequence-level ratios, ...), is an error.
+        score_with_temperature (`bool`, defaults to `True`):
+            Whether the log-prob estimate divides the logits by ``temperature`` (TRL) or scores the raw
+            logits (d1).
         logprob_estimator (`str`, defaults to `"mean_field"`):
             ``"mean_field"`` (d1: one forward, every completion token masked) or ``"coupled"``
             (two forwards with complementary completion masks; lower variance).
@@ -123,6 +152,15 @@ class DiffuGRPOConfig(GRPOConfig):
         metadata={"help": "auto, true (Dream: position i predicts token i+1) or false (LLaDA: predicts token i)."},
     )
     logprob_estimator: str = field(default="mean_field", metadata={"help": f"One of {ESTIMATORS}."})
+    objective: str | None = field(
+        default=None,
+        metadata={"help": "None (TRL's loss as configured) or 'd1': d1's objective term by term (bnpo token mean, "
+                  "plain k3 KL, advantages r - mean, raw-logit scoring)."},
+    )
+    score_with_temperature: bool = field(
+        default=True,
+        metadata={"help": "Divide the logits by temperature when scoring (TRL); false scores raw logits (d1)."},
+    )
     enable_profiling: bool = field(
         default=False, metadata={"help": "Record peak memory per phase in get_performance_stats()."}
     )
@@ -130,6 +168,7 @@ class DiffuGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         self._validate_diffusion()
+        self._apply_objective()
         if self.generation_backend in ("cuda_graph", "vllm") or self.use_vllm:
             raise ValueError(
                 f"generation_backend={self.generation_backend!r} (use_vllm={self.use_vllm}) cannot serve a "
@@ -197,6 +236,37 @@ class DiffuGRPOConfig(GRPOConfig):
         if self.logprob_estimator not in ESTIMATORS:
             raise ValueError(f"logprob_estimator must be one of {ESTIMATORS}, got {self.logprob_estimator!r}")
 
+    def _apply_objective(self) -> None:
+        """``objective="d1"``: set d1's terms (``D1_OBJECTIVE``); refuse any the user set otherwise."""
+        if isinstance(self.objective, str) and self.objective.strip().lower() in ("none", "null", ""):
+            self.objective = None  # from a command line: --objective none
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.objective is None:
+            return
+        scale = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)  # TRL's bool aliases
+        current = {name: getattr(self, name) for name in (*D1_OBJECTIVE, *D1_NEUTRAL)}
+        current["scale_rewards"] = scale
+        for name, wanted in D1_OBJECTIVE.items():
+            if name in self._explicit_fields and current[name] != wanted:
+                raise ValueError(f"objective='d1' runs d1's loss, which needs {name}={wanted!r}; got "
+                                 f"{name}={getattr(self, name)!r}. Leave {name} unset, or set objective=None")
+            setattr(self, name, wanted)
+        for name, neutral in D1_NEUTRAL.items():
+            if current[name] != neutral:
+                raise ValueError(f"objective='d1' runs d1's loss, which has no {name} term: {name} must be "
+                                 f"{neutral!r}, got {current[name]!r}. Set objective=None to combine it with TRL's loss")
+        if self.epsilon_high is not None and self.epsilon_high != self.epsilon:
+            raise ValueError(f"objective='d1' clips the ratio symmetrically to [1 - epsilon, 1 + epsilon]: "
+                             f"epsilon_high must be None or equal to epsilon ({self.epsilon}), got {self.epsilon_high!r}")
+
+    def _objective_line(self) -> str:
+        if self.objective == "d1":
+            return "d1 (bnpo token mean, plain k3 KL, advantages r - mean, log-probs of the raw logits)"
+        kl = "k3 KL x ratio" if self.use_bias_correction_kl else "plain k3 KL"
+        scoring = "logits / temperature" if self.score_with_temperature else "raw logits"
+        return f"TRL's {self.loss_type} loss ({kl}, scale_rewards={self.scale_rewards}, log-probs of {scoring})"
+
     # ---- the guide's API -----------------------------------------------------------------------
     @property
     def optimization(self) -> OptimizationView:
@@ -253,6 +323,7 @@ class DiffuGRPOConfig(GRPOConfig):
             f"├── log-prob estimate: {self.logprob_estimator} ({views} forward{'s' if views > 1 else ''} per row), "
             f"prompt tokens masked with p={self.p_mask_prompt}, logits_shift={shift}",
             f"├── mask seeds: one per row and iteration ({mu}, num_iterations); iteration k = rollout pass",
+            f"├── objective: {self._objective_line()}",
             f"└── at rollout time: {extra}",
         ]
         return "\n".join(lines)

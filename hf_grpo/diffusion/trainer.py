@@ -136,7 +136,8 @@ class DiffuGRPOTrainer(GRPOTrainer):
         if reason is not None:
             logger.warning("the diffusion log-probs use full logits (%s): tensor_batch_size bounds only the "
                            "log-softmax, not the logits", reason)
-        temperature = self.temperature if self.temperature > 0 else 1.0
+        # d1 scores raw logits; TRL scores logits / temperature
+        temperature = self.temperature if args.score_with_temperature and self.temperature > 0 else 1.0
         self.estimator = EstimatorSpec(
             mask_token_id=self.mask_token_id, pad_token_id=self._tokenizer.pad_token_id,
             completion_slots=args.max_completion_length, p_mask_prompt=args.p_mask_prompt,

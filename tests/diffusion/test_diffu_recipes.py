@@ -140,6 +140,10 @@ def test_diffu_countdown_tiny_with_its_yaml(tmp_path):
     args = trainer.args  # the YAML's d1 settings, the command line's sampler sizes
     assert (args.epsilon, args.beta, args.temperature, args.scale_rewards, args.max_grad_norm) == (
         0.5, 0.04, 0.9, "none", 0.2)
+    # d1's objective term by term
+    assert (args.objective, args.loss_type, args.use_bias_correction_kl, args.score_with_temperature) == (
+        "d1", "bnpo", False, False)
+    assert trainer.estimator.temperature == 1.0
     assert (args.block_length, args.diffusion_steps, args.p_mask_prompt) == (8, 8, 0.15)
     assert trainer.batch_plan().generation_chunks == 2  # 12 completions per rollout in chunks of 6
 
