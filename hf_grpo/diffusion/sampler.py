@@ -65,6 +65,8 @@ from .gumbel_max import usable as gumbel_max_usable
 from .model import (
     HeadBypass,
     accepts_kwarg,
+    base_module,
+    model_family,
     equal_length_groups,
     left_pad_tensors,
     pack_rows,
@@ -75,6 +77,20 @@ from .model import (
 logger = logging.getLogger("hf_grpo")
 
 REMASKING = ("low_confidence", "random")
+SAMPLERS = ("llada", "dream")  # the semi-autoregressive block sampler (LLaDA's), Dream's diffusion_generate
+
+
+def resolve_sampler(args, model: torch.nn.Module) -> str:
+    """``"llada"`` or ``"dream"``: ``args.sampler``, or for ``"auto"`` Dream's sampler for a Dream model (by
+    ``model_type``; Dream registers ``AutoModel`` only, so the family is what tells it) and LLaDA's otherwise."""
+    choice = args.sampler
+    if choice == "auto":
+        choice = "dream" if model_family(base_module(model)) == "dream" else "llada"
+    if choice == "dream" and (args.block_cache is not None or args.cfg_scale > 0 or args.remasking != "low_confidence"):
+        raise ValueError(f"this Dream model samples with Dream's sampler (sampler='auto'), which has no blocks, "
+                         f"guidance or remasking choice: block_cache={args.block_cache!r}, cfg_scale={args.cfg_scale!r}"
+                         f", remasking={args.remasking!r} need sampler='llada'")
+    return choice
 
 
 def transfer_schedule(block_length: int, steps: int) -> list[int]:
@@ -134,7 +150,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gen
 
 
 def sample_block(bypass: HeadBypass, picked: torch.Tensor, cfg_scale: float, mask_token_id: int,
-                 temperature: float, generator: torch.Generator | None):
+                 temperature: float, generator: torch.Generator | None, forbid_mask_token: bool = True):
     """``(tokens, log_confidence)`` ``[B, bl]`` from the block's hidden states (or logits) ``picked``
     ``[B, bl, ...]`` (``[2B, ...]`` with CFG: conditional rows first), ``HEAD_POSITIONS // bl`` rows at a time
     (at least one): the block's logits never exist whole."""
@@ -150,8 +166,8 @@ def sample_block(bypass: HeadBypass, picked: torch.Tensor, cfg_scale: float, mas
             logits = unconditional + (cfg_scale + 1) * (conditional - unconditional)
         else:
             logits = bypass.to_logits(picked[part])
-        if mask_token_id < logits.size(-1):
-            logits[..., mask_token_id] = float("-inf")  # never "predict" the mask itself
+        if forbid_mask_token and mask_token_id < logits.size(-1):
+            logits[..., mask_token_id] = float("-inf")  # never "predict" the mask itself (LLaDA's code does)
         piece_tokens, piece_confidence = sample_tokens(logits, temperature, generator)
         tokens.append(piece_tokens)
         confidence.append(piece_confidence)
@@ -194,6 +210,7 @@ def diffusion_generate(
     block_cache: str | None = None,
     cuda_graph: bool = False,
     tensor_batch_size: int | None = None,
+    forbid_mask_token: bool = True,
 ) -> torch.Tensor:
     """The ``gen_length`` completion tokens ``[B, L]`` for left-padded ``prompt_ids`` ``[B, P]`` (mask ``prompt_mask``).
 
@@ -202,7 +219,8 @@ def diffusion_generate(
     approximate key/value reuse of ``hf_grpo.diffusion.block_cache``; with it, ``cuda_graph`` captures the
     cached step once and replays it (CUDA only; see ``BlockKVCache``). With a cache, ``tensor_batch_size``
     (token rows) bounds a block's full forward: it runs ``tensor_batch_size // row length`` rows at a time,
-    at least one.
+    at least one. ``forbid_mask_token`` (default on) sets the mask token's logit to -inf before the draw and the
+    confidence, so no completion holds the mask token; LLaDA's published sampler does not.
     """
     if tensor_batch_size is not None and (isinstance(tensor_batch_size, bool) or not isinstance(tensor_batch_size, int)
                                           or tensor_batch_size < 1):
@@ -266,7 +284,8 @@ def diffusion_generate(
                     if cache is not None:
                         cache.end_block_start()
                     started = True
-                tokens, confidence = sample_block(bypass, picked, cfg_scale, mask_token_id, temperature, generator)
+                tokens, confidence = sample_block(bypass, picked, cfg_scale, mask_token_id, temperature, generator,
+                                                  forbid_mask_token)
                 del picked  # the next step's forward need not hold it
                 current = canvas.gather(1, columns)
                 still_masked = current == mask_token_id
@@ -331,8 +350,21 @@ class DiffusionSampler(GenerationBackend):
         cuda_graph: bool | None = None,
         tensor_batch_size: int | None = None,
         attends_to_padding: bool = False,
+        algorithm: str = "llada",
+        confidence_algorithm: str = "entropy",
+        confidence_temperature: float = 0.0,
+        schedule_eps: float = 1e-3,
+        forbid_mask_token: bool = True,
     ):
         check_block_cache_name(block_cache)
+        if algorithm not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {algorithm!r}")
+        if algorithm == "dream" and (block_cache is not None or cfg_scale > 0 or remasking != "low_confidence"):
+            raise ValueError(f"Dream's sampler has no blocks, guidance or remasking choice: block_cache={block_cache!r}, "
+                             f"cfg_scale={cfg_scale!r} and remasking={remasking!r} need sampler='llada'")
+        self.algorithm, self.confidence_algorithm = algorithm, confidence_algorithm
+        self.confidence_temperature, self.schedule_eps = confidence_temperature, schedule_eps
+        self.forbid_mask_token = forbid_mask_token
         if cuda_graph and block_cache is None:
             raise ValueError("cuda_graph=True captures the block cache's steps; it needs block_cache='dual' or "
                              "'prefix' (the exact sampler's steps run the whole row)")
@@ -369,6 +401,13 @@ class DiffusionSampler(GenerationBackend):
             cuda_graph = self.block_cache == "dual" and device.type == "cuda" and not is_zero3_partitioned(model)
         for rows in self._chunks(prompt_ids, chunk_size):
             ids, mask, padded = left_pad_tensors([list(prompt_ids[row]) for row in rows], pad_token_id, device)
+            if self.algorithm == "dream":
+                with self.autocast():
+                    canvas = self._dream(model, ids, mask, padded, generation_config, temperature, pad_token_id)
+                self.forwards += self.steps
+                for row, tokens in zip(rows, cut_after_eos(canvas, eos_token_ids)):
+                    completions[row] = tokens
+                continue
             with self.autocast():
                 canvas = diffusion_generate(
                     model, ids, mask, gen_length=length, block_length=self.block_length, steps=self.steps,
@@ -376,11 +415,23 @@ class DiffusionSampler(GenerationBackend):
                     remasking=self.remasking, cfg_scale=self.cfg_scale, logits_shift=self.logits_shift,
                     padding_style=self.padding_style, has_padding=padded, block_cache=self.block_cache,
                     cuda_graph=cuda_graph, tensor_batch_size=self.tensor_batch_size,
+                    forbid_mask_token=self.forbid_mask_token,
                 )
             self.forwards += blocks * sum(1 for k in transfer_schedule(self.block_length, self.steps // blocks) if k)
             for row, tokens in zip(rows, cut_after_eos(canvas, eos_token_ids)):
                 completions[row] = tokens
         return completions
+
+    def _dream(self, model, ids, mask, padded, generation_config, temperature, pad_token_id):
+        from .dream_sampler import dream_generate
+
+        return dream_generate(
+            model, ids, mask, gen_length=generation_config.max_new_tokens, steps=self.steps,
+            mask_token_id=self.mask_token_id, pad_token_id=pad_token_id, temperature=temperature,
+            top_p=generation_config.top_p, top_k=generation_config.top_k, algorithm=self.confidence_algorithm,
+            confidence_temperature=self.confidence_temperature, eps=self.schedule_eps, logits_shift=self.logits_shift,
+            padding_style=self.padding_style, has_padding=padded, forbid_mask_token=self.forbid_mask_token,
+        )
 
     def _chunks(self, prompt_ids: Sequence[Sequence[int]], chunk_size: int) -> list[list[int]]:
         """Row indices of each chunk: ``chunk_size`` consecutive prompts, or, for a model that attends to padding,
@@ -393,8 +444,9 @@ class DiffusionSampler(GenerationBackend):
         if getattr(self, "_warned", False):
             return
         self._warned = True
-        ignored = {name: getattr(generation_config, name, None) for name in ("top_p", "top_k", "min_p",
-                                                                          "repetition_penalty")}
+        names = ("min_p", "repetition_penalty") if self.algorithm == "dream" else ("top_p", "top_k", "min_p",
+                                                                                    "repetition_penalty")
+        ignored = {name: getattr(generation_config, name, None) for name in names}
         neutral = {"top_p": (None, 1.0), "top_k": (None, 0), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0)}
         set_ = {name: value for name, value in ignored.items() if value not in neutral[name]}
         if set_:

@@ -61,7 +61,7 @@ from .model import (
     resolve_logits_shift,
     resolve_mask_token_id,
 )
-from .sampler import DiffusionSampler
+from .sampler import DiffusionSampler, resolve_sampler
 
 logger = logging.getLogger("hf_grpo")
 
@@ -132,6 +132,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
 
         self.mask_token_id = resolve_mask_token_id(args.mask_token_id, self.model, self.processing_class)
         self.logits_shift = resolve_logits_shift(args.logits_shift, self.model)
+        self.sampler_algorithm = resolve_sampler(args, self.model)
         reason = head_unsupported_reason(self.model)
         if reason is not None:
             logger.warning("the diffusion log-probs use full logits (%s): tensor_batch_size bounds only the "
@@ -229,10 +230,15 @@ class DiffuGRPOTrainer(GRPOTrainer):
                 remasking=args.remasking, cfg_scale=args.cfg_scale, logits_shift=self.logits_shift,
                 padding_style=self.estimator.padding_style, autocast=self.accelerator.autocast,
                 block_cache=args.block_cache, tensor_batch_size=args.tensor_batch_size,
+                algorithm=self.sampler_algorithm, confidence_algorithm=args.confidence_algorithm,
+                confidence_temperature=args.confidence_temperature, schedule_eps=args.schedule_eps,
+                forbid_mask_token=args.forbid_mask_token,
             )
             if self.accelerator.is_main_process:
                 how = ("no KV cache: every step recomputes the row" if args.block_cache is None
                        else f"APPROXIMATE {args.block_cache} block cache")
+                if self.sampler_algorithm == "dream":
+                    how = f"Dream's diffusion_generate, {args.confidence_algorithm} confidence"
                 logger.info("generation backend: diffusion sampler (%s)", how)
         self._probe_padding(model)
         if isinstance(self._backend, DiffusionSampler):
