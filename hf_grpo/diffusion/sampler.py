@@ -41,6 +41,9 @@ of 2, one H100), for activations that ``per_device_generation_batch_size`` alrea
 prefix's keys/values depend on the still-masked positions of the current and later blocks, which
 change at every step, so no exact prefix cache exists; the module's docstring says more. With it,
 ``cuda_graph`` captures the cached step once and replays it.
+
+Dream models get Dream's own sampler instead (``hf_grpo.diffusion.dream_sampler``, ``DiffusionSampler(algorithm=
+"dream")``): no blocks, its schedule and confidence algorithms, top_p / top_k.
 """
 
 from __future__ import annotations

@@ -22,6 +22,11 @@ TRL computes GRPO's advantages, clipped ratio, KL (k3) and logging; this subclas
   instead of the causal one, through ``chunked_logprobs`` with ``tensor_batch_size`` token rows.
 - ``_generate_single_turn`` and ``training_step``: only wrapped for per-phase memory figures.
 
+On its first forward the trainer probes whether the model attends to padding whatever mask it is given
+(the released LLaDA code, ``hf_grpo.diffusion.model.attends_to_padding``); if so, the sampler and the estimator
+never pad a batch (docs/diffusion.md). The sampler is LLaDA's block sampler or Dream's own (``sampler``,
+chosen by model family by default).
+
 Public: ``get_performance_stats()`` adds ``memory_manager_stats`` and ``diffusion``; ``log`` adds ``mem/``
 figures with ``log_memory_usage``.
 
