@@ -134,14 +134,20 @@ def attends_to_padding(model: torch.nn.Module, style: str, mask_token_id: int, p
     """
     device = device if device is not None else next(base_module(model).parameters()).device
     real = [mask_token_id] * PROBE_REAL
-    rows = torch.tensor([real + [pad_token_id] * PROBE_PADDING, real + [mask_token_id] * PROBE_PADDING],
+    other = mask_token_id if mask_token_id != pad_token_id else (0 if pad_token_id != 0 else 1)
+    rows = torch.tensor([real + [pad_token_id] * PROBE_PADDING, real + [other] * PROBE_PADDING],
                         dtype=torch.long, device=device)
     valid = torch.zeros(rows.shape, dtype=torch.bool, device=device)
     valid[:, :PROBE_REAL] = True
     kwargs = padding_kwargs(style, valid)
     if accepts_kwarg(model, "use_cache"):
         kwargs["use_cache"] = False
-    output = model(input_ids=rows, **kwargs)
+    training = model.training
+    model.eval()  # dropout would tell the two rows apart
+    try:
+        output = model(input_ids=rows, **kwargs)
+    finally:
+        model.train(training)
     states = (output.logits if hasattr(output, "logits") else output[0])[:, :PROBE_REAL].float()
     scale = states.abs().max().clamp_min(1e-6)
     # a model that honours the mask differs here by rounding at most; the released LLaDA code by O(scale)

@@ -57,6 +57,16 @@ def test_the_probe_finds_a_model_that_attends_to_padding():
     assert not attends_to_padding(build_tiny_diffusion_model(TOKENIZER, dtype=torch.bfloat16), "mask2d", MASK, PAD)
 
 
+def test_the_probe_is_not_fooled_by_dropout_and_keeps_the_training_mode():
+    model = build_tiny_diffusion_model(TOKENIZER).train()
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    assert not attends_to_padding(model, "mask2d", MASK, PAD)
+    assert model.training
+    assert not attends_to_padding(llada(False), "bias4d", MASK, MASK)  # pad and mask the same id: another filler
+    assert attends_to_padding(llada(True), "bias4d", MASK, MASK)
+
+
 def test_stand_in_attends_to_padding_when_the_batch_is_padded():
     """Guards the tests below: scored in padded chunks, the released-code stand-in's rows depend on their chunk."""
     model = llada(True)
