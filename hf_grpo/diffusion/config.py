@@ -177,7 +177,8 @@ class DiffuGRPOConfig(GRPOConfig):
         default="entropy", metadata={"help": f"Dream's sampler: one of {CONFIDENCE_ALGORITHMS}."}
     )
     confidence_temperature: float = field(
-        default=0.0, metadata={"help": "Dream's sampler (alg_temp): 0 commits the most confident slots, > 0 draws them."}
+        default=0.0,
+        metadata={"help": "Dream's sampler (alg_temp): 0 commits the most confident slots, > 0 draws them."},
     )
     schedule_eps: float = field(default=1e-3, metadata={"help": "Dream's sampler: schedule linspace(1, eps, steps+1)."})
     forbid_mask_token: bool = field(
@@ -308,10 +309,12 @@ class DiffuGRPOConfig(GRPOConfig):
         for name, neutral in D1_NEUTRAL.items():
             if current[name] != neutral:
                 raise ValueError(f"objective='d1' runs d1's loss, which has no {name} term: {name} must be "
-                                 f"{neutral!r}, got {current[name]!r}. Set objective=None to combine it with TRL's loss")
+                                 f"{neutral!r}, got {current[name]!r}. Set objective=None to combine it with "
+                                 f"TRL's loss")
         if self.epsilon_high is not None and self.epsilon_high != self.epsilon:
             raise ValueError(f"objective='d1' clips the ratio symmetrically to [1 - epsilon, 1 + epsilon]: "
-                             f"epsilon_high must be None or equal to epsilon ({self.epsilon}), got {self.epsilon_high!r}")
+                             f"epsilon_high must be None or equal to epsilon ({self.epsilon}), "
+                             f"got {self.epsilon_high!r}")
 
     def _sampler_line(self, L, blocks, block, steps, per_block, per_step, guidance) -> str:
         dream = (f"Dream's sampler: {L} tokens, {steps} steps, no blocks, schedule linspace(1, {self.schedule_eps}), "

@@ -363,8 +363,9 @@ class DiffusionSampler(GenerationBackend):
         if algorithm not in SAMPLERS:
             raise ValueError(f"sampler must be one of {SAMPLERS}, got {algorithm!r}")
         if algorithm == "dream" and (block_cache is not None or cfg_scale > 0 or remasking != "low_confidence"):
-            raise ValueError(f"Dream's sampler has no blocks, guidance or remasking choice: block_cache={block_cache!r}, "
-                             f"cfg_scale={cfg_scale!r} and remasking={remasking!r} need sampler='llada'")
+            raise ValueError(f"Dream's sampler has no blocks, guidance or remasking choice: "
+                             f"block_cache={block_cache!r}, cfg_scale={cfg_scale!r} and remasking={remasking!r} "
+                             f"need sampler='llada'")
         self.algorithm, self.confidence_algorithm = algorithm, confidence_algorithm
         self.confidence_temperature, self.schedule_eps = confidence_temperature, schedule_eps
         self.forbid_mask_token = forbid_mask_token

@@ -213,6 +213,8 @@ class DiffuGRPOTrainer(GRPOTrainer):
             "mask_token_id": self.mask_token_id,
             "logits_shift": self.logits_shift,
             "logprob_estimator": self.estimator.estimator,
+            "sampler": self.sampler_algorithm,
+            "attends_to_padding": self.estimator.attends_to_padding,  # the probe's finding (False before it ran)
         }
         return stats
 

@@ -242,7 +242,8 @@ def test_trainer_samples_with_dreams_sampler(tmp_path, monkeypatch):
     assert trainer._backend.algorithm == "dream" and calls
     assert calls[0]["algorithm"] == "maskgit_plus" and calls[0]["top_k"] == 5 and calls[0]["steps"] == 4
     assert trainer.args.diffusion_plan(1).startswith(
-        "diffusion: Dream's sampler: 8 tokens, 4 steps, no blocks, schedule linspace(1, 0.001), maskgit_plus confidence")
+        "diffusion: Dream's sampler: 8 tokens, 4 steps, no blocks, schedule linspace(1, 0.001), "
+        "maskgit_plus confidence")
 
 
 def mask_loving_model():
