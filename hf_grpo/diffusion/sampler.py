@@ -223,7 +223,8 @@ def diffusion_generate(
     cached step once and replays it (CUDA only; see ``BlockKVCache``). With a cache, ``tensor_batch_size``
     (token rows) bounds a block's full forward: it runs ``tensor_batch_size // row length`` rows at a time,
     at least one. ``forbid_mask_token`` (default on) sets the mask token's logit to -inf before the draw and the
-    confidence, so no completion holds the mask token; LLaDA's published sampler does not.
+    confidence, so no completion holds the mask token; LLaDA's published sampler does not, and with it off this
+    sampler is LLaDA's token for token (a slot that drew the mask token stays a candidate up to the block's end).
     """
     if tensor_batch_size is not None and (isinstance(tensor_batch_size, bool) or not isinstance(tensor_batch_size, int)
                                           or tensor_batch_size < 1):
@@ -259,7 +260,12 @@ def diffusion_generate(
     with bypass:
         for block in range(blocks):
             columns = slot_columns(start, block * block_length, block_length, shift=False)  # [B, bl]
-            read_from = columns - 1 if logits_shift else columns
+            # LLaDA's code commits any still-masked slot before the block's end: with the mask token allowed, a
+            # slot of an earlier block that drew it is a candidate again (exact path only)
+            candidates = columns
+            if not forbid_mask_token and cache is None:
+                candidates = slot_columns(start, 0, (block + 1) * block_length, shift=False)
+            read_from = candidates - 1 if logits_shift else candidates
             if guided:
                 read_from = torch.cat([read_from, read_from])
             started = False  # whether this block's full forward ran (the cached steps follow it)
@@ -290,13 +296,13 @@ def diffusion_generate(
                 tokens, confidence = sample_block(bypass, picked, cfg_scale, mask_token_id, temperature, generator,
                                                   forbid_mask_token)
                 del picked  # the next step's forward need not hold it
-                current = canvas.gather(1, columns)
+                current = canvas.gather(1, candidates)
                 still_masked = current == mask_token_id
                 if remasking == "random":
                     confidence = torch.rand(current.shape, device=canvas.device, generator=generator)
                 confidence = confidence.masked_fill(~still_masked, float("-inf"))
                 commit = commit_topk(confidence, counts[k]) & still_masked
-                canvas = canvas.scatter(1, columns, torch.where(commit, tokens, current))
+                canvas = canvas.scatter(1, candidates, torch.where(commit, tokens, current))
                 if step_callback is not None:
                     step_callback(block, step, canvas, columns)
     return canvas.gather(1, slot_columns(start, 0, gen_length, shift=False))
