@@ -34,7 +34,15 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import chunked_logprobs
-from .model import HeadBypass, accepts_kwarg, equal_length_groups, pack_rows, padding_kwargs, slot_columns
+from .model import (
+    HeadBypass,
+    accepts_kwarg,
+    equal_length_groups,
+    max_over_ranks,
+    pack_rows,
+    padding_kwargs,
+    slot_columns,
+)
 
 ESTIMATORS = ("mean_field", "coupled")
 COUPLED_RATIO_RANGE = (0.2, 0.8)
@@ -206,6 +214,13 @@ def masked_logprobs(
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=logps.device))
         logps = logps[inverse]
         entropies = entropies[inverse] if return_entropy else None
+    if spec.attends_to_padding:
+        # as many forwards as the busiest rank: the extra ones score row 0 again, weighted 0 (their backward runs
+        # too, so ZeRO-3's per-layer gathers line up), and change nothing
+        for _ in range(max_over_ranks(len(pieces), prompt_ids.device) - len(pieces)):
+            idle = _estimate_rows(model, prompt_ids[:1], prompt_mask[:1], completion_ids[:1], completion_mask[:1],
+                                  seed_list[:1], lengths[:1], spec, bypass, extra, False, autocast)[0]
+            logps = logps + 0.0 * idle.sum()
     return (logps, entropies) if return_entropy else logps
 
 

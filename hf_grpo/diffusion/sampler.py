@@ -72,6 +72,7 @@ from .model import (
     model_family,
     equal_length_groups,
     left_pad_tensors,
+    max_over_ranks,
     pack_rows,
     padding_kwargs,
     slot_columns,
@@ -409,13 +410,20 @@ class DiffusionSampler(GenerationBackend):
         cuda_graph = self.cuda_graph
         if cuda_graph is None:
             cuda_graph = self.block_cache == "dual" and device.type == "cuda" and not is_zero3_partitioned(model)
-        for rows in self._chunks(prompt_ids, chunk_size):
+        chunks = self._chunks(prompt_ids, chunk_size)
+        real = len(chunks)
+        if self.attends_to_padding and is_zero3_partitioned(model) and prompt_ids:
+            # ZeRO-3 forwards are collective: as many chunks as the busiest rank (the extra ones resample prompt 0,
+            # and their completions are dropped)
+            chunks += [[0]] * (max_over_ranks(real, device) - real)
+        for index, rows in enumerate(chunks):
+            keep = index < real
             ids, mask, padded = left_pad_tensors([list(prompt_ids[row]) for row in rows], pad_token_id, device)
             if self.algorithm == "dream":
                 with self.autocast():
                     canvas = self._dream(model, ids, mask, padded, generation_config, temperature, pad_token_id)
                 self.forwards += self.steps
-                for row, tokens in zip(rows, cut_after_eos(canvas, eos_token_ids)):
+                for row, tokens in zip(rows, cut_after_eos(canvas, eos_token_ids) if keep else []):
                     completions[row] = tokens
                 continue
             with self.autocast():
@@ -428,7 +436,7 @@ class DiffusionSampler(GenerationBackend):
                     forbid_mask_token=self.forbid_mask_token,
                 )
             self.forwards += blocks * sum(1 for k in transfer_schedule(self.block_length, self.steps // blocks) if k)
-            for row, tokens in zip(rows, cut_after_eos(canvas, eos_token_ids)):
+            for row, tokens in zip(rows, cut_after_eos(canvas, eos_token_ids) if keep else []):
                 completions[row] = tokens
         return completions
 

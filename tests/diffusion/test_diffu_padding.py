@@ -148,3 +148,31 @@ def test_trainer_probes_once_and_old_logprobs_match_the_loss_at_iteration_zero(t
     torch.testing.assert_close(again, rollout["diffu_old_logps"][shuffled, 0], rtol=0, atol=1e-6)
     assert trainer.estimator.attends_to_padding is ignores_mask
     assert trainer._backend.attends_to_padding is ignores_mask
+
+
+def test_every_rank_runs_as_many_forwards_as_the_busiest(monkeypatch):
+    """Grouping by length gives each rank its own number of forwards; where forwards are collective (ZeRO-3, DDP's
+    buffer broadcast) the others run idle ones, weighted 0: same numbers, same gradients, more forwards."""
+    from hf_grpo.diffusion import logprobs, sampler
+
+    model = llada(True)
+    rows = [5, 1, 6, 0]
+    logp = estimate(model, rows, 2, True)
+    (logp.sum()).backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+    forwards = []
+    model.register_forward_hook(lambda *args: forwards.append(1))
+    monkeypatch.setattr(logprobs, "max_over_ranks", lambda count, device: count + 2)  # a busier rank exists
+    padded_logp = estimate(model, rows, 2, True)
+    padded_logp.sum().backward()
+    assert len(forwards) == 4 + 2  # groups of lengths 6, 2, 1, 3 (one row each at most 2), then 2 idle forwards
+    torch.testing.assert_close(padded_logp, logp, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([p.grad.flatten() for p in model.parameters()]), grads, rtol=0, atol=0)
+
+    alone = sample(model, list(range(len(PROMPTS))), 3, True)
+    monkeypatch.setattr(sampler, "is_zero3_partitioned", lambda model: True)
+    monkeypatch.setattr(sampler, "max_over_ranks", lambda count, device: count + 1)
+    forwards.clear()
+    assert sample(model, list(range(len(PROMPTS))), 3, True) == alone
+    assert len(forwards) == (4 + 1) * 8  # lengths 3, 2, 6, 1: 4 chunks, then 1 idle chunk; 8 steps each
