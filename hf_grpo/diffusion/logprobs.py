@@ -197,6 +197,9 @@ def masked_logprobs(
     bypass = HeadBypass(unwrapped)
     out_logps, out_entropy = [], []
     pieces = _row_pieces(lengths, row_chunk, spec.attends_to_padding)
+    # grouped by length, ranks hold different numbers of pieces: agree on the largest BEFORE any forward (where
+    # forwards are collective, a rank must not wait in this all-reduce while another waits in a forward)
+    idle = max_over_ranks(len(pieces), prompt_ids.device) - len(pieces) if spec.attends_to_padding else 0
     for rows_here in pieces:
         index = rows_here if isinstance(rows_here, slice) else torch.tensor(rows_here, device=prompt_ids.device)
         logp, entropy = _estimate_rows(
@@ -214,13 +217,12 @@ def masked_logprobs(
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=logps.device))
         logps = logps[inverse]
         entropies = entropies[inverse] if return_entropy else None
-    if spec.attends_to_padding:
+    for _ in range(idle):
         # as many forwards as the busiest rank: the extra ones score row 0 again, weighted 0 (their backward runs
         # too, so ZeRO-3's per-layer gathers line up), and change nothing
-        for _ in range(max_over_ranks(len(pieces), prompt_ids.device) - len(pieces)):
-            idle = _estimate_rows(model, prompt_ids[:1], prompt_mask[:1], completion_ids[:1], completion_mask[:1],
-                                  seed_list[:1], lengths[:1], spec, bypass, extra, False, autocast)[0]
-            logps = logps + 0.0 * idle.sum()
+        again = _estimate_rows(model, prompt_ids[:1], prompt_mask[:1], completion_ids[:1], completion_mask[:1],
+                               seed_list[:1], lengths[:1], spec, bypass, extra, False, autocast)[0]
+        logps = logps + 0.0 * again.sum()
     return (logps, entropies) if return_entropy else logps
 
 
