@@ -11,8 +11,9 @@ uniform, left-padded) and random tokens.
 * rollout (LLaDA's ``generate``): every step runs the whole row, projects EVERY position through the LM
   head, adds Gumbel noise as ``exp(logits) / (-log u)^T`` and takes the softmax, both in float64 over the
   whole ``[B, T, V]``, and commits the top-k confident masked tokens of the current block with a top-k
-  per row (a host sync per row). One deviation, shared with hf_grpo: the mask token's logit is set to
-  -inf (a random-init model would otherwise "predict" the mask and commit it);
+  per row (a host sync per row). One deviation, shared with hf_grpo's default (``forbid_mask_token``): the
+  mask token's logit is set to -inf (a random-init model would otherwise "predict" the mask and commit it);
+  ``plain_generate(forbid_mask_token=False)`` is LLaDA's code without it;
 * scoring (d1's ``_get_per_token_logps``): the old and reference log-probs of one rollout for all
   ``num_iterations`` mask seeds in ONE forward over ``num_iterations x rows`` sequences, with the full
   ``[rows, T, V]`` logits and a cross-entropy over the completion's ``[rows x L, V]`` slice;
@@ -91,7 +92,8 @@ def plain_transfer_counts(block_masked: torch.Tensor, steps: int) -> torch.Tenso
 
 @torch.no_grad()
 def plain_generate(model, prompt: torch.Tensor, attention_mask: torch.Tensor | None, *, steps: int, gen_length: int,
-                   block_length: int, temperature: float, mask_id: int, generator=None, uniform=None) -> torch.Tensor:
+                   block_length: int, temperature: float, mask_id: int, generator=None, uniform=None,
+                   forbid_mask_token: bool = True) -> torch.Tensor:
     """LLaDA's published ``generate`` (low-confidence remasking, no CFG) for a left-padded ``prompt`` [B, P].
 
     ``uniform(shape, device)`` supplies the float64 uniforms of the Gumbel noise (default: ``torch.rand``
@@ -112,7 +114,8 @@ def plain_generate(model, prompt: torch.Tensor, attention_mask: torch.Tensor | N
         for step in range(steps_per_block):
             mask_index = x == mask_id
             logits = model(x, attention_mask=attention_mask).logits  # [B, T, V]: every position
-            logits[..., mask_id] = float("-inf")  # the one deviation (see the module docstring)
+            if forbid_mask_token:
+                logits[..., mask_id] = float("-inf")  # the one deviation (see the module docstring)
             x0 = torch.argmax(plain_gumbel(logits, temperature, uniform), dim=-1)
             p = F.softmax(logits.to(torch.float64), dim=-1)
             x0_p = torch.gather(p, -1, x0.unsqueeze(-1)).squeeze(-1)

@@ -8,7 +8,8 @@
 The sampler and estimator settings default to d1's published ones (DiffuGRPOConfig's defaults): 256
 completion tokens in blocks of 32, 128 denoising steps, low-confidence remasking, prompt tokens masked
 with p=0.15; the YAML adds T 0.9, epsilon 0.5, beta 0.04, num_iterations 12, lr 3e-6, max_grad_norm 0.2,
-no reward std scaling. Any of them is a flag (--block_length 64, --logprob_estimator coupled, ...).
+and d1's loss term by term (``objective="d1"``: bnpo token mean, plain k3 KL, advantages r - mean, raw-logit
+scoring). Any of them is a flag (--block_length 64, --logprob_estimator coupled, --objective none, ...).
 Reward: 1.0 for a correct equation using every number once, 0.1 for a well-formed wrong one.
 """
 
@@ -38,8 +39,7 @@ DEFAULTS = dict(
     epsilon=0.5,
     beta=0.04,
     num_iterations=12,
-    scale_rewards="none",
-    loss_type="grpo",
+    objective="d1",  # d1's loss: bnpo, plain k3 KL, r - mean advantages, raw-logit scoring
     max_steps=500,
     logging_steps=5,
     save_steps=100,

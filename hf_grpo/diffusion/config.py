@@ -41,8 +41,30 @@ from .block_cache import BLOCK_CACHES, check_block_cache_name
 logger = logging.getLogger("hf_grpo")
 
 REMASKING = ("low_confidence", "random")
+SAMPLER_CHOICES = ("auto", "llada", "dream")
+CONFIDENCE_ALGORITHMS = ("maskgit_plus", "topk_margin", "entropy")
 ESTIMATORS = ("mean_field", "coupled")
 LOGITS_SHIFT = ("auto", True, False)
+
+
+OBJECTIVES = (None, "d1")
+# d1's objective in TRL's terms: what objective="d1" sets (a different value set by the user is an error)
+D1_OBJECTIVE = {
+    "loss_type": "bnpo",  # one token mean over the micro-batch
+    "use_bias_correction_kl": False,  # plain k3 KL (TRL 1.16's default multiplies it by the ratio)
+    "scale_rewards": "none",  # advantages r - mean of the group, no std scaling
+    "score_with_temperature": False,  # log-probs of the raw logits, not logits / temperature
+}
+# TRL terms d1's loss does not have: objective="d1" refuses a value other than their neutral one
+D1_NEUTRAL = {
+    "importance_sampling_level": "token",
+    "delta": None,
+    "top_entropy_quantile": 1.0,
+    "off_policy_mask_threshold": None,
+    "entropy_coef": 0.0,
+    "use_adaptive_entropy": False,
+    "mask_truncated_completions": False,
+}
 
 
 def _divisors(n: int) -> list[int]:
@@ -89,6 +111,33 @@ class DiffuGRPOConfig(GRPOConfig):
         logits_shift (`str` or `bool`, defaults to `"auto"`):
             True if position i predicts token i + 1 (Dream), False if it predicts token i (LLaDA);
             ``"auto"`` decides from the model type (others: False).
+        sampler (`str`, defaults to `"auto"`):
+            ``"llada"``: the semi-autoregressive block sampler (LLaDA's ``generate``); ``"dream"``: Dream's
+            ``diffusion_generate`` (no blocks, ``linspace(1, schedule_eps)`` schedule, confidence by
+            ``confidence_algorithm``, honours ``top_p`` / ``top_k``); ``"auto"``: Dream's for a Dream model
+            (``model_type`` containing "dream"), LLaDA's otherwise.
+        confidence_algorithm (`str`, defaults to `"entropy"`):
+            Dream's sampler only: how a slot's confidence is measured, one of ``"maskgit_plus"`` (probability of
+            the drawn token), ``"topk_margin"`` (top-1 minus top-2 probability), ``"entropy"`` (negative entropy;
+            Dream's demos use it).
+        confidence_temperature (`float`, defaults to `0.0`):
+            Dream's sampler only (its ``alg_temp``): 0 commits the most confident slots; > 0 draws them from
+            ``softmax(confidence / confidence_temperature)``.
+        schedule_eps (`float`, defaults to `1e-3`):
+            Dream's sampler only: the last time of its schedule ``linspace(1, eps, steps + 1)``, in (0, 1).
+        forbid_mask_token (`bool`, defaults to `True`):
+            Set the mask token's logit to -inf before each draw and confidence, so no completion holds the mask
+            token. The published LLaDA and Dream samplers do not (a trained model gives it ~0 probability; an
+            untrained one can leave mask tokens in its completions); False reproduces them token for token.
+        objective (`str`, *optional*):
+            ``None`` (default): TRL's loss as its fields configure it. ``"d1"``: d1's diffu-GRPO objective term
+            by term: ``loss_type="bnpo"`` (one token mean over the micro-batch), ``use_bias_correction_kl=False``
+            (plain k3 KL), ``scale_rewards="none"`` (advantages ``r - mean``), ``score_with_temperature=False``
+            (raw logits); a different value of one of these, or of a TRL term d1 does not have (``delta``,
+            ``top_entropy_quantile``, entropy bonus, sequence-level ratios, ...), is an error.
+        score_with_temperature (`bool`, defaults to `True`):
+            Whether the log-prob estimate divides the logits by ``temperature`` (TRL) or scores the raw
+            logits (d1).
         logprob_estimator (`str`, defaults to `"mean_field"`):
             ``"mean_field"`` (d1: one forward, every completion token masked) or ``"coupled"``
             (two forwards with complementary completion masks; lower variance).
@@ -121,6 +170,28 @@ class DiffuGRPOConfig(GRPOConfig):
         metadata={"help": "auto, true (Dream: position i predicts token i+1) or false (LLaDA: predicts token i)."},
     )
     logprob_estimator: str = field(default="mean_field", metadata={"help": f"One of {ESTIMATORS}."})
+    sampler: str = field(default="auto", metadata={"help": f"One of {SAMPLER_CHOICES}: auto picks by model family."})
+    confidence_algorithm: str = field(
+        default="entropy", metadata={"help": f"Dream's sampler: one of {CONFIDENCE_ALGORITHMS}."}
+    )
+    confidence_temperature: float = field(
+        default=0.0,
+        metadata={"help": "Dream's sampler (alg_temp): 0 commits the most confident slots, > 0 draws them."},
+    )
+    schedule_eps: float = field(default=1e-3, metadata={"help": "Dream's sampler: schedule linspace(1, eps, steps+1)."})
+    forbid_mask_token: bool = field(
+        default=True,
+        metadata={"help": "Set the mask token's logit to -inf before sampling (the published samplers do not)."},
+    )
+    objective: str | None = field(
+        default=None,
+        metadata={"help": "None (TRL's loss as configured) or 'd1': d1's objective term by term (bnpo token mean, "
+                  "plain k3 KL, advantages r - mean, raw-logit scoring)."},
+    )
+    score_with_temperature: bool = field(
+        default=True,
+        metadata={"help": "Divide the logits by temperature when scoring (TRL); false scores raw logits (d1)."},
+    )
     enable_profiling: bool = field(
         default=False, metadata={"help": "Record peak memory per phase in get_performance_stats()."}
     )
@@ -128,6 +199,7 @@ class DiffuGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         self._validate_diffusion()
+        self._apply_objective()
         if self.generation_backend in ("cuda_graph", "vllm") or self.use_vllm:
             raise ValueError(
                 f"generation_backend={self.generation_backend!r} (use_vllm={self.use_vllm}) cannot serve a "
@@ -194,6 +266,73 @@ class DiffuGRPOConfig(GRPOConfig):
         self.logits_shift = shift
         if self.logprob_estimator not in ESTIMATORS:
             raise ValueError(f"logprob_estimator must be one of {ESTIMATORS}, got {self.logprob_estimator!r}")
+        self._validate_sampler_choice()
+
+    def _validate_sampler_choice(self) -> None:
+        if self.sampler not in SAMPLER_CHOICES:
+            raise ValueError(f"sampler must be one of {SAMPLER_CHOICES} ('auto': Dream's for Dream models, LLaDA's "
+                             f"otherwise), got {self.sampler!r}")
+        if self.confidence_algorithm not in CONFIDENCE_ALGORITHMS:
+            raise ValueError(f"confidence_algorithm must be one of {CONFIDENCE_ALGORITHMS}, "
+                             f"got {self.confidence_algorithm!r}")
+        temp = self.confidence_temperature
+        if isinstance(temp, bool) or not isinstance(temp, (int, float)) or not (math.isfinite(temp) and temp >= 0):
+            raise ValueError(f"confidence_temperature must be a finite number >= 0 (0: the most confident slots), "
+                             f"got {temp!r}")
+        eps = self.schedule_eps
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+            raise ValueError(f"schedule_eps must be in (0, 1) (Dream uses 1e-3), got {eps!r}")
+        if self.sampler == "dream" and (self.block_cache is not None or self.cfg_scale > 0
+                                        or self.remasking != "low_confidence"):
+            raise ValueError(f"sampler='dream' has no blocks, guidance or remasking choice: block_cache="
+                             f"{self.block_cache!r}, cfg_scale={self.cfg_scale!r}, remasking={self.remasking!r} "
+                             f"need sampler='llada' (or leave them at None, 0 and 'low_confidence')")
+
+    def _apply_objective(self) -> None:
+        """``objective="d1"``: set d1's terms (``D1_OBJECTIVE``); refuse any the user set otherwise."""
+        if isinstance(self.objective, str) and self.objective.strip().lower() in ("none", "null", ""):
+            self.objective = None  # from a command line: --objective none
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if self.objective is None:
+            return
+        scale = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)  # TRL's bool aliases
+        current = {name: getattr(self, name) for name in (*D1_OBJECTIVE, *D1_NEUTRAL)}
+        current["scale_rewards"] = scale
+        for name, wanted in D1_OBJECTIVE.items():
+            if name in self._explicit_fields and current[name] != wanted:
+                raise ValueError(f"objective='d1' runs d1's loss, which needs {name}={wanted!r}; got "
+                                 f"{name}={getattr(self, name)!r}. Leave {name} unset, or set objective=None")
+            setattr(self, name, wanted)
+        for name, neutral in D1_NEUTRAL.items():
+            if current[name] != neutral:
+                raise ValueError(f"objective='d1' runs d1's loss, which has no {name} term: {name} must be "
+                                 f"{neutral!r}, got {current[name]!r}. Set objective=None to combine it with "
+                                 f"TRL's loss")
+        if self.epsilon_high is not None and self.epsilon_high != self.epsilon:
+            raise ValueError(f"objective='d1' clips the ratio symmetrically to [1 - epsilon, 1 + epsilon]: "
+                             f"epsilon_high must be None or equal to epsilon ({self.epsilon}), "
+                             f"got {self.epsilon_high!r}")
+
+    def _sampler_line(self, L, blocks, block, steps, per_block, per_step, guidance) -> str:
+        dream = (f"Dream's sampler: {L} tokens, {steps} steps, no blocks, schedule linspace(1, {self.schedule_eps}), "
+                 f"{self.confidence_algorithm} confidence" + (f" drawn at temperature {self.confidence_temperature}"
+                                                              if self.confidence_temperature else ""))
+        if self.sampler == "dream":
+            return f"diffusion: {dream}"
+        llada = (f"{L} tokens in {blocks} blocks of {block}, {steps} steps ({per_block} per block, {per_step} tokens "
+                 f"per step), {self.remasking} remasking, {guidance}"
+                 + (f", APPROXIMATE {self.block_cache} block cache" if self.block_cache else ""))
+        if self.sampler == "llada":
+            return f"diffusion: {llada}"
+        return f"diffusion: {llada} (sampler auto: a Dream model gets Dream's sampler instead)"
+
+    def _objective_line(self) -> str:
+        if self.objective == "d1":
+            return "d1 (bnpo token mean, plain k3 KL, advantages r - mean, log-probs of the raw logits)"
+        kl = "k3 KL x ratio" if self.use_bias_correction_kl else "plain k3 KL"
+        scoring = "logits / temperature" if self.score_with_temperature else "raw logits"
+        return f"TRL's {self.loss_type} loss ({kl}, scale_rewards={self.scale_rewards}, log-probs of {scoring})"
 
     def revalidate(self, world_size: int | None = None) -> None:
         """``GRPOConfig.revalidate`` (batch fields written through ``config.optimization``), then the diffusion
@@ -227,9 +366,7 @@ class DiffuGRPOConfig(GRPOConfig):
         else:
             extra = "nothing extra (the loss's own log-probs, detached, are the old ones)"
         lines = [
-            f"diffusion: {L} tokens in {blocks} blocks of {block}, {steps} steps ({per_block} per block, "
-            f"{per_step} tokens per step), {self.remasking} remasking, {guidance}"
-            + (f", APPROXIMATE {self.block_cache} block cache" if self.block_cache else ""),
+            self._sampler_line(L, blocks, block, steps, per_block, per_step, guidance),
             f"├── sampler: {forwards} forwards per rollout per device ({steps} per chunk x {chunks} "
             f"chunk{'s' if chunks > 1 else ''} of <= {self.per_device_generation_batch_size}), "
             + (f"a block's full forward <= {self.tensor_batch_size} token rows (at least one row)"
@@ -237,6 +374,7 @@ class DiffuGRPOConfig(GRPOConfig):
             f"├── log-prob estimate: {self.logprob_estimator} ({views} forward{'s' if views > 1 else ''} per row), "
             f"prompt tokens masked with p={self.p_mask_prompt}, logits_shift={shift}",
             f"├── mask seeds: one per row and iteration ({mu}, num_iterations); iteration k = rollout pass",
+            f"├── objective: {self._objective_line()}",
             f"└── at rollout time: {extra}",
         ]
         return "\n".join(lines)

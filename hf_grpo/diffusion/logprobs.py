@@ -16,6 +16,10 @@ device) seeded with that row's own seed, never from the global RNG. Seeds are de
 a row does not depend on how rows are chunked, on the other rows of its micro-batch, or on the number of
 processes. Draw order per row: [coupled: t, then L scores], then one score per prompt token.
 
+**Models that ignore the padding mask** (``spec.attends_to_padding``): rows of equal prompt length go
+through the model together, ``row_chunk`` at a time, so no forward holds padding and a row gets the
+numbers it gets alone, whichever rows share its chunk.
+
 **Memory.** Rows go through the model ``row_chunk`` at a time; the LM head sees only the scored tokens,
 ``tensor_batch_size`` of them at a time, through ``hf_grpo.ops.chunked_logprobs`` (no ``[B, T, V]``
 logits tensor; forward and backward). Models whose forward computes logits without calling their head
@@ -30,7 +34,15 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import chunked_logprobs
-from .model import HeadBypass, accepts_kwarg, pack_rows, padding_kwargs, slot_columns
+from .model import (
+    HeadBypass,
+    accepts_kwarg,
+    equal_length_groups,
+    max_over_ranks,
+    pack_rows,
+    padding_kwargs,
+    slot_columns,
+)
 
 ESTIMATORS = ("mean_field", "coupled")
 COUPLED_RATIO_RANGE = (0.2, 0.8)
@@ -62,6 +74,9 @@ class EstimatorSpec:
     temperature: float = 1.0
     tensor_batch_size: int | None = None
     padding_style: str = "mask2d"
+    # the model attends to padding whatever mask it is given (the released LLaDA code): rows of equal prompt
+    # length run together, so no row is ever padded
+    attends_to_padding: bool = False
 
     def __post_init__(self):
         if self.estimator not in ESTIMATORS:
@@ -169,7 +184,7 @@ def masked_logprobs(
     ``model``). Completion slots number ``spec.completion_slots`` (the generation length), whatever ``C``.
     """
     unwrapped = model if unwrapped is None else unwrapped
-    rows, width = prompt_ids.shape
+    rows = prompt_ids.size(0)
     completion = completion_ids.size(1)
     if completion > spec.completion_slots:
         raise ValueError(f"completions are {completion} tokens long but only {spec.completion_slots} slots were "
@@ -178,43 +193,80 @@ def masked_logprobs(
     if spec.logits_shift and rows and min(lengths) == 0:
         raise ValueError("a model with shifted logits (Dream) needs at least one prompt token per row")
     seed_list = [int(s) for s in seeds.tolist()]
-    step = row_chunk or max(rows, 1)
     extra = {"use_cache": False} if accepts_kwarg(unwrapped, "use_cache") else {}
-    out_logps, out_entropy = [], []
     bypass = HeadBypass(unwrapped)
-    for begin in range(0, rows, step):
-        end = min(begin + step, rows)
-        chunk_lengths = lengths[begin:end]
-        longest = max(chunk_lengths)
-        prompt_chunk = prompt_ids[begin:end, width - longest:]  # drop columns that are padding in every row
-        packed = pack_rows(prompt_chunk, prompt_mask[begin:end, width - longest:], spec.completion_slots,
-                           spec.mask_token_id, spec.pad_token_id,
-                           has_padding=any(length != longest for length in chunk_lengths))
-        draws = _draw(seed_list[begin:end], chunk_lengths, packed.input_ids.size(1), spec)
-        targets = completion_ids[begin:end]
-        read_from = slot_columns(packed.start, 0, completion, shift=spec.logits_shift)  # [b, C]
-        logp = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
-        entropy = torch.zeros_like(logp) if return_entropy else None
-        forward_kwargs = {**padding_kwargs(spec.padding_style, packed.valid), **extra}
-        for input_ids, scored in _views(packed, draws, targets, completion_mask[begin:end], spec):
-            with bypass, (autocast() if autocast else _null()):
-                bypass.reset()
-                output = model(input_ids=input_ids, **forward_kwargs)
-                states = output.logits if hasattr(output, "logits") else output[0]
-                picked = states.gather(1, read_from.unsqueeze(-1).expand(-1, -1, states.size(-1)))  # [b, C, H]
-                result = _score(picked, scored, targets, bypass, spec, return_entropy)
-            values, ent = result if return_entropy else (result, None)
-            # masked_scatter keeps the graph connected even when a view scores no token
-            logp = logp + logp.new_zeros(logp.shape).masked_scatter(scored, values.float())
-            if return_entropy:
-                entropy = entropy + entropy.new_zeros(entropy.shape).masked_scatter(scored, ent.float())
+    out_logps, out_entropy = [], []
+    pieces = _row_pieces(lengths, row_chunk, spec.attends_to_padding)
+    # grouped by length, ranks hold different numbers of pieces: agree on the largest BEFORE any forward (where
+    # forwards are collective, a rank must not wait in this all-reduce while another waits in a forward)
+    idle = max_over_ranks(len(pieces), prompt_ids.device) - len(pieces) if spec.attends_to_padding else 0
+    for rows_here in pieces:
+        index = rows_here if isinstance(rows_here, slice) else torch.tensor(rows_here, device=prompt_ids.device)
+        logp, entropy = _estimate_rows(
+            model, prompt_ids[index], prompt_mask[index], completion_ids[index], completion_mask[index],
+            [seed_list[row] for row in _as_list(rows_here)], [lengths[row] for row in _as_list(rows_here)],
+            spec, bypass, extra, return_entropy, autocast,
+        )
         out_logps.append(logp)
         if return_entropy:
             out_entropy.append(entropy)
     logps = torch.cat(out_logps) if out_logps else completion_ids.new_zeros(completion_ids.shape, dtype=torch.float32)
-    if not return_entropy:
-        return logps
-    return logps, (torch.cat(out_entropy) if out_entropy else torch.zeros_like(logps))
+    entropies = (torch.cat(out_entropy) if out_entropy else torch.zeros_like(logps)) if return_entropy else None
+    if spec.attends_to_padding and rows:  # the pieces are in group order: put the rows back in theirs
+        order = torch.tensor([row for piece in pieces for row in piece], device=logps.device)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(rows, device=logps.device))
+        logps = logps[inverse]
+        entropies = entropies[inverse] if return_entropy else None
+    for _ in range(idle):
+        # as many forwards as the busiest rank: the extra ones score row 0 again, weighted 0 (their backward runs
+        # too, so ZeRO-3's per-layer gathers line up), and change nothing
+        again = _estimate_rows(model, prompt_ids[:1], prompt_mask[:1], completion_ids[:1], completion_mask[:1],
+                               seed_list[:1], lengths[:1], spec, bypass, extra, False, autocast)[0]
+        logps = logps + 0.0 * again.sum()
+    return (logps, entropies) if return_entropy else logps
+
+
+def _row_pieces(lengths: list[int], row_chunk: int | None, equal_lengths: bool):
+    """Slices of ``row_chunk`` consecutive rows; or, for a model that attends to padding, lists of row indices
+    of equal prompt length (``row_chunk`` at most), so that no piece needs padding."""
+    if equal_lengths:
+        return equal_length_groups(lengths, row_chunk)
+    step = row_chunk or max(len(lengths), 1)
+    return [slice(begin, min(begin + step, len(lengths))) for begin in range(0, len(lengths), step)]
+
+
+def _as_list(rows) -> list[int]:
+    return list(range(rows.start, rows.stop)) if isinstance(rows, slice) else rows
+
+
+def _estimate_rows(model, prompt_ids, prompt_mask, completion_ids, completion_mask, seeds: list[int],
+                   lengths: list[int], spec: EstimatorSpec, bypass: HeadBypass, extra: dict, return_entropy: bool,
+                   autocast):
+    """``(logp, entropy or None)`` ``[b, C]`` of one piece of rows, in one forward per view."""
+    width = prompt_ids.size(1)
+    completion = completion_ids.size(1)
+    longest = max(lengths)
+    prompt_chunk = prompt_ids[:, width - longest:]  # drop columns that are padding in every row
+    packed = pack_rows(prompt_chunk, prompt_mask[:, width - longest:], spec.completion_slots,
+                       spec.mask_token_id, spec.pad_token_id, has_padding=any(length != longest for length in lengths))
+    draws = _draw(seeds, lengths, packed.input_ids.size(1), spec)
+    read_from = slot_columns(packed.start, 0, completion, shift=spec.logits_shift)  # [b, C]
+    logp = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
+    entropy = torch.zeros_like(logp) if return_entropy else None
+    forward_kwargs = {**padding_kwargs(spec.padding_style, packed.valid), **extra}
+    for input_ids, scored in _views(packed, draws, completion_ids, completion_mask, spec):
+        with bypass, (autocast() if autocast else _null()):
+            bypass.reset()
+            output = model(input_ids=input_ids, **forward_kwargs)
+            states = output.logits if hasattr(output, "logits") else output[0]
+            picked = states.gather(1, read_from.unsqueeze(-1).expand(-1, -1, states.size(-1)))  # [b, C, H]
+            result = _score(picked, scored, completion_ids, bypass, spec, return_entropy)
+        values, ent = result if return_entropy else (result, None)
+        # masked_scatter keeps the graph connected even when a view scores no token
+        logp = logp + logp.new_zeros(logp.shape).masked_scatter(scored, values.float())
+        if return_entropy:
+            entropy = entropy + entropy.new_zeros(entropy.shape).masked_scatter(scored, ent.float())
+    return logp, entropy
 
 
 class _null:

@@ -11,6 +11,10 @@
   the same for models that take ``position_ids`` (Dream) and for those that cannot (LLaDA's RoPE
   uses absolute positions). Padding, where a batch has any, is hidden from the attention by a key
   mask passed in the form the model understands (``padding_kwargs``).
+* **Models that ignore the mask** (``attends_to_padding``): the released LLaDA modelling file builds the
+  attention bias and then calls its attention with ``attn_mask=None``, so padding is attended. A probe
+  (one forward of two rows) finds such a model; the sampler and the estimator then never pad: they run
+  rows of equal length together (``equal_length_groups``), so a row's numbers do not depend on its neighbours.
 * **Head bypass** (``HeadBypass``): the forward runs with the output embedding replaced by the
   identity, so ``output.logits`` are the final hidden states; the caller projects only the rows it
   needs (the current block while sampling, the scored completion tokens in the estimator). Where
@@ -114,6 +118,64 @@ def padding_kwargs(style: str, valid: torch.Tensor | None) -> dict:
     if style == "mask4d":
         return {"attention_mask": square}
     raise ValueError(f"padding style must be one of {PADDING_STYLES}, got {style!r}")
+
+
+# Probe rows: PROBE_REAL tokens followed by PROBE_PADDING padded columns.
+PROBE_REAL, PROBE_PADDING = 4, 4
+
+
+@torch.no_grad()
+def attends_to_padding(model: torch.nn.Module, style: str, mask_token_id: int, pad_token_id: int,
+                       device=None) -> bool:
+    """Whether ``model`` lets keys hidden by ``padding_kwargs(style, ...)`` change the outputs at the real tokens.
+
+    One forward of two rows with the same real tokens and different contents in their masked-out columns:
+    a model that honours the mask gives the two rows the same outputs there.
+    """
+    device = device if device is not None else next(base_module(model).parameters()).device
+    real = [mask_token_id] * PROBE_REAL
+    other = mask_token_id if mask_token_id != pad_token_id else (0 if pad_token_id != 0 else 1)
+    rows = torch.tensor([real + [pad_token_id] * PROBE_PADDING, real + [other] * PROBE_PADDING],
+                        dtype=torch.long, device=device)
+    valid = torch.zeros(rows.shape, dtype=torch.bool, device=device)
+    valid[:, :PROBE_REAL] = True
+    kwargs = padding_kwargs(style, valid)
+    if accepts_kwarg(model, "use_cache"):
+        kwargs["use_cache"] = False
+    training = model.training
+    model.eval()  # dropout would tell the two rows apart
+    try:
+        output = model(input_ids=rows, **kwargs)
+    finally:
+        model.train(training)
+    states = (output.logits if hasattr(output, "logits") else output[0])[:, :PROBE_REAL].float()
+    scale = states.abs().max().clamp_min(1e-6)
+    # a model that honours the mask differs here by rounding at most; the released LLaDA code by O(scale)
+    return bool(((states[0] - states[1]).abs().max() / scale) > 1e-3)
+
+
+def max_over_ranks(count: int, device) -> int:
+    """The largest ``count`` over the processes of a torch.distributed run (``count`` itself outside one).
+
+    Grouping rows by length gives each rank its own number of forwards; where forwards are collective
+    (ZeRO-3 gathers each layer, DDP broadcasts buffers) every rank must run the same number.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return count
+    value = torch.tensor([count], dtype=torch.long, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
+def equal_length_groups(lengths: list[int], max_rows: int | None) -> list[list[int]]:
+    """Row indices grouped by equal ``lengths`` (first-seen order), each group split into pieces of ``max_rows``."""
+    groups: dict[int, list[int]] = {}
+    for row, length in enumerate(lengths):
+        groups.setdefault(length, []).append(row)
+    step = max_rows or max(len(lengths), 1)
+    return [rows[begin:begin + step] for rows in groups.values() for begin in range(0, len(rows), step)]
 
 
 @dataclass

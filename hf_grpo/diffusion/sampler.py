@@ -41,6 +41,9 @@ of 2, one H100), for activations that ``per_device_generation_batch_size`` alrea
 prefix's keys/values depend on the still-masked positions of the current and later blocks, which
 change at every step, so no exact prefix cache exists; the module's docstring says more. With it,
 ``cuda_graph`` captures the cached step once and replays it.
+
+Dream models get Dream's own sampler instead (``hf_grpo.diffusion.dream_sampler``, ``DiffusionSampler(algorithm=
+"dream")``): no blocks, its schedule and confidence algorithms, top_p / top_k.
 """
 
 from __future__ import annotations
@@ -62,11 +65,36 @@ from .block_cache import (
 )
 from .gumbel_max import gumbel_max
 from .gumbel_max import usable as gumbel_max_usable
-from .model import HeadBypass, accepts_kwarg, left_pad_tensors, pack_rows, padding_kwargs, slot_columns
+from .model import (
+    HeadBypass,
+    accepts_kwarg,
+    base_module,
+    model_family,
+    equal_length_groups,
+    left_pad_tensors,
+    max_over_ranks,
+    pack_rows,
+    padding_kwargs,
+    slot_columns,
+)
 
 logger = logging.getLogger("hf_grpo")
 
 REMASKING = ("low_confidence", "random")
+SAMPLERS = ("llada", "dream")  # the semi-autoregressive block sampler (LLaDA's), Dream's diffusion_generate
+
+
+def resolve_sampler(args, model: torch.nn.Module) -> str:
+    """``"llada"`` or ``"dream"``: ``args.sampler``, or for ``"auto"`` Dream's sampler for a Dream model (by
+    ``model_type``; Dream registers ``AutoModel`` only, so the family is what tells it) and LLaDA's otherwise."""
+    choice = args.sampler
+    if choice == "auto":
+        choice = "dream" if model_family(base_module(model)) == "dream" else "llada"
+    if choice == "dream" and (args.block_cache is not None or args.cfg_scale > 0 or args.remasking != "low_confidence"):
+        raise ValueError(f"this Dream model samples with Dream's sampler (sampler='auto'), which has no blocks, "
+                         f"guidance or remasking choice: block_cache={args.block_cache!r}, cfg_scale={args.cfg_scale!r}"
+                         f", remasking={args.remasking!r} need sampler='llada'")
+    return choice
 
 
 def transfer_schedule(block_length: int, steps: int) -> list[int]:
@@ -126,7 +154,7 @@ def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Gen
 
 
 def sample_block(bypass: HeadBypass, picked: torch.Tensor, cfg_scale: float, mask_token_id: int,
-                 temperature: float, generator: torch.Generator | None):
+                 temperature: float, generator: torch.Generator | None, forbid_mask_token: bool = True):
     """``(tokens, log_confidence)`` ``[B, bl]`` from the block's hidden states (or logits) ``picked``
     ``[B, bl, ...]`` (``[2B, ...]`` with CFG: conditional rows first), ``HEAD_POSITIONS // bl`` rows at a time
     (at least one): the block's logits never exist whole."""
@@ -142,8 +170,8 @@ def sample_block(bypass: HeadBypass, picked: torch.Tensor, cfg_scale: float, mas
             logits = unconditional + (cfg_scale + 1) * (conditional - unconditional)
         else:
             logits = bypass.to_logits(picked[part])
-        if mask_token_id < logits.size(-1):
-            logits[..., mask_token_id] = float("-inf")  # never "predict" the mask itself
+        if forbid_mask_token and mask_token_id < logits.size(-1):
+            logits[..., mask_token_id] = float("-inf")  # never "predict" the mask itself (LLaDA's code does)
         piece_tokens, piece_confidence = sample_tokens(logits, temperature, generator)
         tokens.append(piece_tokens)
         confidence.append(piece_confidence)
@@ -186,6 +214,7 @@ def diffusion_generate(
     block_cache: str | None = None,
     cuda_graph: bool = False,
     tensor_batch_size: int | None = None,
+    forbid_mask_token: bool = True,
 ) -> torch.Tensor:
     """The ``gen_length`` completion tokens ``[B, L]`` for left-padded ``prompt_ids`` ``[B, P]`` (mask ``prompt_mask``).
 
@@ -194,7 +223,9 @@ def diffusion_generate(
     approximate key/value reuse of ``hf_grpo.diffusion.block_cache``; with it, ``cuda_graph`` captures the
     cached step once and replays it (CUDA only; see ``BlockKVCache``). With a cache, ``tensor_batch_size``
     (token rows) bounds a block's full forward: it runs ``tensor_batch_size // row length`` rows at a time,
-    at least one.
+    at least one. ``forbid_mask_token`` (default on) sets the mask token's logit to -inf before the draw and the
+    confidence, so no completion holds the mask token; LLaDA's published sampler does not, and with it off this
+    sampler is LLaDA's token for token (a slot that drew the mask token stays a candidate up to the block's end).
     """
     if tensor_batch_size is not None and (isinstance(tensor_batch_size, bool) or not isinstance(tensor_batch_size, int)
                                           or tensor_batch_size < 1):
@@ -230,7 +261,12 @@ def diffusion_generate(
     with bypass:
         for block in range(blocks):
             columns = slot_columns(start, block * block_length, block_length, shift=False)  # [B, bl]
-            read_from = columns - 1 if logits_shift else columns
+            # LLaDA's code commits any still-masked slot before the block's end: with the mask token allowed, a
+            # slot of an earlier block that drew it is a candidate again (exact path only)
+            candidates = columns
+            if not forbid_mask_token and cache is None:
+                candidates = slot_columns(start, 0, (block + 1) * block_length, shift=False)
+            read_from = candidates - 1 if logits_shift else candidates
             if guided:
                 read_from = torch.cat([read_from, read_from])
             started = False  # whether this block's full forward ran (the cached steps follow it)
@@ -258,15 +294,16 @@ def diffusion_generate(
                     if cache is not None:
                         cache.end_block_start()
                     started = True
-                tokens, confidence = sample_block(bypass, picked, cfg_scale, mask_token_id, temperature, generator)
+                tokens, confidence = sample_block(bypass, picked, cfg_scale, mask_token_id, temperature, generator,
+                                                  forbid_mask_token)
                 del picked  # the next step's forward need not hold it
-                current = canvas.gather(1, columns)
+                current = canvas.gather(1, candidates)
                 still_masked = current == mask_token_id
                 if remasking == "random":
                     confidence = torch.rand(current.shape, device=canvas.device, generator=generator)
                 confidence = confidence.masked_fill(~still_masked, float("-inf"))
                 commit = commit_topk(confidence, counts[k]) & still_masked
-                canvas = canvas.scatter(1, columns, torch.where(commit, tokens, current))
+                canvas = canvas.scatter(1, candidates, torch.where(commit, tokens, current))
                 if step_callback is not None:
                     step_callback(block, step, canvas, columns)
     return canvas.gather(1, slot_columns(start, 0, gen_length, shift=False))
@@ -302,7 +339,8 @@ class DiffusionSampler(GenerationBackend):
     (default None: exact) turns on the approximate key/value reuse of ``hf_grpo.diffusion.block_cache``;
     ``cuda_graph`` (None: on for ``"dual"`` on CUDA outside ZeRO-3) captures its cached step and replays it.
     ``tensor_batch_size`` (token rows, None: unbounded) bounds a block cache's full forwards (see
-    ``diffusion_generate``).
+    ``diffusion_generate``). ``attends_to_padding`` (a model that ignores the padding mask, as the released
+    LLaDA code does): chunks hold prompts of equal length only, so none is padded.
     """
 
     name = "diffusion"
@@ -321,8 +359,23 @@ class DiffusionSampler(GenerationBackend):
         block_cache: str | None = None,
         cuda_graph: bool | None = None,
         tensor_batch_size: int | None = None,
+        attends_to_padding: bool = False,
+        algorithm: str = "llada",
+        confidence_algorithm: str = "entropy",
+        confidence_temperature: float = 0.0,
+        schedule_eps: float = 1e-3,
+        forbid_mask_token: bool = True,
     ):
         check_block_cache_name(block_cache)
+        if algorithm not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {SAMPLERS}, got {algorithm!r}")
+        if algorithm == "dream" and (block_cache is not None or cfg_scale > 0 or remasking != "low_confidence"):
+            raise ValueError(f"Dream's sampler has no blocks, guidance or remasking choice: "
+                             f"block_cache={block_cache!r}, cfg_scale={cfg_scale!r} and remasking={remasking!r} "
+                             f"need sampler='llada'")
+        self.algorithm, self.confidence_algorithm = algorithm, confidence_algorithm
+        self.confidence_temperature, self.schedule_eps = confidence_temperature, schedule_eps
+        self.forbid_mask_token = forbid_mask_token
         if cuda_graph and block_cache is None:
             raise ValueError("cuda_graph=True captures the block cache's steps; it needs block_cache='dual' or "
                              "'prefix' (the exact sampler's steps run the whole row)")
@@ -331,6 +384,7 @@ class DiffusionSampler(GenerationBackend):
         self.remasking, self.cfg_scale, self.logits_shift = remasking, cfg_scale, logits_shift
         self.padding_style, self.block_cache = padding_style, block_cache
         self.autocast = autocast or nullcontext
+        self.attends_to_padding = attends_to_padding  # the model ignores the padding mask: never pad a chunk
         self.forwards = 0  # model forwards run so far (a CFG step counts once, with twice the rows)
 
     def generate(
@@ -351,13 +405,27 @@ class DiffusionSampler(GenerationBackend):
         temperature = float(generation_config.temperature or 0.0) if generation_config.do_sample else 0.0
         length = generation_config.max_new_tokens
         device = model_device(model)
-        completions: list[list[int]] = []
+        completions: list[list[int]] = [[] for _ in prompt_ids]
         blocks = length // self.block_length
         cuda_graph = self.cuda_graph
         if cuda_graph is None:
             cuda_graph = self.block_cache == "dual" and device.type == "cuda" and not is_zero3_partitioned(model)
-        for chunk in iter_chunks(prompt_ids, chunk_size):
-            ids, mask, padded = left_pad_tensors(chunk, pad_token_id, device)
+        chunks = self._chunks(prompt_ids, chunk_size)
+        real = len(chunks)
+        if self.attends_to_padding and is_zero3_partitioned(model) and prompt_ids:
+            # ZeRO-3 forwards are collective: as many chunks as the busiest rank (the extra ones resample prompt 0,
+            # and their completions are dropped)
+            chunks += [[0]] * (max_over_ranks(real, device) - real)
+        for index, rows in enumerate(chunks):
+            keep = index < real
+            ids, mask, padded = left_pad_tensors([list(prompt_ids[row]) for row in rows], pad_token_id, device)
+            if self.algorithm == "dream":
+                with self.autocast():
+                    canvas = self._dream(model, ids, mask, padded, generation_config, temperature, pad_token_id)
+                self.forwards += self.steps
+                for row, tokens in zip(rows, cut_after_eos(canvas, eos_token_ids) if keep else []):
+                    completions[row] = tokens
+                continue
             with self.autocast():
                 canvas = diffusion_generate(
                     model, ids, mask, gen_length=length, block_length=self.block_length, steps=self.steps,
@@ -365,17 +433,38 @@ class DiffusionSampler(GenerationBackend):
                     remasking=self.remasking, cfg_scale=self.cfg_scale, logits_shift=self.logits_shift,
                     padding_style=self.padding_style, has_padding=padded, block_cache=self.block_cache,
                     cuda_graph=cuda_graph, tensor_batch_size=self.tensor_batch_size,
+                    forbid_mask_token=self.forbid_mask_token,
                 )
             self.forwards += blocks * sum(1 for k in transfer_schedule(self.block_length, self.steps // blocks) if k)
-            completions.extend(cut_after_eos(canvas, eos_token_ids))
+            for row, tokens in zip(rows, cut_after_eos(canvas, eos_token_ids) if keep else []):
+                completions[row] = tokens
         return completions
+
+    def _dream(self, model, ids, mask, padded, generation_config, temperature, pad_token_id):
+        from .dream_sampler import dream_generate
+
+        return dream_generate(
+            model, ids, mask, gen_length=generation_config.max_new_tokens, steps=self.steps,
+            mask_token_id=self.mask_token_id, pad_token_id=pad_token_id, temperature=temperature,
+            top_p=generation_config.top_p, top_k=generation_config.top_k, algorithm=self.confidence_algorithm,
+            confidence_temperature=self.confidence_temperature, eps=self.schedule_eps, logits_shift=self.logits_shift,
+            padding_style=self.padding_style, has_padding=padded, forbid_mask_token=self.forbid_mask_token,
+        )
+
+    def _chunks(self, prompt_ids: Sequence[Sequence[int]], chunk_size: int) -> list[list[int]]:
+        """Row indices of each chunk: ``chunk_size`` consecutive prompts, or, for a model that attends to padding,
+        prompts of equal length (``chunk_size`` at most), so that no chunk is padded."""
+        if self.attends_to_padding:
+            return equal_length_groups([len(p) for p in prompt_ids], chunk_size)
+        return list(iter_chunks(range(len(prompt_ids)), chunk_size))
 
     def _warn_ignored(self, generation_config: GenerationConfig) -> None:
         if getattr(self, "_warned", False):
             return
         self._warned = True
-        ignored = {name: getattr(generation_config, name, None) for name in ("top_p", "top_k", "min_p",
-                                                                          "repetition_penalty")}
+        names = ("min_p", "repetition_penalty") if self.algorithm == "dream" else ("top_p", "top_k", "min_p",
+                                                                                    "repetition_penalty")
+        ignored = {name: getattr(generation_config, name, None) for name in names}
         neutral = {"top_p": (None, 1.0), "top_k": (None, 0), "min_p": (None, 0.0), "repetition_penalty": (None, 1.0)}
         set_ = {name: value for name, value in ignored.items() if value not in neutral[name]}
         if set_:

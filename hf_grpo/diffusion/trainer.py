@@ -22,6 +22,11 @@ TRL computes GRPO's advantages, clipped ratio, KL (k3) and logging; this subclas
   instead of the causal one, through ``chunked_logprobs`` with ``tensor_batch_size`` token rows.
 - ``_generate_single_turn`` and ``training_step``: only wrapped for per-phase memory figures.
 
+On its first forward the trainer probes whether the model attends to padding whatever mask it is given
+(the released LLaDA code, ``hf_grpo.diffusion.model.attends_to_padding``); if so, the sampler and the estimator
+never pad a batch (docs/diffusion.md). The sampler is LLaDA's block sampler or Dream's own (``sampler``,
+chosen by model family by default).
+
 Public: ``get_performance_stats()`` adds ``memory_manager_stats`` and ``diffusion``; ``log`` adds ``mem/``
 figures with ``log_memory_usage``.
 
@@ -54,13 +59,14 @@ from .config import DiffuGRPOConfig, set_checkpointing
 from .logprobs import EstimatorSpec, masked_logprobs, rollout_mask_seeds
 from .memory import MemoryTracker
 from .model import (
+    attends_to_padding,
     base_module,
     head_unsupported_reason,
     padding_style,
     resolve_logits_shift,
     resolve_mask_token_id,
 )
-from .sampler import DiffusionSampler
+from .sampler import DiffusionSampler, resolve_sampler
 
 logger = logging.getLogger("hf_grpo")
 
@@ -112,6 +118,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
                            type(base_module(model)).__name__)
             set_checkpointing(args, False)
         self._defer_logprobs = False
+        self._padding_probed = False
         self._active_seeds: torch.Tensor | None = None
         self._rollout_start_step = 0
         self._eval_rollouts = 0
@@ -131,11 +138,13 @@ class DiffuGRPOTrainer(GRPOTrainer):
 
         self.mask_token_id = resolve_mask_token_id(args.mask_token_id, self.model, self.processing_class)
         self.logits_shift = resolve_logits_shift(args.logits_shift, self.model)
+        self.sampler_algorithm = resolve_sampler(args, self.model)
         reason = head_unsupported_reason(self.model)
         if reason is not None:
             logger.warning("the diffusion log-probs use full logits (%s): tensor_batch_size bounds only the "
                            "log-softmax, not the logits", reason)
-        temperature = self.temperature if self.temperature > 0 else 1.0
+        # d1 scores raw logits; TRL scores logits / temperature
+        temperature = self.temperature if args.score_with_temperature and self.temperature > 0 else 1.0
         self.estimator = EstimatorSpec(
             mask_token_id=self.mask_token_id, pad_token_id=self._tokenizer.pad_token_id,
             completion_slots=args.max_completion_length, p_mask_prompt=args.p_mask_prompt,
@@ -205,6 +214,8 @@ class DiffuGRPOTrainer(GRPOTrainer):
             "mask_token_id": self.mask_token_id,
             "logits_shift": self.logits_shift,
             "logprob_estimator": self.estimator.estimator,
+            "sampler": self.sampler_algorithm,
+            "attends_to_padding": self.estimator.attends_to_padding,  # the probe's finding (False before it ran)
         }
         return stats
 
@@ -227,12 +238,36 @@ class DiffuGRPOTrainer(GRPOTrainer):
                 remasking=args.remasking, cfg_scale=args.cfg_scale, logits_shift=self.logits_shift,
                 padding_style=self.estimator.padding_style, autocast=self.accelerator.autocast,
                 block_cache=args.block_cache, tensor_batch_size=args.tensor_batch_size,
+                algorithm=self.sampler_algorithm, confidence_algorithm=args.confidence_algorithm,
+                confidence_temperature=args.confidence_temperature, schedule_eps=args.schedule_eps,
+                forbid_mask_token=args.forbid_mask_token,
             )
             if self.accelerator.is_main_process:
                 how = ("no KV cache: every step recomputes the row" if args.block_cache is None
                        else f"APPROXIMATE {args.block_cache} block cache")
+                if self.sampler_algorithm == "dream":
+                    how = f"Dream's diffusion_generate, {args.confidence_algorithm} confidence"
                 logger.info("generation backend: diffusion sampler (%s)", how)
+        self._probe_padding(model)
+        if isinstance(self._backend, DiffusionSampler):
+            self._backend.attends_to_padding = self.estimator.attends_to_padding
         return self._backend
+
+    def _probe_padding(self, model) -> None:
+        """Once, on the first forward of any kind: find a model that attends to the padding it is told to hide
+        (the released LLaDA code); the sampler and the estimator then never pad a batch (equal-length rows run
+        together). Every rank runs it (a ZeRO-3 forward is collective) and gets the same answer."""
+        if self._padding_probed:
+            return
+        self._padding_probed = True
+        with torch.no_grad(), self.accelerator.autocast():
+            attended = attends_to_padding(model, self.estimator.padding_style, self.mask_token_id,
+                                          self._tokenizer.pad_token_id, self.accelerator.device)
+        self.estimator.attends_to_padding = attended
+        if attended and self.accelerator.is_main_process:
+            logger.warning("%s attends to padding whatever mask it is given (as the released LLaDA modelling code "
+                           "does): prompts of equal length are sampled and scored together, so no batch is padded "
+                           "(more, smaller forwards where prompt lengths vary)", type(base_module(model)).__name__)
 
     def _generate_single_turn(self, *args, **kwargs):
         with self.memory.phase("generation"):
@@ -294,6 +329,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
         return torch.stack(per_seed, dim=1)
 
     def _estimate(self, model, batch, seeds, row_chunk, entropy: bool):
+        self._probe_padding(model)
         with self.perf.phase("logprob"), self.memory.phase("logprob"):
             result = masked_logprobs(
                 model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"],

@@ -3,6 +3,9 @@
 Like LLaDA's own modelling file: unshifted logits, RoPE on absolute positions (no ``position_ids``
 argument), the head called as a module (``transformer.ff_out``), an ``attention_bias`` argument, and
 LLaDA's quirk that a 2-D ``attention_mask`` holding a zero switches on a causal bias.
+
+``TinyLLaDAConfig(ignores_attention_mask=True)`` behaves like the released ``modeling_llada.py``: the bias is
+built and then dropped (its attention is called with ``attn_mask=None``), so padding is attended.
 """
 
 import torch
@@ -15,9 +18,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 class TinyLLaDAConfig(PretrainedConfig):
     model_type = "tiny_llada"
 
-    def __init__(self, vocab_size=128, d_model=32, n_heads=4, n_layers=2, mask_token_id=2, **kwargs):
+    def __init__(self, vocab_size=128, d_model=32, n_heads=4, n_layers=2, mask_token_id=2,
+                 ignores_attention_mask=False, **kwargs):
         self.vocab_size, self.d_model, self.n_heads, self.n_layers = vocab_size, d_model, n_heads, n_layers
         self.mask_token_id = mask_token_id
+        self.ignores_attention_mask = ignores_attention_mask
         super().__init__(**kwargs)
 
 
@@ -55,6 +60,7 @@ class Block(nn.Module):
 class TinyLLaDAModel(nn.Module):
     def __init__(self, config):
         super().__init__()
+        self.ignores_attention_mask = config.ignores_attention_mask
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.d_model),
             blocks=nn.ModuleList(Block(config) for _ in range(config.n_layers)),
@@ -74,6 +80,8 @@ class TinyLLaDAModel(nn.Module):
             bias = attention_bias if bias is None else bias & attention_bias
         if bias is not None:
             bias = torch.zeros(bias.shape, dtype=x.dtype, device=x.device).masked_fill(~bias, torch.finfo(x.dtype).min)
+        if self.ignores_attention_mask:
+            bias = None  # the released code: attention runs with attn_mask=None whatever was passed
         for block in self.transformer.blocks:
             x = block(x, bias)
         return self.transformer.ff_out(self.transformer.ln_f(x))

@@ -54,13 +54,14 @@ class SharedNoise:
 
         return uniform
 
-    def ours(self, shape, device, generator=None):  # [B * BLOCK, V] of the current block, as Gumbel noise
+    def ours(self, shape, device, generator=None):  # [B * n, V]: the n slots before the block's end, as Gumbel noise
         step = self.ours_calls
         block = step // (STEPS // (GEN // BLOCK))
         self.ours_calls += 1
         rows, _, vocab = self.table[0].shape
-        assert tuple(shape) == (rows * BLOCK, vocab)  # the tiny vocabulary fits one slice
-        uniform = self.table[step][:, block * BLOCK:(block + 1) * BLOCK].reshape(rows * BLOCK, vocab)
+        slots, end = shape[0] // rows, (block + 1) * BLOCK
+        assert tuple(shape) == (rows * slots, vocab)  # the tiny vocabulary fits one slice
+        uniform = self.table[step][:, end - slots:end].reshape(rows * slots, vocab)
         return -torch.log(-torch.log(uniform))
 
 
@@ -109,3 +110,33 @@ def test_bench_tiny_run_reports_every_measurement(bench):
                      ("summary", None)]
     assert all(not r.get("oom") for r in records)
     assert records[-1]["rollout"]["ours_cache_dual@g2"]["speedup"] > 0
+
+
+def mask_leaning_model(bias: float):
+    """The test model with a bias towards the mask token in its head: it draws the mask token now and then."""
+    leaning = build_tiny_diffusion_model(TOKENIZER, seed=3, dtype=torch.float64).eval()
+    head = torch.nn.Linear(leaning.lm_head.in_features, leaning.lm_head.out_features, bias=True, dtype=torch.float64)
+    with torch.no_grad():
+        head.weight.copy_(leaning.lm_head.weight)
+        head.bias.zero_()
+        head.bias[MASK] = bias
+    leaning.lm_head = head
+    return leaning
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_without_forbid_mask_token_the_sampler_is_llada_code_token_for_token(bench, monkeypatch, temperature):
+    """forbid_mask_token=False: LLaDA's published sampler, mask-token draws (a slot that draws it stays masked)
+    included."""
+    model = mask_leaning_model(bias=2.5)
+    ids, mask, has_padding = left_pad_tensors(prompts(True), TOKENIZER.pad_token_id, "cpu")
+    noise = SharedNoise(ids.size(0), model.config.vocab_size)
+    plain = bench.plain_generate(model, ids, mask, steps=STEPS, gen_length=GEN, block_length=BLOCK,
+                                 temperature=temperature, mask_id=MASK, uniform=noise.plain(ids.size(1)),
+                                 forbid_mask_token=False)
+    monkeypatch.setattr(sampler_module, "gumbel_noise", noise.ours)
+    ours = diffusion_generate(model, ids, mask, gen_length=GEN, block_length=BLOCK, steps=STEPS, mask_token_id=MASK,
+                              pad_token_id=TOKENIZER.pad_token_id, temperature=temperature, has_padding=has_padding,
+                              forbid_mask_token=False)
+    assert ours.tolist() == plain.tolist()
+    assert (ours == MASK).any()  # the mask token was drawn: the switch mattered

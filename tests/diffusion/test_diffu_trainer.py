@@ -210,8 +210,9 @@ def test_rollout_scoring_runs_in_chunks_of_the_micro_batch(tmp_path):
         module.register_forward_hook(lambda m, args, kwargs, out: rows.append(kwargs["input_ids"].size(0)),
                                      with_kwargs=True)
     trainer.train()
-    # one rollout of 8: 3 seeds x 2 chunks of 4 rows for old, the same for ref, then 2 loss micro-batches of 4
-    assert rows == [4] * 14
+    # the padding probe (2 rows, once), then one rollout of 8: 3 seeds x 2 chunks of 4 rows for old, the same for
+    # ref, then 2 loss micro-batches of 4
+    assert rows == [2] + [4] * 14
 
 
 def test_block_cache_reaches_the_sampler_and_a_dual_cache_run_trains(tmp_path, monkeypatch):
