@@ -523,9 +523,6 @@ def main(argv=None) -> int:
         stats = trainer.get_performance_stats()
         stats.pop("batch_plan", None)
         record["perf"] = {key: round(value, 4) if isinstance(value, float) else value for key, value in stats.items()}
-    # BENCH_COMMIT: set by whoever copies the tree without its .git (a GPU machine); else git's answer
-    record["commit"] = os.environ.get("BENCH_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE).stdout.strip() or "unknown"
     record["versions"] = dict(
         python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
         trl=trl.__version__, datasets=datasets.__version__,
