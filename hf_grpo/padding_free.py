@@ -160,6 +160,15 @@ def _(query, key, value, cu_seq_lens, cu_seq_lens_host, scale):
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
 
 
+@contextlib.contextmanager
+def _autograd_inside_op():
+    """Record autograd inside a custom op's implementation, which the dispatcher runs with autograd excluded."""
+    keys = torch._C.DispatchKey
+    with (torch._C._SetExcludeDispatchKeyGuard(keys.AutogradFunctionality, False),
+          torch._C._SetExcludeDispatchKeyGuard(keys.ADInplaceOrView, False), torch.enable_grad()):
+        yield
+
+
 @torch.library.custom_op("hf_grpo::packed_attention_backward", mutates_args=())
 def packed_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               cu_seq_lens: torch.Tensor, cu_seq_lens_host: torch.Tensor,
@@ -169,15 +178,6 @@ def packed_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torc
         out = _attend(*inputs, cu_seq_lens, cu_seq_lens_host.tolist(), scale)
         # contiguous, as the fake below says: a compiled backward lays out what follows by the fake's strides
         return tuple(g.contiguous() for g in torch.autograd.grad(out, inputs, grad))
-
-
-@contextlib.contextmanager
-def _autograd_inside_op():
-    """Record autograd inside a custom op's implementation, which the dispatcher runs with autograd excluded."""
-    keys = torch._C.DispatchKey
-    with (torch._C._SetExcludeDispatchKeyGuard(keys.AutogradFunctionality, False),
-          torch._C._SetExcludeDispatchKeyGuard(keys.ADInplaceOrView, False), torch.enable_grad()):
-        yield
 
 
 @packed_attention_backward.register_fake
@@ -210,8 +210,8 @@ def _route_packed(original):
         if packed_rows is None:
             return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        rows = packed_rows
-        return packed_attention(query, key, value, rows.cu_seq_lens, rows.cu_seq_lens_host, scale), None
+        return packed_attention(query, key, value, packed_rows.cu_seq_lens, packed_rows.cu_seq_lens_host,
+                                scale), None
 
     attention.routes_packed_rows = True
     return attention

@@ -21,7 +21,8 @@ Each is thin and calls TRL's own code wherever it can:
 Also: ``_prepare_inputs`` (TRL's, calls it and counts the micro-batch's tokens), TRL's
 ``_tokenize_prompts`` called once over the training prompts to size the ``cuda_graph`` cache for the
 run (``_longest_prompt``; not with ``environment_factory``, whose prompts only batches can tokenize), and the public
-``training_step`` (time accounting) and ``log`` (``perf/`` figures), transformers'
+``training_step`` (time accounting; with ``compile_training`` the decoder layers run compiled inside it,
+``hf_grpo.training_compile``, lifted again around generation) and ``log`` (``perf/`` figures), transformers'
 ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules: ``hf_grpo.zero3_leaves``), and ``train``
 (settles "auto" sizes
 first: ``hf_grpo.autosize``; refuses a token budget the longest prompt cannot fit, a fresh run into another run's
@@ -330,20 +331,18 @@ class GRPOTrainer(trl.GRPOTrainer):
             models.append(self.accelerator.unwrap_model(self.ref_model))
         return models
 
+    @contextlib.contextmanager
     def _routed_training_layers(self):
+        """Within the block the scored models' decoder layers run compiled (``compile_training``), if chosen."""
         if self._train_layers is None:
-            return contextlib.nullcontext()
+            yield
+            return
         before = self._train_layers.compiles
-
-        @contextlib.contextmanager
-        def routed():
-            try:
-                with self._train_layers.route(*self._scored_models()):
-                    yield
-            finally:
-                self.perf.add("train_compiles", float(self._train_layers.compiles - before))
-
-        return routed()
+        try:
+            with self._train_layers.route(*self._scored_models()):
+                yield
+        finally:
+            self.perf.add("train_compiles", float(self._train_layers.compiles - before))
 
     @staticmethod
     def _check_inputs(model=None, reward_funcs=None, args=None, train_dataset=None, *_, **kwargs) -> None:

@@ -2,6 +2,7 @@
 checkpointing's recompute included, and a bounded number of compiles over micro-batches of changing shape."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -96,3 +97,51 @@ def test_choose_compiles_long_cuda_runs_and_whatever_on_asks(setting, steps):
 def test_bad_setting_is_named(make_config):
     with pytest.raises(ValueError, match=r"compile_training must be one of \['auto', 'on', 'off'\], got 'yes'"):
         make_config(compile_training="yes")
+
+
+@pytest.mark.slow
+def test_grpo_run_with_compiled_layers_updates_as_eager(tmp_path, monkeypatch):
+    # A whole run from a saved checkpoint with a reference model and activation checkpointing: compiled layers give
+    # the eager updates, a bounded number of compiles is logged, and generation never sees the compiled layers.
+    import hf_grpo
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_grpo.generation.hf import HFGenerateBackend
+    from hf_grpo.tiny import save_tiny_checkpoint
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "checkpoint")
+    init = training_compile.CompiledTrainingLayers.__init__  # the trainer's layers compile through aot_eager here
+    monkeypatch.setattr(training_compile.CompiledTrainingLayers, "__init__",
+                        functools.partialmethod(init, backend="aot_eager"))
+    generate = HFGenerateBackend.generate
+    routed_during_generation = []
+
+    def watched_generate(self, model, prompt_ids, **kwargs):
+        routed_during_generation.append(any("forward" in vars(layer) for layer in model.model.layers))
+        return generate(self, model, prompt_ids, **kwargs)
+
+    monkeypatch.setattr(HFGenerateBackend, "generate", watched_generate)
+
+    def run(compile_training):
+        torch.manual_seed(0)
+        config = hf_grpo.GRPOConfig(
+            output_dir=str(tmp_path / compile_training), report_to=[], use_cpu=True, bf16=False, max_steps=2,
+            seed=0, per_device_train_batch_size=4, gradient_accumulation_steps=1, num_generations=4,
+            max_completion_length=5, learning_rate=0.01, optim="sgd", max_grad_norm=0.0, logging_steps=1,
+            save_strategy="no", disable_tqdm=True, generation_backend="hf", beta=0.04,
+            activation_checkpointing=True, compile_training=compile_training, temperature=0.7)
+        trainer = hf_grpo.GRPOTrainer(
+            model=AutoModelForCausalLM.from_pretrained(checkpoint), args=config,
+            processing_class=AutoTokenizer.from_pretrained(checkpoint, padding_side="left"),
+            reward_funcs=lambda completions, **kw: [float(sum(map(ord, c)) % 7) for c in completions],
+            train_dataset=Dataset.from_dict({"prompt": ["ab>", "c>", "defgh>", "ij>"] * 4}))
+        trainer.train()
+        params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+        return params, trainer
+
+    eager_params, _ = run("off")
+    compiled_params, trainer = run("on")
+    assert trainer._train_layers is not None and trainer.get_performance_stats()["train_compiles"] > 0
+    assert routed_during_generation and not any(routed_during_generation)
+    torch.testing.assert_close(compiled_params, eager_params, rtol=1e-5, atol=1e-6)
