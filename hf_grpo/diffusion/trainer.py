@@ -5,7 +5,9 @@ TRL computes GRPO's advantages, clipped ratio, KL (k3) and logging; this subclas
 
 - ``_generation_backend`` (hf_grpo's helper): the diffusion sampler (``hf_grpo.diffusion.sampler``),
   which hf_grpo's ``_generate_single_turn`` runs ``per_device_generation_batch_size`` prompts at a time
-  inside one ``unwrap_model_for_generation`` (one ZeRO-3 gather per rollout).
+  inside one ``unwrap_model_for_generation`` (one ZeRO-3 gather per rollout). ``_generation_mirror`` and
+  ``_compiled_training_layers`` (hf_grpo's helpers) keep the sampler on the live LoRA model and the forwards
+  eager: the merged LoRA copy and the compiled layers serve causal decoders.
 - ``_generate_and_score_completions``: TRL's, with its causal old/reference passes turned into free
   placeholders; then the rollout gets one mask seed per row and iteration (``mask_seeds`` [B, mu], CPU)
   and, where needed, the old and reference log-probs for **all** ``num_iterations`` seeds
@@ -272,6 +274,17 @@ class DiffuGRPOTrainer(GRPOTrainer):
     def _generate_single_turn(self, *args, **kwargs):
         with self.memory.phase("generation"):
             return super()._generate_single_turn(*args, **kwargs)
+
+    def _generation_mirror(self):
+        # The sampler runs LoRA adapters as they are (the merged copy serves the cuda_graph decoder only): of the
+        # dense mirrors only ZeRO-3's applies.
+        return super()._generation_mirror() if self._zero3_configured() else None
+
+    def _compiled_training_layers(self, planned_steps: int):
+        # The compiled layers were built and measured for causal decoders; the estimator's forwards stay eager.
+        if self.args.compile_training == "on" and self.accelerator.is_main_process:
+            logger.warning("compile_training='on' is not applied: the diffusion trainer's forwards run eager")
+        return None
 
     # ---- rollout -----------------------------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
