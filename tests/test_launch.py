@@ -60,15 +60,24 @@ def _update(path, initial):
     return torch.cat([(params[k] - initial[k]).flatten() for k in sorted(params)])
 
 
+FIXED_ROLLOUT = "tests/scripts/fixed_rollout_train.py"
+
+
+@pytest.fixture(scope="module")
+def single_process_params(tmp_path_factory):
+    """The one-process run every ZeRO stage is compared with: run once for the module."""
+    out = tmp_path_factory.mktemp("single")
+    python(FIXED_ROLLOUT, out, 8)  # one process, 8 completions per step
+    return out / "params.pt"
+
+
 @pytest.mark.parametrize("config", ["zero2", "zero3"])
-def test_zero_stages_match_a_single_process_run(tmp_path, config):
+def test_zero_stages_match_a_single_process_run(tmp_path, config, single_process_params):
     from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
 
     initial = {n: p.detach() for n, p in build_tiny_model(build_char_tokenizer(), seed=0).named_parameters()}
-    script = "tests/scripts/fixed_rollout_train.py"
-    python(script, tmp_path / "single", 8)  # one process, 8 completions per step
-    launch(config, script, tmp_path / config, 4)  # two processes, 4 each: the same global batch
-    single = _update(tmp_path / "single" / "params.pt", initial)
+    launch(config, FIXED_ROLLOUT, tmp_path / config, 4)  # two processes, 4 each: the same global batch
+    single = _update(single_process_params, initial)
     sharded = _update(tmp_path / config / "params.pt", initial)
     assert single.norm() > 0
     # fp32 on CPU; reductions in another order leave about 1e-7 relative (measured 2.5e-7)
@@ -81,7 +90,9 @@ def _final_state(output_dir):
     return load_file(output_dir / "model.safetensors")
 
 
-@pytest.mark.parametrize("config", [None, "zero2"])
+# Under ZeRO-2 (2 processes), tests/test_fault_resume.py resumes a run whose rank was killed and checks the same
+# metrics and weights: one ZeRO-2 resume-exactness run is enough.
+@pytest.mark.parametrize("config", [None])
 def test_resume_continues_exactly(tmp_path, config):
     common = [*QUICK, "--per_device_train_batch_size", 16, "--save_steps", 2]
 

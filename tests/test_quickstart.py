@@ -12,6 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.convergence  # 70 steps, minutes on CPU: `pytest -m convergence` (docs/testing.md)
 def test_quickstart_reward_rises_and_writes_metrics_and_plot(tmp_path):
     quickstart = load_recipe("quickstart")
     quickstart.main(["--output_dir", str(tmp_path), "--max_steps", "70", "--disable_tqdm", "true"])

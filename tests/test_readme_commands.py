@@ -318,14 +318,23 @@ def _ci_commands() -> list[str]:
     return [_normalise(line) for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
 
+CONVERGENCE = "python -m pytest tests -q -m convergence"
+
+
 def the_ci_runs_it(doc: Documented, tmp: pathlib.Path) -> None:
-    """.ci/run is the README's command, one `&&` part a line: its set-up (pip's -q aside), and last, the tests."""
+    """.ci/run is the README's command, one `&&` part a line: its set-up (pip's -q aside), then the tests, and last,
+    the convergence tests the README's test command leaves out (docs/testing.md)."""
     parts = [part.strip() for part in doc.command.split("&&")]
     ci = _ci_commands()
-    assert ci[-1] == parts[-1], (ci[-1], parts[-1])
+    assert ci[-2:] == [parts[-1], CONVERGENCE], (ci[-2:], parts[-1])
     quiet = [re.sub(r"^pip install -q ", "pip install ", line) for line in ci]
     for part in parts[:-1]:
         assert part in quiet, (part, ci)
+
+
+def the_ci_runs_it_last(doc: Documented, tmp: pathlib.Path) -> None:
+    """The convergence run is .ci/run's last command, after the README's."""
+    assert _ci_commands()[-1] == doc.command == CONVERGENCE, _ci_commands()[-2:]
 
 
 def the_pdsh_launch_reaches_deepspeeds_runner(doc: Documented, tmp: pathlib.Path) -> None:
@@ -476,6 +485,11 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
                 replace=(Sub("./my-checkpoint", "{tmp}/my-checkpoint",
                              "a checkpoint directory written by hf_grpo.tiny.save_tiny_checkpoint"),),
                 append=SHORT + " --max_completion_length 12 --num_train_samples 64"),
+    },
+    "docs/testing.md": {
+        CONVERGENCE:
+            NotRun("runs this test suite's convergence tests (minutes; it would recurse); .ci/run runs it last",
+                   the_ci_runs_it_last),
     },
     "docs/multi_node.md": {
         "export MAIN_IP=10.0.0.1":

@@ -120,6 +120,8 @@ def test_full_fine_tuning_with_a_reference_from_an_automodel_only_checkpoint(tmp
     assert all(math.isfinite(r["kl"]) for r in rows)  # the KL term ran against that reference
 
 
+@pytest.mark.slow
+@pytest.mark.convergence  # 50 steps, minutes on CPU: `pytest -m convergence` (docs/testing.md)
 def test_diffu_quickstart_reward_rises_and_writes_its_plot(tmp_path):
     quickstart = load_recipe("diffu_quickstart")
     quickstart.main(["--output_dir", str(tmp_path), "--max_steps", "50", "--disable_tqdm", "true"])

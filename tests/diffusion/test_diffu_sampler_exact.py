@@ -100,6 +100,7 @@ def test_plain_transfer_counts_match_the_block_schedule(bench):
     assert bench.plain_transfer_counts(block[:, :5], 3)[1].tolist() == sampler_module.transfer_schedule(5, 3)
 
 
+@pytest.mark.slow  # 15-40 s on a 2-core CPU
 def test_bench_tiny_run_reports_every_measurement(bench):
     """``python bench/diffu_llada.py --tiny`` (a CPU smoke run of the GPU benchmark) produces every record."""
     records = bench.main(["--tiny", "--caches", "dual", "--gen-batches", "2", "--tensor-batch-sizes", "16",

@@ -609,6 +609,7 @@ def _chi_square_ok(counts: collections.Counter, probs: torch.Tensor, n: int) -> 
     return stat <= df + 5 * math.sqrt(2 * df), stat, df
 
 
+@pytest.mark.slow  # 15-40 s on a 2-core CPU
 @pytest.mark.parametrize(("device", "compile"), SAMPLED_STEPS)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampling_follows_softmax(tokenizer, temperature, device, compile):

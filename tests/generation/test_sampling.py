@@ -105,6 +105,7 @@ def _spread_scores() -> torch.Tensor:
     return scores
 
 
+@pytest.mark.slow  # 15-40 s on a 2-core CPU
 def test_the_inverse_cdf_pick_samples_softmax_across_blocks():
     scores = _spread_scores()
     draws, chunk = 200_000, 25_000
