@@ -308,6 +308,14 @@ def prints_the_translation(ran: Ran) -> None:
     assert ran.documented.shown_block is not None and ran.stdout == ran.documented.shown_block
 
 
+def translates_and_lists_the_rest(ran: Ran) -> None:
+    """`hf-grpo plan --from` on a whole config exits 0, prints the translated flags and the plan, and lists the
+    keys that are not batch settings once."""
+    assert ran.stdout.startswith("hf-grpo flags (a recipe launched on "), ran.stdout
+    assert "\nbatch plan:\nrollout: " in ran.stdout
+    assert ran.stdout.count("not batch settings, ignored") == 1, ran.stdout
+
+
 # ---- checks for what is not run --------------------------------------------------------------------
 
 README_INSTALL = 'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[deepspeed,dev]"'
@@ -388,6 +396,16 @@ def sets_a_variable_for_the_launch(doc: Documented, tmp: pathlib.Path) -> None:
 
 
 # ---- the registry ----------------------------------------------------------------------------------
+
+def _verl_yaml(tmp: pathlib.Path) -> None:
+    """A veRL trainer config (nested keys) under the two names docs/plan_from.md uses."""
+    text = ("data:\n  train_batch_size: 64\n  max_response_length: 256\nactor_rollout_ref:\n  rollout:\n    n: 8\n"
+            "  actor:\n    ppo_mini_batch_size: 32\n    ppo_micro_batch_size_per_gpu: 4\n    ppo_epochs: 1\n"
+            "algorithm:\n  adv_estimator: grpo\ntrainer:\n  n_gpus_per_node: 1\n  nnodes: 1\n"
+            "  logger: ['console', 'wandb']\n")
+    for name in ("verl_ppo_trainer.yaml", "verl.yaml"):
+        (tmp / name).write_text(text)
+
 
 def _gsm8k_jsonl(tmp: pathlib.Path) -> None:
     rows = [{"question": f"What is {a} + {a}?", "answer": f"{a}+{a}={2 * a}\n#### {2 * a}"} for a in range(8)]
@@ -476,6 +494,16 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
         "num_generations=8 num_iterations=4 generation_batch_size=4 max_completion_length=256 block_length=32 "
         "diffusion_steps=128":
             Run(prints_the_translation, slow=False, timeout=120),
+    },
+    "docs/plan_from.md": {
+        "hf-grpo plan --from verl --config verl_ppo_trainer.yaml":
+            Run(translates_and_lists_the_rest, setup=_verl_yaml, cwd="tmp", slow=False, timeout=120),
+        "hf-grpo plan --from verl data.train_batch_size=64 actor_rollout_ref.rollout.n=8 "
+        "actor_rollout_ref.actor.ppo_mini_batch_size=32 actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 "
+        "algorithm.adv_estimator=grpo trainer.logger=\"['console','wandb']\"":
+            Run(translates_and_lists_the_rest, slow=False, timeout=120),
+        "hf-grpo plan --from verl --config verl.yaml rollout.n=4":
+            Run(translates_and_lists_the_rest, setup=_verl_yaml, cwd="tmp", slow=False, timeout=120),
     },
     "docs/models.md": {
         "python recipes/countdown.py --model_name_or_path ./my-checkpoint --use_peft true --lora_r 16 --lora_alpha 32 "
