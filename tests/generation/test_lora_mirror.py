@@ -103,7 +103,7 @@ def test_greedy_lora_rollout_from_the_merged_copy_equals_the_unmerged_model():
     merged = choice.mirror.refresh(policy)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
     greedy = dict(generation_config=merged.generation_config.__class__(do_sample=False, max_new_tokens=12),
-                  pad_token_id=0, eos_token_ids=[1])
+                  chunk_size=len(prompts), pad_token_id=0, eos_token_ids=[1])
     from_copy = CudaGraphBackend().generate(merged, prompts, **greedy)
     from_adapters = HFGenerateBackend().generate(policy, prompts, **greedy)
     assert from_copy == from_adapters
