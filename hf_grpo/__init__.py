@@ -7,7 +7,7 @@ from .config import (
     create_speed_optimized_config,
 )
 from .plan import BatchPlan
-from .shutdown import close_distributed
+from .distributed.shutdown import close_distributed
 
 __version__ = "0.1.0"
 

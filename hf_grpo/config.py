@@ -20,14 +20,14 @@ from typing import Any
 
 import trl
 
-from .autosize import AUTO, take_auto
-from .build_locks import launched_with_deepspeed, warn_about_stale_build_locks
+from .memory.autosize import AUTO, take_auto
+from .distributed.build_locks import launched_with_deepspeed, warn_about_stale_build_locks
 from .generation import BACKEND_NAMES
 from .generation.dense_mirror import validate_setting as validate_mirror_setting
 from .plan import BatchPlan
-from .token_budget import check_config as check_token_budget
+from .memory.token_budget import check_config as check_token_budget
 from .training_compile import validate_setting as validate_compile_setting
-from .zero3_leaves import validate_setting as validate_leaf_setting
+from .distributed.zero3_leaves import validate_setting as validate_leaf_setting
 
 logger = logging.getLogger("hf_grpo")
 
@@ -248,9 +248,9 @@ class GRPOConfig(trl.GRPOConfig):
             chunks of this size. Defaults to the whole rollout (no chunking). Not to be confused
             with TRL's ``generation_batch_size``, the global rollout size. Env: ``DIFFU_BATCH_SIZE``.
             ``"auto"`` (also for ``per_device_train_batch_size`` and ``tensor_batch_size``): on CUDA, probed
-            once at train start on the real model (``hf_grpo.autosize``); on CPU, the whole rollout, P = 8 and
+            once at train start on the real model (``hf_grpo.memory.autosize``); on CPU, the whole rollout, P = 8 and
             t = 1024. An out-of-memory in a generation or log-prob chunk halves that size on every rank
-            (``hf_grpo.oom``).
+            (``hf_grpo.memory.oom``).
         auto_memory_fraction (`float`, *optional*, defaults to `0.9`):
             The share of device memory a probed ``"auto"`` size may peak at.
         tensor_batch_size (`int` or `None`, *optional*, defaults to `1024`):
@@ -279,7 +279,7 @@ class GRPOConfig(trl.GRPOConfig):
         cudnn_attention (`bool`, *optional*, defaults to `False`):
             Let PyTorch's SDPA use cuDNN's attention kernel during ``train()``. Off by default: cuDNN builds
             a kernel for each new sequence shape (0.07 to 1.2 s each on an H100), and varied prompt lengths
-            bring new shapes all run long; the memory-efficient kernel is used instead (``hf_grpo.attention``).
+            bring new shapes all run long; the memory-efficient kernel is used instead (``hf_grpo.training_attention``).
         zero3_generation_mirror (`str`, *optional*, defaults to `"auto"`):
             Under DeepSpeed ZeRO-3: ``"on"`` decodes from a dense copy of the weights, refreshed in place
             layer by layer each rollout, so the ``cuda_graph`` backend can serve ZeRO-3 (cost: one model copy
@@ -303,7 +303,7 @@ class GRPOConfig(trl.GRPOConfig):
         default=8,
         metadata={
             "help": "Completions per forward/backward micro-batch per device, or 'auto' (probed at train start "
-            "with gradient_accumulation_steps adjusted; see hf_grpo.autosize). Env: DIFFU_TRAIN_BATCH_SIZE."
+            "with gradient_accumulation_steps adjusted; see hf_grpo.memory.autosize). Env: DIFFU_TRAIN_BATCH_SIZE."
         },
     )
     per_device_generation_batch_size: int | str | None = field(
@@ -357,7 +357,7 @@ class GRPOConfig(trl.GRPOConfig):
         default=False,
         metadata={
             "help": "Let SDPA use cuDNN's attention during train(). Off by default: cuDNN builds a kernel per new "
-            "sequence shape (0.07-1.2 s on H100), which varied prompt lengths pay all run long (hf_grpo.attention)."
+            "sequence shape (0.07-1.2 s on H100), which varied prompt lengths pay all run long (hf_grpo.training_attention)."
         },
     )
     zero3_generation_mirror: str = field(
@@ -373,7 +373,7 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "ZeRO-3 only: auto, off, or comma-separated module class names made DeepSpeed leaf modules (one "
             "parameter gather per instance, no hooks on its children). 'auto': the decoder layers (the model's "
-            "_no_split_modules). See hf_grpo.zero3_leaves."
+            "_no_split_modules). See hf_grpo.distributed.zero3_leaves."
         },
     )
     compile_training: str = field(
@@ -398,7 +398,7 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "Token budget per forward/backward pass on each device (veRL's ppo_max_token_len_per_gpu): each "
             "micro-batch's completions are packed into passes of at most this many padded tokens, with the same "
-            "gradient as one pass (see hf_grpo.token_budget). None: one pass per micro-batch."
+            "gradient as one pass (see hf_grpo.memory.token_budget). None: one pass per micro-batch."
         },
     )
 

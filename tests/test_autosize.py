@@ -1,4 +1,4 @@
-""""auto" batch sizes (hf_grpo.autosize): CPU defaults, validation, the search, probing, saving and resuming."""
+""""auto" batch sizes (hf_grpo.memory.autosize): CPU defaults, validation, the search, probing, saving and resuming."""
 
 import json
 
@@ -8,8 +8,8 @@ from test_trainer import make_trainer, train_one_step
 
 import hf_grpo.config
 import hf_grpo.logprob_head
-from hf_grpo import autosize
-from hf_grpo.autosize import (
+from hf_grpo.memory import autosize
+from hf_grpo.memory.autosize import (
     AUTO_DEFAULTS,
     SIZES_FILE,
     largest_fitting,

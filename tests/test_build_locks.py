@@ -4,7 +4,7 @@ import logging
 import os
 import time
 
-from hf_grpo.build_locks import STALE_AFTER_S, stale_build_locks, warn_about_stale_build_locks
+from hf_grpo.distributed.build_locks import STALE_AFTER_S, stale_build_locks, warn_about_stale_build_locks
 
 
 def _lock(path, age_s):
@@ -42,7 +42,7 @@ def test_the_warning_names_the_file_and_how_to_remove_it(tmp_path, monkeypatch, 
 def test_deepspeed_runs_are_told_when_the_config_is_built(tmp_path, monkeypatch, caplog, make_config):
     """The config is built before DeepSpeed's first op build (its CPU communication op) can wait on a lock."""
     from hf_grpo import config
-    from hf_grpo.build_locks import launched_with_deepspeed
+    from hf_grpo.distributed.build_locks import launched_with_deepspeed
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     lock = _lock(tmp_path / "ext" / "deepspeed_shm_comm" / "lock", 3600)

@@ -62,7 +62,7 @@ def _update(path, initial):
 
 @pytest.mark.parametrize("config", ["zero2", "zero3"])
 def test_zero_stages_match_a_single_process_run(tmp_path, config):
-    from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+    from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
     initial = {n: p.detach() for n, p in build_tiny_model(build_char_tokenizer(), seed=0).named_parameters()}
     script = "tests/scripts/fixed_rollout_train.py"

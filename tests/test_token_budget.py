@@ -17,9 +17,9 @@ from test_launch import launch
 from test_trainer import TOKENIZER, assert_same_update, make_trainer, train_one_step
 
 from hf_grpo import GRPOConfig, GRPOTrainer, token_budget
-from hf_grpo.cli import build_plan
-from hf_grpo.tiny import build_tiny_model
-from hf_grpo.token_budget import (
+from hf_grpo.cli.main import build_plan
+from hf_grpo.recipe_support.tiny import build_tiny_model
+from hf_grpo.memory.token_budget import (
     Extents,
     balanced_passes,
     build_passes,

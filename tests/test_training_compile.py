@@ -8,7 +8,7 @@ import torch
 
 from hf_grpo import training_compile
 from hf_grpo.logprob_head import install_chunked_lm_head
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 
 def batch(rows: int, prompt: int, completion: int, seed: int):

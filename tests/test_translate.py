@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hf_grpo.cli import main
-from hf_grpo.translate import TranslationError, parse_settings, translate
+from hf_grpo.cli.main import main
+from hf_grpo.cli.translate import TranslationError, parse_settings, translate
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -100,7 +100,7 @@ def test_worked_example_flags_build_a_valid_config_through_a_recipe(framework, s
     """The printed flags, pasted after a recipe on W processes, give a config whose plan is the translation's."""
     from hf_grpo import GRPOConfig
     from hf_grpo.diffusion import DiffuGRPOConfig
-    from hf_grpo.launch import parse_recipe_args
+    from hf_grpo.recipe_support.launch import parse_recipe_args
 
     t = translate(framework, parse_settings(settings), world, num_generations)
     world_of(t.world_size)

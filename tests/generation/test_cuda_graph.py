@@ -20,7 +20,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from hf_grpo.generation import HFGenerateBackend, resolve_backend
 from hf_grpo.generation import cuda_graph, filled_attention, sampling
 from hf_grpo.generation.cuda_graph import CudaGraphBackend, cache_len_ladder
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 PAD, EOS = 0, 1

@@ -15,14 +15,14 @@ import torch
 import yaml
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
-from .checks import check_model_path
-from .config import GRPOConfig, device_defaults, explicit_fields
+from ..checks.inputs import check_model_path
+from ..config import GRPOConfig, device_defaults, explicit_fields
 from .recipe_args import RecipeArguments
 from .reporting import METRICS_FILE, PLOT_FILE, MetricsFileCallback, plot_metrics
-from .shutdown import close_distributed
+from ..distributed.shutdown import close_distributed
 from .tasks import as_chat
 from .tiny import build_char_tokenizer, build_tiny_model
-from .trainer import GRPOTrainer
+from ..trainer import GRPOTrainer
 
 logger = logging.getLogger("hf_grpo")
 PERFORMANCE_FILE = "performance.json"

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from .plan import BatchPlan, nearest_valid
+from ..plan import BatchPlan, nearest_valid
 
 
 class TranslationError(ValueError):
