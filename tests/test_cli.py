@@ -21,7 +21,7 @@ def run_cli(*args, env=None):
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("DIFFU_")}
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "hf_grpo.cli.main", *args], capture_output=True, text=True, env=full_env, timeout=120
+        [sys.executable, "-m", "hf_grpo.cli", *args], capture_output=True, text=True, env=full_env, timeout=120
     )
 
 

@@ -141,6 +141,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(plan)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
