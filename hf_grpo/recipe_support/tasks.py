@@ -19,7 +19,7 @@ import random
 
 import datasets
 
-from .rewards import MAX_INTERMEDIATE, MAX_LITERAL
+from .answer_parsing import MAX_INTERMEDIATE, MAX_LITERAL
 
 __all__ = [
     "GSM8K_INSTRUCTION",
