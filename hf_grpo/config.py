@@ -15,7 +15,7 @@ from typing import Any
 
 import trl
 
-from .batch_fields import (  # noqa: F401 (CHECKPOINTING, ENV_OVERRIDES, env_override, explicit_fields: names of hf_grpo.config too)
+from .batch_fields import (  # noqa: F401 (re-exported: names of hf_grpo.config too)
     _EXPLICIT_FIELDS,
     BATCH_FIELDS,
     CHECKPOINTING,
