@@ -40,7 +40,8 @@ from provenance import with_provenance  # noqa: E402
 import torch
 from datasets import Dataset
 
-from hf_grpo import GRPOConfig, GRPOTrainer, token_budget
+from hf_grpo import GRPOConfig, GRPOTrainer
+from hf_grpo.memory import token_budget
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 

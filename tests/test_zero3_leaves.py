@@ -20,7 +20,8 @@ from datasets import Dataset
 from deepspeed.utils import get_z3_leaf_modules
 from side_by_side import free_port, run_to_end
 
-from hf_grpo import GRPOConfig, GRPOTrainer, zero3_leaves
+from hf_grpo import GRPOConfig, GRPOTrainer
+from hf_grpo.distributed import zero3_leaves
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
