@@ -3,7 +3,8 @@
 They are mostly private methods of ``trl.GRPOTrainer``, whose signatures changed in most minor releases
 (``_get_per_token_logps_and_entropies`` returned three values from 1.7 on; ``_generate`` changed in 1.0, 1.3
 and 1.9). Raising the TRL pin fails here first, naming the method that changed, instead of deep inside a
-training step. Parameter names, kinds and defaults are compared; annotations are not (they name classes of transformers and datasets, which move on their own).
+training step. Parameter names, kinds and defaults are compared; annotations are not (they name classes of
+transformers and datasets, which move on their own).
 """
 
 from __future__ import annotations
