@@ -130,8 +130,9 @@ def countdown_dataset(
     positive integers (subtraction only when it stays positive, division only when exact). Its
     value is the ``target``; draws with a target above ``max_target`` (``None``: no cap) are
     redrawn (after 1000 failed draws -- only with a very small ``max_target`` -- the sum of the
-    numbers is used even if above the cap). The classic rule of :func:`hf_grpo.recipe_support.rewards.countdown_reward` (every number exactly
-    once) therefore always has a solution.
+    numbers is used even if above the cap). The classic rule of
+    :func:`hf_grpo.recipe_support.rewards.countdown_reward` (every number exactly once) therefore always has a
+    solution.
 
     Columns: ``prompt`` (plain text, :func:`countdown_prompt`), ``nums`` (``list[int]``, shuffled
     so the order does not reveal the solution), ``target`` (``int``) and, with
