@@ -1,7 +1,7 @@
 """'auto' batch sizes and OOM back-off on a GPU under a memory cap: throughput, peak memory, survival.
 
 Each scenario runs ``hf_grpo.GRPOTrainer`` for ``--max_steps`` optimizer steps on a random-init
-Qwen2-0.5B-shaped model (``hf_grpo.tiny.SHAPES["0.5b"]``, bf16, built from a config: no download) with
+Qwen2-0.5B-shaped model (``hf_grpo.recipe_support.tiny.SHAPES["0.5b"]``, bf16, built from a config: no download) with
 random prompts of ``--min_prompt``..``--max_prompt`` tokens and a random reward, in its own process
 (so peak memory does not mix), under ``torch.cuda.set_per_process_memory_fraction(--memory_fraction)``
 (default 0.4 of the card). A random-init model almost never samples EOS, so every completion runs to
@@ -121,7 +121,7 @@ def build(args):
     """Model, tokenizer and a dataset of random-id prompts."""
     from datasets import Dataset
 
-    from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+    from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
     if args.tiny:
         tokenizer, shape, dtype = build_char_tokenizer(), "tiny", torch.float32
@@ -242,7 +242,7 @@ def hog_training(trainer, args, steps=(2,)):
 
 
 def run_one(args, scenario) -> dict:
-    import hf_grpo.autosize
+    import hf_grpo.memory.autosize
     from hf_grpo import GRPOConfig, GRPOTrainer
 
     if args.device == "cuda":
@@ -267,7 +267,7 @@ def run_one(args, scenario) -> dict:
     if scenario == "oom_train":
         hog_training(trainer, args)
     probe = {"s": 0.0, "chosen": None}
-    resolve = hf_grpo.autosize.resolve_auto_sizes
+    resolve = hf_grpo.memory.autosize.resolve_auto_sizes
 
     def timed_resolve(*a, **k):
         t0 = time.perf_counter()
@@ -275,7 +275,7 @@ def run_one(args, scenario) -> dict:
         probe["s"] = time.perf_counter() - t0
         return probe["chosen"]
 
-    hf_grpo.autosize.resolve_auto_sizes = timed_resolve
+    hf_grpo.memory.autosize.resolve_auto_sizes = timed_resolve
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0

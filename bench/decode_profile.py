@@ -1,6 +1,6 @@
 """Where one captured decode step of the ``cuda_graph`` backend spends its time (GPU only).
 
-Builds the random-init Qwen2 shape of ``hf_grpo.tiny`` in bf16, warms the backend up with one
+Builds the random-init Qwen2 shape of ``hf_grpo.recipe_support.tiny`` in bf16, warms the backend up with one
 rollout (compile + capture, timed as ``first_call_s``), then:
 
 * ``replay_ms``: wall time of one graph replay (one token for every row) on a full cache, averaged over 100;

@@ -19,7 +19,7 @@ processes, so that their peak memory does not mix):
 
 The run is set up like a real one:
 
-* a random-init Qwen2-shaped model (``hf_grpo.tiny.SHAPES``: ``0.5b`` default, ``1.5b``; vocabulary
+* a random-init Qwen2-shaped model (``hf_grpo.recipe_support.tiny.SHAPES``: ``0.5b`` default, ``1.5b``; vocabulary
   151936; bf16) with the word-level tokenizer of ``bench/rollout.py`` (token ``t<i>`` is id ``i``),
   SAVED with ``save_pretrained`` and loaded back from that directory, so that TRL builds the
   reference model (``beta=0.04``) from the policy's path as it does for a hub checkpoint;
@@ -241,7 +241,7 @@ def expected_mean_length(p: float, cap: int) -> float:
 
 def build_checkpoint(args, directory: str) -> tuple[dict, object]:
     """Random-init model + tokenizer with a planted EOS, saved to ``directory``; returns (calibration, tokenizer)."""
-    from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+    from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
     if args.shape == "tiny":
         tokenizer = build_char_tokenizer()

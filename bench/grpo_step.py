@@ -56,7 +56,7 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    from hf_grpo.tiny import build_tiny_model
+    from hf_grpo.recipe_support.tiny import build_tiny_model
 
     tokenizer = build_tokenizer()
     model = build_tiny_model(tokenizer, shape=args.shape, dtype=torch.bfloat16)

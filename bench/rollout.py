@@ -46,9 +46,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from hf_grpo.generation import HFGenerateBackend  # noqa: E402
 from hf_grpo.generation.cuda_graph import CudaGraphBackend  # noqa: E402
-from hf_grpo.tiny import build_tiny_model  # noqa: E402
+from hf_grpo.recipe_support.tiny import build_tiny_model  # noqa: E402
 
-VOCAB = 151936  # the vocabulary of the 0.5b and 1.5b shapes in hf_grpo.tiny.SHAPES
+VOCAB = 151936  # the vocabulary of the 0.5b and 1.5b shapes in hf_grpo.recipe_support.tiny.SHAPES
 SHAPES = ("0.5b", "1.5b")
 PAD, EOS = 0, 1
 
@@ -72,7 +72,7 @@ def build_tokenizer():
 
 
 def build_model(shape: str, tokenizer):
-    """The random-init Qwen2 shape of ``hf_grpo.tiny``, bf16 on the GPU (seed 0)."""
+    """The random-init Qwen2 shape of ``hf_grpo.recipe_support.tiny``, bf16 on the GPU (seed 0)."""
     return build_tiny_model(tokenizer, shape=shape, dtype=torch.bfloat16).to("cuda")
 
 

@@ -13,7 +13,7 @@ passes, padded tokens actually run, and the gradient's relative difference to th
 Beside them, what a user does without a budget (``--fixed_rows``): a smaller fixed micro-batch of k rows,
 accumulated over B / k micro-batches, each padded to the whole rollout's width as TRL's micro-batches are.
 Its record says ``fixed_rows`` instead of ``budget``. No run retries at a smaller size after an
-out-of-memory (``hf_grpo.train_backoff`` is off): the bench measures each setting as given.
+out-of-memory (``hf_grpo.memory.train_backoff`` is off): the bench measures each setting as given.
 
 On the GPU machine, from the repository root:
 
@@ -40,8 +40,9 @@ from provenance import with_provenance  # noqa: E402
 import torch
 from datasets import Dataset
 
-from hf_grpo import GRPOConfig, GRPOTrainer, token_budget
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo import GRPOConfig, GRPOTrainer
+from hf_grpo.memory import token_budget
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 
 def parse_args(argv=None):

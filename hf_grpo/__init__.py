@@ -6,8 +6,8 @@ from .config import (
     create_memory_optimized_config,
     create_speed_optimized_config,
 )
+from .distributed.shutdown import close_distributed
 from .plan import BatchPlan
-from .shutdown import close_distributed
 
 __version__ = "0.1.0"
 

@@ -8,228 +8,38 @@ nearest valid values) before any model is loaded.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
 import logging
-import os
-import re
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import trl
 
-from .autosize import AUTO, take_auto
-from .build_locks import launched_with_deepspeed, warn_about_stale_build_locks
+from .batch_fields import (  # noqa: F401 (re-exported: names of hf_grpo.config too)
+    _EXPLICIT_FIELDS,
+    BATCH_FIELDS,
+    CHECKPOINTING,
+    ENV_OVERRIDES,
+    _bf16_available,
+    check_generation_choices,
+    current_world_size,
+    device_defaults,
+    env_override,
+    explicit_fields,
+    resolve_batch_fields,
+)
+from .distributed.zero3_leaves import validate_setting as validate_leaf_setting
 from .generation import BACKEND_NAMES
 from .generation.dense_mirror import validate_setting as validate_mirror_setting
+from .memory.token_budget import check_config as check_token_budget
 from .plan import BatchPlan
-from .token_budget import check_config as check_token_budget
 from .training_compile import validate_setting as validate_compile_setting
-from .zero3_leaves import validate_setting as validate_leaf_setting
 
 logger = logging.getLogger("hf_grpo")
-
-# transformers 5.x renamed gradient_checkpointing to activation_checkpointing (the old name is an alias).
-CHECKPOINTING = next(
-    (f.name for f in dataclasses.fields(trl.GRPOConfig) if f.name == "activation_checkpointing"),
-    "gradient_checkpointing",
-)
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # activation checkpointing trades ~20-30% step time for activation memory
-    "memory": {CHECKPOINTING: True, "per_device_generation_batch_size": 2, "tensor_batch_size": 512},
-    "balanced": {"per_device_generation_batch_size": 4, "tensor_batch_size": 1024},
-    "speed": {CHECKPOINTING: False, "per_device_generation_batch_size": 8, "tensor_batch_size": 2048},
-}
-
-ENV_OVERRIDES = {
-    "DIFFU_BATCH_SIZE": "per_device_generation_batch_size",
-    "DIFFU_TRAIN_BATCH_SIZE": "per_device_train_batch_size",
-    "DIFFU_TENSOR_BATCH_SIZE": "tensor_batch_size",
-}
-
-# The fields the batch contract reads; `resolve_batch_fields` works on a dict of these.
-BATCH_FIELDS = (
-    "preset",
-    "per_device_train_batch_size",
-    "gradient_accumulation_steps",
-    "steps_per_generation",
-    "generation_batch_size",
-    "num_generations",
-    "num_iterations",
-    "per_device_generation_batch_size",
-    "tensor_batch_size",
-    "max_tokens_per_micro_batch",
-    CHECKPOINTING,
-    "bf16",
-)
-
-
-def current_world_size() -> int:
-    """Data-parallel processes of this launch (``accelerate launch`` and torchrun set WORLD_SIZE)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def is_main_process() -> bool:
-    return os.environ.get("RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
-def _bf16_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-
-
-def device_defaults() -> dict[str, Any]:
-    """CPU-only machines train on the CPU in fp32; GPUs use bf16 where they have it. Applied to the fields a
-    user leaves out, in the library as in the recipes (TRL's default bf16=True fails on a CPU)."""
-    cuda = _cuda_available()
-    return {"use_cpu": not cuda, "bf16": _bf16_available()}
-
-
-def env_override(variable: str) -> str | None:
-    """The value of a ``DIFFU_*`` variable, or None when it is unset, empty or only whitespace: all three mean
-    "no override" (``DIFFU_BATCH_SIZE= cmd`` or a blank line in a job file turns an override off)."""
-    raw = os.environ.get(variable)
-    return raw if raw is not None and raw.strip() else None
-
-
-def parse_env_size(variable: str, raw: str) -> int | str:
-    """A positive integer (or "auto") from an environment variable, or a ValueError naming it and the value."""
-    text = raw.strip()
-    if text.lower() == AUTO:
-        return AUTO
-    if not re.fullmatch(r"\+?[0-9]+", text) or int(text) < 1:
-        raise ValueError(
-            f"{variable}={raw!r} is not a positive integer or 'auto'; set it to a whole number >= 1 "
-            f"(e.g. {variable}=4), to auto, or unset it"
-        )
-    value = int(text)
-    return value
-
-
-def resolve_batch_fields(values: dict[str, Any], explicit: Collection[str], world_size: int) -> dict[str, Any]:
-    """Apply preset, then environment overrides, derive the rest, and validate.
-
-    ``values`` holds the fields of ``BATCH_FIELDS`` as given; ``explicit`` names the fields the
-    user set (a preset fills only the others, whatever their values). Returns the resolved
-    values with ``steps_per_generation`` and ``per_device_generation_batch_size`` filled in
-    and ``generation_batch_size`` left for TRL to derive. Raises ``ValueError``.
-    """
-    values = dict(values)
-    preset = values.get("preset")
-    preset_chunk = None
-    if preset is not None:
-        if preset not in PRESETS:
-            raise ValueError(f"preset must be one of {sorted(PRESETS)} or None, got {preset!r}")
-        for name, value in PRESETS[preset].items():
-            if name not in explicit:
-                values[name] = value
-        if "bf16" not in explicit:
-            values["bf16"] = _bf16_available()
-        # The preset's chunk size is a cap: a rollout smaller than it is generated in one chunk.
-        if "per_device_generation_batch_size" not in explicit:
-            preset_chunk = values["per_device_generation_batch_size"]
-
-    for variable, name in ENV_OVERRIDES.items():
-        raw = env_override(variable)
-        if raw is None:
-            continue
-        value = parse_env_size(variable, raw)
-        if is_main_process() and value != values[name]:
-            was = "unset" if values[name] is None else values[name]
-            logger.warning("%s=%s overrides %s (was %s)", variable, value, name, was)
-        values[name] = value
-        if name == "per_device_generation_batch_size":
-            preset_chunk = None
-
-    # "auto" sizes: the defaults on CPU; on CUDA the same defaults stand in until the trainer probes (autosize.py)
-    values, auto = take_auto(values, probe_later=_cuda_available())
-    values["auto_batch_fields"] = auto
-
-    P, W = values["per_device_train_batch_size"], world_size
-    steps, rollout = values["steps_per_generation"], values["generation_batch_size"]
-    if steps is not None and rollout is not None:
-        raise ValueError(
-            f"set either steps_per_generation ({steps}) or generation_batch_size ({rollout}), not both: "
-            f"generation_batch_size is the global rollout, per_device_train_batch_size x world size x "
-            f"steps_per_generation"
-        )
-    if steps is None and rollout is None:
-        steps = values["gradient_accumulation_steps"]
-    elif steps is None:
-        if not isinstance(P, int) or P < 1 or rollout % (P * W):
-            raise ValueError(
-                f"generation_batch_size ({rollout}) is the global rollout and must be a multiple of "
-                f"per_device_train_batch_size ({P}) x world size ({W}) = {P * W}; prefer setting "
-                f"steps_per_generation, the number of micro-batches per rollout"
-            )
-        steps = rollout // (P * W)
-    values["steps_per_generation"], values["generation_batch_size"] = steps, None
-
-    if values["per_device_generation_batch_size"] is None:
-        # derived from P x steps; from an invalid P or steps it stays a placeholder (1): validate() below refuses
-        # the invalid field itself, and the user did not set this one, so it adds no second error
-        derivable = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (P, steps))
-        values["per_device_generation_batch_size"] = P * steps if derivable else 1
-    elif preset_chunk is not None and isinstance(P, int) and isinstance(steps, int):
-        values["per_device_generation_batch_size"] = min(preset_chunk, P * steps)
-
-    BatchPlan.from_fields(values, world_size).validate()
-    return values
-
-
-def check_generation_choices(backend: str, use_vllm: bool, continuous_batching: bool, *, use_vllm_given: bool) -> None:
-    """Refuse two generation settings that pick different generators: one of them would be ignored without a word
-    (TRL's vLLM and continuous-batching paths bypass ``generation_backend``)."""
-    if use_vllm and backend in ("hf", "cuda_graph"):
-        raise ValueError(
-            f"use_vllm=True and generation_backend={backend!r} contradict each other: with use_vllm TRL generates "
-            f"with vLLM and the {backend!r} backend never runs; set generation_backend='vllm' (or 'auto') to "
-            f"generate with vLLM, or use_vllm=False to generate with {backend!r}"
-        )
-    if backend == "vllm" and use_vllm_given and not use_vllm:
-        raise ValueError(
-            "generation_backend='vllm' and use_vllm=False contradict each other: generation_backend='vllm' is TRL's "
-            "vLLM mode (use_vllm=True); drop use_vllm=False, or pick generation_backend 'auto', 'hf' or 'cuda_graph'"
-        )
-    if continuous_batching and backend != "auto":
-        raise ValueError(
-            f"use_transformers_continuous_batching=True and generation_backend={backend!r} contradict each other: "
-            f"continuous batching is TRL's own generation path and the {backend!r} backend would never run; set "
-            f"generation_backend='auto' to generate with continuous batching, or "
-            f"use_transformers_continuous_batching=False"
-        )
-
 
 def batch_field_defaults() -> dict[str, Any]:
     """The dataclass defaults of ``BATCH_FIELDS``."""
     return {f.name: f.default for f in dataclasses.fields(GRPOConfig) if f.name in BATCH_FIELDS}
-
-
-# Set while a parser builds the config from every field at once (YAML + flags): it then names the
-# fields the user really gave, which keyword arguments alone cannot tell.
-_EXPLICIT_FIELDS: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
-    "hf_grpo_explicit_fields", default=None
-)
-
-
-@contextlib.contextmanager
-def explicit_fields(names: Collection[str]):
-    """Configs built inside this block treat ``names`` as the fields the user set (for presets)."""
-    token = _EXPLICIT_FIELDS.set(frozenset(names))
-    try:
-        yield
-    finally:
-        _EXPLICIT_FIELDS.reset(token)
 
 
 @dataclass
@@ -248,9 +58,9 @@ class GRPOConfig(trl.GRPOConfig):
             chunks of this size. Defaults to the whole rollout (no chunking). Not to be confused
             with TRL's ``generation_batch_size``, the global rollout size. Env: ``DIFFU_BATCH_SIZE``.
             ``"auto"`` (also for ``per_device_train_batch_size`` and ``tensor_batch_size``): on CUDA, probed
-            once at train start on the real model (``hf_grpo.autosize``); on CPU, the whole rollout, P = 8 and
+            once at train start on the real model (``hf_grpo.memory.autosize``); on CPU, the whole rollout, P = 8 and
             t = 1024. An out-of-memory in a generation or log-prob chunk halves that size on every rank
-            (``hf_grpo.oom``).
+            (``hf_grpo.memory.oom``).
         auto_memory_fraction (`float`, *optional*, defaults to `0.9`):
             The share of device memory a probed ``"auto"`` size may peak at.
         tensor_batch_size (`int` or `None`, *optional*, defaults to `1024`):
@@ -279,7 +89,7 @@ class GRPOConfig(trl.GRPOConfig):
         cudnn_attention (`bool`, *optional*, defaults to `False`):
             Let PyTorch's SDPA use cuDNN's attention kernel during ``train()``. Off by default: cuDNN builds
             a kernel for each new sequence shape (0.07 to 1.2 s each on an H100), and varied prompt lengths
-            bring new shapes all run long; the memory-efficient kernel is used instead (``hf_grpo.attention``).
+            bring new shapes all run long; the memory-efficient kernel is used instead (``hf_grpo.training_attention``).
         zero3_generation_mirror (`str`, *optional*, defaults to `"auto"`):
             Under DeepSpeed ZeRO-3: ``"on"`` decodes from a dense copy of the weights, refreshed in place
             layer by layer each rollout, so the ``cuda_graph`` backend can serve ZeRO-3 (cost: one model copy
@@ -309,7 +119,7 @@ class GRPOConfig(trl.GRPOConfig):
         default=8,
         metadata={
             "help": "Completions per forward/backward micro-batch per device, or 'auto' (probed at train start "
-            "with gradient_accumulation_steps adjusted; see hf_grpo.autosize). Env: DIFFU_TRAIN_BATCH_SIZE."
+            "with gradient_accumulation_steps adjusted; see hf_grpo.memory.autosize). Env: DIFFU_TRAIN_BATCH_SIZE."
         },
     )
     per_device_generation_batch_size: int | str | None = field(
@@ -363,7 +173,7 @@ class GRPOConfig(trl.GRPOConfig):
         default=False,
         metadata={
             "help": "Let SDPA use cuDNN's attention during train(). Off by default: cuDNN builds a kernel per new "
-            "sequence shape (0.07-1.2 s on H100), which varied prompt lengths pay all run long (hf_grpo.attention)."
+            "sequence shape (0.07-1.2 s on H100), which varied prompt lengths pay all run long (hf_grpo.training_attention)."
         },
     )
     zero3_generation_mirror: str = field(
@@ -379,7 +189,7 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "ZeRO-3 only: auto, off, or comma-separated module class names made DeepSpeed leaf modules (one "
             "parameter gather per instance, no hooks on its children). 'auto': the decoder layers (the model's "
-            "_no_split_modules). See hf_grpo.zero3_leaves."
+            "_no_split_modules). See hf_grpo.distributed.zero3_leaves."
         },
     )
     lora_generation_mirror: str = field(
@@ -414,7 +224,7 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "Token budget per forward/backward pass on each device (veRL's ppo_max_token_len_per_gpu): each "
             "micro-batch's completions are packed into passes of at most this many padded tokens, with the same "
-            "gradient as one pass (see hf_grpo.token_budget). None: one pass per micro-batch."
+            "gradient as one pass (see hf_grpo.memory.token_budget). None: one pass per micro-batch."
         },
     )
 
@@ -441,8 +251,6 @@ class GRPOConfig(trl.GRPOConfig):
         validate_mirror_setting(self.lora_generation_mirror, "lora_generation_mirror")
         validate_leaf_setting(self.zero3_leaf_modules)
         validate_compile_setting(self.compile_training)
-        if launched_with_deepspeed(self.deepspeed):  # before DeepSpeed builds its first op (TRL's checks below)
-            warn_about_stale_build_locks(is_main_process=os.environ.get("RANK", "0") == "0")
         self._fill_device_defaults()
         fraction = self.auto_memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:

@@ -27,7 +27,7 @@ from packaging.version import Version
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
 from . import padding_free
-from .oom import SizeKnob
+from .memory.oom import SizeKnob
 from .ops import chunked_logprobs
 
 logger = logging.getLogger("hf_grpo")
@@ -76,7 +76,7 @@ def install_chunked_lm_head(
     """Patch ``model.forward`` (the base model, after TRL's ``add_fused_lm_head``). Returns False if skipped.
 
     ``chunk_rows`` as a ``SizeKnob`` is read at every call and halved on every rank after an out-of-memory
-    in the head (``hf_grpo.oom``); the backbone's forward has run by then, so the retry redoes the head only.
+    in the head (``hf_grpo.memory.oom``); the backbone's forward has run by then, so the retry redoes the head only.
     With ``padding_free_rows`` the backbone runs the micro-batch's rows packed into one sequence
     (``hf_grpo.padding_free``) where the model and the batch allow it.
     """

@@ -61,7 +61,7 @@ class BatchPlan:
     generation_mirror_kind: str = "ZeRO-3"
     generation_mirror_bytes: int = 0
     generation_mirror_dtype: str | None = None
-    # ZeRO-3 only, set by the trainer (hf_grpo.zero3_leaves): modules whose parameters one hook fetches together
+    # ZeRO-3 only, set by the trainer (hf_grpo.distributed.zero3_leaves): modules whose parameters one hook fetches together
     leaf_module_classes: tuple[str, ...] = ()
     leaf_module_count: int = 0
 

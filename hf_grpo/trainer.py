@@ -10,8 +10,8 @@ Each is thin and calls TRL's own code wherever it can:
   gathered there: the rollout decodes from a dense mirror refreshed layer by layer (``generation.dense_mirror``);
   a LoRA policy outside ZeRO-3 decodes from such a copy with its adapters merged (``lora_generation_mirror``).
 - ``compute_loss`` (public, TRL's): with ``max_tokens_per_micro_batch``, one micro-batch runs as token-budget
-  passes (``hf_grpo.token_budget``), each through TRL's own ``compute_loss``. In a one-process run it also
-  runs the backward, so that an out-of-memory there can be retried (``hf_grpo.train_backoff``).
+  passes (``hf_grpo.memory.token_budget``), each through TRL's own ``compute_loss``. In a one-process run it also
+  runs the backward, so that an out-of-memory there can be retried (``hf_grpo.memory.train_backoff``).
 - ``_calculate_rewards``: timed only (TRL's None/NaN handling is kept: see the README).
 - ``_get_per_token_logps_and_entropies``: timed; with ``max_tokens_per_micro_batch``, TRL's no-grad scoring
   chunks (``batch_size``) are cut to fit the budget.
@@ -23,13 +23,13 @@ Also: ``_prepare_inputs`` (TRL's, calls it and counts the micro-batch's tokens),
 run (``_longest_prompt``; not with ``environment_factory``, whose prompts only batches can tokenize), and the public
 ``training_step`` (time accounting; with ``compile_training`` the decoder layers run compiled inside it,
 ``hf_grpo.training_compile``, lifted again around generation) and ``log`` (``perf/`` figures), transformers'
-``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules: ``hf_grpo.zero3_leaves``), and ``train``
+``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules: ``hf_grpo.distributed.zero3_leaves``), and ``train``
 (settles "auto" sizes
-first: ``hf_grpo.autosize``; refuses a token budget the longest prompt cannot fit, a fresh run into another run's
-checkpoints (``hf_grpo.output_dirs``) and a ZeRO checkpoint resumed in another launch shape
-(``hf_grpo.zero_resume``)). ``__init__`` checks the training set, a model path and the reward functions'
-outputs first (``hf_grpo.checks``). A generation chunk or a
-head chunk that runs out of memory is halved on every rank and retried (``hf_grpo.oom``).
+first: ``hf_grpo.memory.autosize``; refuses a token budget the longest prompt cannot fit, a fresh run into another run's
+checkpoints (``hf_grpo.checks.output_dirs``) and a ZeRO checkpoint resumed in another launch shape
+(``hf_grpo.distributed.zero_resume``)). ``__init__`` checks the training set, a model path and the reward functions'
+outputs first (``hf_grpo.checks.inputs``). A generation chunk or a
+head chunk that runs out of memory is halved on every rank and retried (``hf_grpo.memory.oom``).
 """
 
 from __future__ import annotations
@@ -47,14 +47,17 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
-from . import (autosize, checks, output_dirs, token_budget, train_backoff, training_compile, zero3_leaves,
-               zero_resume)
-from .attention import cudnn_attention
+from . import training_compile
+from .checks import inputs as checks
+from .checks import output_dirs
 from .config import GRPOConfig
+from .distributed import build_locks, zero3_leaves, zero_resume
 from .generation import GenerationBackend, dense_mirror, resolve_backend
 from .logprob_head import install_chunked_lm_head
-from .oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
-from .stats import PerformanceStats
+from .memory import autosize, token_budget, train_backoff
+from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
+from .memory.stats import PerformanceStats
+from .training_attention import cudnn_attention
 
 logger = logging.getLogger("hf_grpo")
 # Prompts from which the one scan of the training set (tokenized as TRL does) shows a progress bar.
@@ -127,7 +130,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._backend: GenerationBackend | None = None
         self._mirror_choice: dense_mirror.MirrorChoice | None = None  # ZeRO-3's or LoRA's dense mirror, decided once
         self._mirror_decided = False
-        # chunk sizes halved on every rank after an out-of-memory, and kept so (hf_grpo.oom)
+        # chunk sizes halved on every rank after an out-of-memory, and kept so (hf_grpo.memory.oom)
         self._oom_knobs = {name: SizeKnob(self.args, name, lambda *_: self.perf.add("oom_backoffs", 1))
                            for name in BACKOFF_FIELDS}
         # a training micro-batch's out-of-memory: retried in token-budget passes, where that is safe (one process)
@@ -151,7 +154,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     # ---- public ------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         """transformers' (called inside ``Trainer.__init__``, once ``self.model`` is set), then, under ZeRO-3, the
-        decoder layers made leaf modules (``zero3_leaf_modules``, ``hf_grpo.zero3_leaves``): before DeepSpeed wraps
+        decoder layers made leaf modules (``zero3_leaf_modules``, ``hf_grpo.distributed.zero3_leaves``): before DeepSpeed wraps
         the policy (``accelerator.prepare`` in ``train``) and before TRL prepares the reference model later in its
         ``__init__`` from a copy of this DeepSpeed config, which then carries the class names."""
         super().create_accelerator_and_postprocess()
@@ -186,9 +189,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         return stats
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        # another run's checkpoints in output_dir: refused unless resuming or overwriting (hf_grpo.output_dirs)
+        # another run's checkpoints in output_dir: refused unless resuming or overwriting (hf_grpo.checks.output_dirs)
         output_dirs.check_fresh_run(self.args, resume_from_checkpoint, self.accelerator)
-        # no per-shape cuDNN kernel builds (hf_grpo.attention), in the "auto" probes as in training
+        # no per-shape cuDNN kernel builds (hf_grpo.training_attention), in the "auto" probes as in training
         with cudnn_attention(self.args.cudnn_attention):
             token_budget.check_longest_row(self.args, self._longest_prompt)  # before any probe or step
             # "auto" sizes are settled before TRL and transformers size the dataloader and the accumulation
@@ -220,12 +223,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         compute = functools.partial(super().compute_loss, model)  # TRL's loss of one micro-batch or pass
         if self._train_backoff is not None and torch.is_grad_enabled():
             # Forward and backward run here, again at half the token budget after an out-of-memory
-            # (hf_grpo.train_backoff); the Trainer's backward gets a leaf and reaches no parameter.
+            # (hf_grpo.memory.train_backoff); the Trainer's backward gets a leaf and reaches no parameter.
             loss = self._train_backoff.step(model, compute, inputs, last_of_step=self.accelerator.sync_gradients)
             return loss.requires_grad_()
         if budget is None:
             return compute(inputs)
-        # The micro-batch in token-budget passes, all but the last backpropagated there (hf_grpo.token_budget)
+        # The micro-batch in token-budget passes, all but the last backpropagated there (hf_grpo.memory.token_budget)
         return token_budget.packed_loss(self.accelerator, model, inputs, budget, self.loss_type, compute)
 
     def _prepare_inputs(self, generation_batch):
@@ -302,7 +305,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             rows = token_budget.scoring_rows(self.args.max_tokens_per_micro_batch, input_ids.shape[1],
                                              kwargs["batch_size"])
             # The same chunk on every rank (widths differ per rank): each chunk's head agrees on out-of-memory
-            # with the other ranks (hf_grpo.oom), so unequal chunk counts left a 2-process ZeRO-2 run hanging.
+            # with the other ranks (hf_grpo.memory.oom), so unequal chunk counts left a 2-process ZeRO-2 run hanging.
             kwargs["batch_size"] = min_over_ranks(rows)
         with self.perf.phase("logprob"):
             return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
@@ -351,6 +354,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if isinstance(model, str):
             checks.check_model_path(model)
         checks.check_generation_backend_installed(args.generation_backend)
+        build_locks.warn_if_launched_with_deepspeed(args.deepspeed)  # before TRL prepares DeepSpeed's engine
 
     def _longest_prompt(self) -> int | None:
         """Tokens in the training set's longest prompt (scanned once: the cache sizing and the "auto" probe

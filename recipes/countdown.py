@@ -4,14 +4,14 @@
     python recipes/countdown.py --tiny --max_steps 5          # offline smoke run with a tiny model on CPU
 
 Reward: 1.0 for a correct equation using every number once, 0.1 for a well-formed wrong one
-(hf_grpo.rewards.countdown_reward).
+(hf_grpo.recipe_support.rewards.countdown_reward).
 """
 
 import string
 
-from hf_grpo.launch import chat_prompts_if_templated, run_recipe
-from hf_grpo.rewards import countdown_reward
-from hf_grpo.tasks import countdown_dataset
+from hf_grpo.recipe_support.launch import chat_prompts_if_templated, run_recipe
+from hf_grpo.recipe_support.rewards import countdown_reward
+from hf_grpo.recipe_support.tasks import countdown_dataset
 
 DEFAULTS = dict(
     output_dir="outputs/countdown",

@@ -13,8 +13,8 @@ a per-row seed). On a 2-core CPU the mean reward goes from about 0.04 (chance: 1
 """
 
 from hf_grpo.diffusion.launch import run_diffu_recipe
-from hf_grpo.rewards import repeat_letter_reward
-from hf_grpo.tasks import repeat_letter_dataset
+from hf_grpo.recipe_support.rewards import repeat_letter_reward
+from hf_grpo.recipe_support.tasks import repeat_letter_dataset
 
 COMPLETION_LENGTH = 8
 

@@ -9,9 +9,9 @@
 
 import string
 
-from hf_grpo.launch import chat_prompts_if_templated, run_recipe
-from hf_grpo.rewards import gsm8k_correctness_reward, gsm8k_format_reward
-from hf_grpo.tasks import gsm8k_dataset
+from hf_grpo.recipe_support.launch import chat_prompts_if_templated, run_recipe
+from hf_grpo.recipe_support.rewards import gsm8k_correctness_reward, gsm8k_format_reward
+from hf_grpo.recipe_support.tasks import gsm8k_dataset
 
 DEFAULTS = dict(
     output_dir="outputs/gsm8k",

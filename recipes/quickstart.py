@@ -9,9 +9,9 @@
 Writes metrics.jsonl (one line per logging step) and reward_loss.png to --output_dir.
 """
 
-from hf_grpo.launch import run_recipe
-from hf_grpo.rewards import repeat_letter_reward
-from hf_grpo.tasks import repeat_letter_dataset
+from hf_grpo.recipe_support.launch import run_recipe
+from hf_grpo.recipe_support.rewards import repeat_letter_reward
+from hf_grpo.recipe_support.tasks import repeat_letter_dataset
 
 COMPLETION_LENGTH = 8
 

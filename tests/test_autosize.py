@@ -1,4 +1,4 @@
-""""auto" batch sizes (hf_grpo.autosize): CPU defaults, validation, the search, probing, saving and resuming."""
+""""auto" batch sizes (hf_grpo.memory.autosize): CPU defaults, validation, the search, probing, saving and resuming."""
 
 import json
 
@@ -6,10 +6,11 @@ import pytest
 import torch
 from test_trainer import make_trainer, train_one_step
 
+import hf_grpo.batch_fields
 import hf_grpo.config
 import hf_grpo.logprob_head
-from hf_grpo import autosize
-from hf_grpo.autosize import (
+from hf_grpo.memory import autosize
+from hf_grpo.memory.autosize import (
     AUTO_DEFAULTS,
     SIZES_FILE,
     largest_fitting,
@@ -40,7 +41,7 @@ def test_env_variables_may_say_auto(make_config, monkeypatch, variable):
 
 
 def test_on_cuda_auto_fields_stay_listed_and_the_plan_says_so(make_config, monkeypatch):
-    monkeypatch.setattr(hf_grpo.config, "_cuda_available", lambda: True)
+    monkeypatch.setattr(hf_grpo.batch_fields, "_cuda_available", lambda: True)
     config = make_config(num_generations=4, per_device_train_batch_size="auto", tensor_batch_size="auto")
     assert config.auto_batch_fields == ("per_device_train_batch_size", "tensor_batch_size")
     assert config.per_device_train_batch_size == 8  # provisional, for TRL's own checks
@@ -130,7 +131,7 @@ def fake_cuda_probe(monkeypatch):
         except torch.OutOfMemoryError:
             return False
 
-    monkeypatch.setattr(hf_grpo.config, "_cuda_available", lambda: True)
+    monkeypatch.setattr(hf_grpo.batch_fields, "_cuda_available", lambda: True)
     monkeypatch.setattr(autosize, "memory_cap_bytes", lambda device, fraction: 1 << 40)
     monkeypatch.setattr(autosize, "fits_under", fits)
 

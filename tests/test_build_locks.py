@@ -4,7 +4,7 @@ import logging
 import os
 import time
 
-from hf_grpo.build_locks import STALE_AFTER_S, stale_build_locks, warn_about_stale_build_locks
+from hf_grpo.distributed.build_locks import STALE_AFTER_S, stale_build_locks, warn_about_stale_build_locks
 
 
 def _lock(path, age_s):
@@ -39,22 +39,49 @@ def test_the_warning_names_the_file_and_how_to_remove_it(tmp_path, monkeypatch, 
     assert warn_about_stale_build_locks() == []
 
 
-def test_deepspeed_runs_are_told_when_the_config_is_built(tmp_path, monkeypatch, caplog, make_config):
-    """The config is built before DeepSpeed's first op build (its CPU communication op) can wait on a lock."""
-    from hf_grpo import config
-    from hf_grpo.build_locks import launched_with_deepspeed
+def test_deepspeed_runs_are_told_at_launch_and_by_the_trainer_not_by_the_config(tmp_path, monkeypatch, caplog,
+                                                                                 make_config):
+    """Building a config has no side effect; a recipe's launch (before its config, whose build may already build
+    DeepSpeed's CPU communication op) and the trainer (for code that builds its own config) name the lock."""
+    from hf_grpo.distributed import build_locks
+    from hf_grpo.distributed.build_locks import launched_with_deepspeed
+    from hf_grpo.recipe_support.launch import parse_recipe_args
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(build_locks, "_named", set())
     lock = _lock(tmp_path / "ext" / "deepspeed_shm_comm" / "lock", 3600)
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
     assert not launched_with_deepspeed(None)
     with caplog.at_level(logging.WARNING, logger="hf_grpo"):
-        make_config()
+        assert build_locks.warn_if_launched_with_deepspeed(None) == []
     assert str(lock) not in caplog.text  # no DeepSpeed, no word about its locks
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # as accelerate launch's DeepSpeed launcher sets it
     assert launched_with_deepspeed(None) and launched_with_deepspeed("ds_config.json")
     monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
-    monkeypatch.setattr(config, "launched_with_deepspeed", lambda field: True)
+    monkeypatch.setattr(build_locks, "launched_with_deepspeed", lambda field: True)
     with caplog.at_level(logging.WARNING, logger="hf_grpo"):
         make_config()
-    assert f"rm {lock}" in caplog.text
+    assert str(lock) not in caplog.text  # the config says nothing: a config is data
+    with caplog.at_level(logging.WARNING, logger="hf_grpo"):
+        parse_recipe_args({}, ["--output_dir", str(tmp_path / "out"), "--tiny", "true"])
+    assert caplog.text.count(f"rm {lock}") == 1
+    with caplog.at_level(logging.WARNING, logger="hf_grpo"):
+        assert build_locks.warn_if_launched_with_deepspeed("ds_config.json") == [lock]
+    assert caplog.text.count(f"rm {lock}") == 1  # named once a process, not again by the trainer
+
+
+def test_the_trainer_names_stale_locks_under_deepspeed(monkeypatch):
+    """GRPOTrainer checks for the locks among its input checks, before TRL prepares the model."""
+    from hf_grpo.distributed import build_locks
+    from hf_grpo.trainer import GRPOTrainer
+
+    asked = []
+    monkeypatch.setattr(build_locks, "warn_if_launched_with_deepspeed", lambda field: asked.append(field))
+    monkeypatch.setattr("hf_grpo.checks.inputs.check_train_dataset", lambda dataset: None)
+    monkeypatch.setattr("hf_grpo.checks.inputs.check_generation_backend_installed", lambda backend: None)
+
+    class Args:
+        generation_backend, deepspeed = "hf", "ds_config.json"
+
+    GRPOTrainer._check_inputs(model=object(), args=Args())
+    assert asked == ["ds_config.json"]

@@ -231,7 +231,7 @@ def test_an_explicit_value_equal_to_the_default_still_beats_the_preset(tmp_path)
 
 @pytest.mark.parametrize("given", ["flag", "yaml"])
 def test_recipe_flags_and_yaml_beat_the_preset_even_at_the_default(tmp_path, given):
-    from hf_grpo.launch import parse_recipe_args
+    from hf_grpo.recipe_support.launch import parse_recipe_args
 
     argv = ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "8", "--num_generations", "4",
             "--preset", "memory"]
@@ -247,7 +247,7 @@ def test_recipe_flags_and_yaml_beat_the_preset_even_at_the_default(tmp_path, giv
 
 
 def test_recipe_preset_fills_what_the_user_left_out(tmp_path):
-    from hf_grpo.launch import parse_recipe_args
+    from hf_grpo.recipe_support.launch import parse_recipe_args
 
     argv = ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "8", "--num_generations", "4",
             "--preset", "memory"]

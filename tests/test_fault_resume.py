@@ -13,7 +13,7 @@ import torch
 from side_by_side import stop
 from test_launch import QUICK, ROOT, _final_state, launch
 
-from hf_grpo.reporting import current_run_rows, read_metrics
+from hf_grpo.recipe_support.reporting import current_run_rows, read_metrics
 
 pytestmark = pytest.mark.slow
 STEPS = 6

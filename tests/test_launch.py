@@ -73,7 +73,7 @@ def single_process_params(tmp_path_factory):
 
 @pytest.mark.parametrize("config", ["zero2", "zero3"])
 def test_zero_stages_match_a_single_process_run(tmp_path, config, single_process_params):
-    from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+    from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
     initial = {n: p.detach() for n, p in build_tiny_model(build_char_tokenizer(), seed=0).named_parameters()}
     launch(config, FIXED_ROLLOUT, tmp_path / config, 4)  # two processes, 4 each: the same global batch

@@ -1,4 +1,4 @@
-"""OOM back-off (hf_grpo.oom): an injected out-of-memory halves the chunk on every rank, and the run equals
+"""OOM back-off (hf_grpo.memory.oom): an injected out-of-memory halves the chunk on every rank, and the run equals
 one that used the smaller size from the start."""
 
 import json
@@ -14,8 +14,8 @@ from transformers import GenerationConfig
 
 import hf_grpo.logprob_head
 from hf_grpo.generation import HFGenerateBackend
-from hf_grpo.oom import SizeKnob, generate_with_backoff, is_oom
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo.memory.oom import SizeKnob, generate_with_backoff, is_oom
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 PROMPTS = [TOKENIZER(text)["input_ids"] for text in ["ab>", "c>", "defg>", "h>", "ij>", "klmno>", "p>", "qr>"]]
 SAMPLING = GenerationConfig(do_sample=True, temperature=1.0, max_new_tokens=5, pad_token_id=0, eos_token_id=1)

@@ -1,13 +1,13 @@
-"""An output_dir holding another run is never overwritten by surprise (hf_grpo.output_dirs), and
-metrics.jsonl is only appended to, one run after another (hf_grpo.reporting)."""
+"""An output_dir holding another run is never overwritten by surprise (hf_grpo.checks.output_dirs), and
+metrics.jsonl is only appended to, one run after another (hf_grpo.recipe_support.reporting)."""
 
 import json
 
 import pytest
 from test_trainer import make_trainer
 
-from hf_grpo.output_dirs import previous_checkpoints
-from hf_grpo.reporting import MetricsFileCallback, current_run_rows, read_metrics
+from hf_grpo.checks.output_dirs import previous_checkpoints
+from hf_grpo.recipe_support.reporting import MetricsFileCallback, current_run_rows, read_metrics
 
 
 def run(tmp_path, resume=None, **overrides):

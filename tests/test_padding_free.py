@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_grpo import padding_free
 from hf_grpo.logprob_head import install_chunked_lm_head
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 PROMPT_LENGTHS = (3, 7, 5, 2)
 COMPLETION_LENGTHS = (4, 1, 6, 3)

@@ -413,7 +413,7 @@ def _gsm8k_jsonl(tmp: pathlib.Path) -> None:
 
 
 def _checkpoint(tmp: pathlib.Path) -> None:
-    from hf_grpo.tiny import save_tiny_checkpoint
+    from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
 
     save_tiny_checkpoint(tmp / "my-checkpoint")
 
@@ -511,7 +511,7 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
             Run(trained(1, "kl", "rewards/countdown_reward/mean", final="adapter_model.safetensors"),
                 setup=_checkpoint,
                 replace=(Sub("./my-checkpoint", "{tmp}/my-checkpoint",
-                             "a checkpoint directory written by hf_grpo.tiny.save_tiny_checkpoint"),),
+                             "a checkpoint directory written by hf_grpo.recipe_support.tiny.save_tiny_checkpoint"),),
                 append=SHORT + " --max_completion_length 12 --num_train_samples 64"),
     },
     "docs/testing.md": {

@@ -63,7 +63,7 @@ def _pretrain_to_answer_briefly(directory: str, questions: list[str]) -> None:
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_grpo.tasks import as_chat, gsm8k_prompt
+    from hf_grpo.recipe_support.tasks import as_chat, gsm8k_prompt
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(directory)
@@ -92,7 +92,7 @@ def _pretrain_to_answer_briefly(directory: str, questions: list[str]) -> None:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """(checkpoint directory, GSM8K .jsonl file): a hub-like directory written once for the module."""
-    from hf_grpo.tiny import save_tiny_checkpoint
+    from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
 
     base = tmp_path_factory.mktemp("real_runs")
     rows = _questions()

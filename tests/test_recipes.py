@@ -58,8 +58,8 @@ def test_gsm8k_tiny_with_its_yaml_builds_a_reference_model(tmp_path):
 def test_prompts_become_chat_turns_only_for_tokenizers_with_a_template():
     from datasets import Dataset
 
-    from hf_grpo.launch import chat_prompts_if_templated
-    from hf_grpo.tiny import build_char_tokenizer
+    from hf_grpo.recipe_support.launch import chat_prompts_if_templated
+    from hf_grpo.recipe_support.tiny import build_char_tokenizer
 
     dataset = Dataset.from_dict({"prompt": ["what is 1+1?"], "answer": ["#### 2"]})
     tokenizer = build_char_tokenizer()

@@ -1,4 +1,4 @@
-"""Tests for hf_grpo.rewards: correctness on hand-checked cases and robustness to hostile input."""
+"""Tests for hf_grpo.recipe_support.rewards: correctness on hand-checked cases and robustness to hostile input."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_grpo.rewards import (
+from hf_grpo.recipe_support.rewards import (
     COUNTDOWN_FORMAT_REWARD,
     MissingColumnError,
     GSM8K_FORMAT_REWARD,

@@ -35,14 +35,14 @@ def test_recipe_yaml_has_no_key_the_recipe_would_ignore(path):
     from trl import ModelConfig, TrlParser
 
     from hf_grpo import DiffuGRPOConfig, GRPOConfig
-    from hf_grpo.recipe_args import RecipeArguments
+    from hf_grpo.recipe_support.recipe_args import RecipeArguments
 
     config_cls = DiffuGRPOConfig if path.stem.startswith("diffu_") else GRPOConfig  # the class its recipe parses
     parser = TrlParser((config_cls, RecipeArguments, ModelConfig))
     values = yaml.safe_load(path.read_text())
     assert parser.set_defaults_with_config(**values) == []
     # and its batch sizes satisfy the contract
-    from hf_grpo.cli import build_plan
+    from hf_grpo.cli.main import build_plan
 
     build_plan(["--config", str(path)])
 

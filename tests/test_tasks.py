@@ -1,4 +1,4 @@
-"""Tests for hf_grpo.tasks: generated Countdown data, local GSM8K loading, chat wrapping."""
+"""Tests for hf_grpo.recipe_support.tasks: generated Countdown data, local GSM8K loading, chat wrapping."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_grpo.rewards import (
+from hf_grpo.recipe_support.rewards import (
     GSM8K_FORMAT_REWARD,
     countdown_reward,
     gsm8k_correctness_reward,
     gsm8k_format_reward,
     parse_countdown_equation,
 )
-from hf_grpo.tasks import (
+from hf_grpo.recipe_support.tasks import (
     GSM8K_INSTRUCTION,
     as_chat,
     countdown_dataset,

@@ -2,7 +2,7 @@
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_grpo.tiny import save_tiny_checkpoint
+from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
 
 
 def test_saved_checkpoint_reloads_with_a_matching_tokenizer_and_chat_template(tmp_path):

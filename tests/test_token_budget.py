@@ -16,10 +16,10 @@ from scripts.token_budget_train import float64_rope
 from test_launch import launch
 from test_trainer import TOKENIZER, assert_same_update, make_trainer, train_one_step
 
-from hf_grpo import GRPOConfig, GRPOTrainer, token_budget
-from hf_grpo.cli import build_plan
-from hf_grpo.tiny import build_tiny_model
-from hf_grpo.token_budget import (
+from hf_grpo import GRPOConfig, GRPOTrainer
+from hf_grpo.cli.main import build_plan
+from hf_grpo.memory import token_budget
+from hf_grpo.memory.packing import (
     Extents,
     balanced_passes,
     build_passes,
@@ -28,6 +28,7 @@ from hf_grpo.token_budget import (
     plan_passes,
     select_rows,
 )
+from hf_grpo.recipe_support.tiny import build_tiny_model
 
 EXACT = dict(rtol=1e-12, atol=1e-15)
 # loss_type -> extra config TRL needs for it

@@ -1,4 +1,4 @@
-"""An out-of-memory in a training micro-batch's forward or backward (hf_grpo.train_backoff): the micro-batch runs
+"""An out-of-memory in a training micro-batch's forward or backward (hf_grpo.memory.train_backoff): the micro-batch runs
 again in token-budget passes of half its size, and the run equals one that had that budget from the start.
 
 The error is injected from a gradient hook of the first layer, which fires late in the backward: by then
@@ -14,8 +14,8 @@ from project_files import load_bench
 from scripts.token_budget_train import float64_rope
 from test_trainer import TOKENIZER, make_trainer
 
-from hf_grpo import token_budget, train_backoff
-from hf_grpo.tiny import build_tiny_model
+from hf_grpo.memory import token_budget, train_backoff
+from hf_grpo.recipe_support.tiny import build_tiny_model
 
 SIZES = dict(max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
              loss_type="bnpo", learning_rate=0.1)

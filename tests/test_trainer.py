@@ -11,7 +11,7 @@ from transformers import TrainerCallback
 
 from hf_grpo import GRPOConfig, GRPOTrainer
 from hf_grpo.generation import HFGenerateBackend
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 TOKENIZER = build_char_tokenizer()
 PROMPTS = ["ab>", "c>", "defg>", "h>", "ij>", "klmno>", "p>", "qr>"]
@@ -351,7 +351,7 @@ def environment_trainer(tmp_path, fixed=True, **overrides):
     ``fixed``: completions without a tool call (one turn)."""
     from pathlib import Path
 
-    from hf_grpo.tiny import build_byte_level_tokenizer
+    from hf_grpo.recipe_support.tiny import build_byte_level_tokenizer
 
     tokenizer = build_byte_level_tokenizer()
     tokenizer.chat_template = (Path(trl.__file__).parent / "chat_templates" / "qwen3.jinja").read_text()

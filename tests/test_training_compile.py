@@ -9,7 +9,7 @@ import torch
 
 from hf_grpo import training_compile
 from hf_grpo.logprob_head import install_chunked_lm_head
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 
 def batch(rows: int, prompt: int, completion: int, seed: int):
@@ -108,7 +108,7 @@ def test_grpo_run_with_compiled_layers_updates_as_eager(tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_grpo.generation.hf import HFGenerateBackend
-    from hf_grpo.tiny import save_tiny_checkpoint
+    from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
 
     checkpoint = save_tiny_checkpoint(tmp_path / "checkpoint")
     init = training_compile.CompiledTrainingLayers.__init__  # the trainer's layers compile through aot_eager here

@@ -1,6 +1,6 @@
 """`hf-grpo plan --from`: other frameworks' batch settings, translated to hf-grpo's per-device fields.
 
-Each framework's worked example (the README's) must give the stated flags, and the hf-grpo plan must
+Each framework's worked example (docs/other_frameworks.md's) must give the stated flags, and the hf-grpo plan must
 train on the same number of completions per optimizer step and make the same number of optimizer
 steps per rollout as the source framework does, by that framework's own rules, computed here by hand.
 """
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from hf_grpo.cli import main
-from hf_grpo.translate import TranslationError, parse_settings, translate
+from hf_grpo.cli.main import main
+from hf_grpo.cli.translate import TranslationError, parse_settings, translate
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+OTHER_FRAMEWORKS_PAGE = Path(__file__).resolve().parents[1] / "docs" / "other_frameworks.md"
 
 
 def _example(framework, settings, world=None, num_generations=None, flags="", batch=0, steps=0, rollout=0):
@@ -23,7 +23,7 @@ def _example(framework, settings, world=None, num_generations=None, flags="", ba
                         id=framework)
 
 
-# The README's worked examples. batch / steps / rollout: the source framework's own arithmetic.
+# The worked examples of docs/other_frameworks.md. batch / steps / rollout: the source framework's own arithmetic.
 EXAMPLES = [
     # SkyRL: policy_mini_batch_size counts prompts (validate_batch_sizes multiplies it by n_samples_per_prompt):
     # 64 prompts x 8 = 512 samples per optimizer step; 256 / 64 = 4 mini-batches; 256 x 8 = 2048 samples per step.
@@ -100,7 +100,7 @@ def test_worked_example_flags_build_a_valid_config_through_a_recipe(framework, s
     """The printed flags, pasted after a recipe on W processes, give a config whose plan is the translation's."""
     from hf_grpo import GRPOConfig
     from hf_grpo.diffusion import DiffuGRPOConfig
-    from hf_grpo.launch import parse_recipe_args
+    from hf_grpo.recipe_support.launch import parse_recipe_args
 
     t = translate(framework, parse_settings(settings), world, num_generations)
     world_of(t.world_size)
@@ -294,11 +294,9 @@ def test_cli_mentions_env_overrides_that_would_change_the_plan(capsys, monkeypat
         capsys.readouterr().out
 
 
-def test_readme_shows_one_worked_example_per_framework_with_these_flags():
-    """The README's `hf-grpo plan --from` examples are the ones above: same settings, same flags printed."""
-    text = README.read_text()
-    section = text[text.index("## Coming from other frameworks"):]
-    section = section[:section.index("\n## ", 1)]
+def test_the_docs_show_one_worked_example_per_framework_with_these_flags():
+    """docs/other_frameworks.md's `hf-grpo plan --from` examples are the ones above: same settings, same flags."""
+    section = OTHER_FRAMEWORKS_PAGE.read_text()
     commands = re.findall(r"^hf-grpo plan --from (\S+) (.*)$", section, flags=re.MULTILINE)
     by_framework = {framework: rest.split() for framework, rest in commands}
     assert sorted(by_framework) == sorted(e.values[0] for e in EXAMPLES)

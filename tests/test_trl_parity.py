@@ -31,7 +31,7 @@ import hf_grpo.padding_free
 from hf_grpo.config import CHECKPOINTING
 from hf_grpo.generation import HFGenerateBackend
 from hf_grpo.ops import chunked_logprobs
-from hf_grpo.tiny import save_tiny_checkpoint
+from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
 
 # fp32 on CPU: the two heads differ only in summation order (chunks of 5 rows against TRL's tiles).
 # Update: norm of the difference of the two updates / norm of TRL's update, per optimizer step. Measured at most

@@ -1,5 +1,5 @@
 """Bad input a user can hand the recipes and the trainer is an error naming what was found and what is needed,
-raised before any step (hf_grpo.checks); the quickstarts train a checkpoint they are given; GRPOConfig works
+raised before any step (hf_grpo.checks.inputs); the quickstarts train a checkpoint they are given; GRPOConfig works
 on a CPU-only machine without device flags."""
 
 import pytest
@@ -9,8 +9,8 @@ from project_files import load_recipe
 from test_trainer import TOKENIZER, count_a_reward, make_trainer, prompt_dataset
 
 from hf_grpo import GRPOConfig, GRPOTrainer
-from hf_grpo.launch import load_model_and_tokenizer, parse_recipe_args
-from hf_grpo.tiny import build_tiny_model, save_tiny_checkpoint
+from hf_grpo.recipe_support.launch import load_model_and_tokenizer, parse_recipe_args
+from hf_grpo.recipe_support.tiny import build_tiny_model, save_tiny_checkpoint
 
 
 def trainer_with(tmp_path, dataset=None, model=None, reward=count_a_reward, **config):
@@ -193,7 +193,7 @@ def test_the_diffusion_trainer_refuses_an_empty_training_set(tmp_path):
 
 
 def test_an_empty_gsm8k_file_is_named_not_a_bare_stop_iteration(tmp_path):
-    from hf_grpo.tasks import gsm8k_dataset
+    from hf_grpo.recipe_support.tasks import gsm8k_dataset
 
     (tmp_path / "data.jsonl").write_text("\n")
     with pytest.raises(ValueError, match=r"GSM8K data file '.*data.jsonl' is empty; it needs one JSON object"):

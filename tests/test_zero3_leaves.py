@@ -20,8 +20,9 @@ from datasets import Dataset
 from deepspeed.utils import get_z3_leaf_modules
 from side_by_side import free_port, run_to_end
 
-from hf_grpo import GRPOConfig, GRPOTrainer, zero3_leaves
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo import GRPOConfig, GRPOTrainer
+from hf_grpo.distributed import zero3_leaves
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOKENIZER = build_char_tokenizer()
@@ -165,7 +166,7 @@ def test_the_batch_plan_names_the_leaf_modules_only_when_there_are_some(make_con
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A hub-like tiny Qwen2 directory: TRL loads the policy from it (under zero.Init) and builds the reference."""
-    from hf_grpo.tiny import save_tiny_checkpoint
+    from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
 
     return save_tiny_checkpoint(tmp_path_factory.mktemp("zero3_leaves") / "checkpoint")
 

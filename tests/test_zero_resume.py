@@ -1,5 +1,5 @@
 """A ZeRO checkpoint resumed in another launch shape is refused, naming the optimizer state it would lose
-(hf_grpo.zero_resume), instead of exiting 0 with a fresh optimizer."""
+(hf_grpo.distributed.zero_resume), instead of exiting 0 with a fresh optimizer."""
 
 import sys
 
@@ -8,7 +8,7 @@ from side_by_side import run_to_end
 from test_launch import QUICK, ROOT, launch
 from test_trainer import make_trainer
 
-from hf_grpo.zero_resume import check_resume_shape, saved_partitions
+from hf_grpo.distributed.zero_resume import check_resume_shape, saved_partitions
 
 
 def fake_zero_checkpoint(directory, ranks, step=2, prefix=""):

@@ -37,6 +37,7 @@ import weakref
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from ..generation.graph_capture import capture_graph
 from .model import base_module
 
 logger = logging.getLogger("hf_grpo")
@@ -177,8 +178,6 @@ class BlockKVCache:
     def _capture(self, model: torch.nn.Module, bypass, kwargs: dict) -> None:
         """Warm up, then capture one step. Both only rewrite the recomputed slots, which every step writes
         before it reads them, so the captured step's result is the eager one's."""
-        from hf_grpo.generation.static_decoder import capture_graph
-
         def step():
             if bypass is not None:
                 bypass.reset()  # so that the flag read below is the captured call's

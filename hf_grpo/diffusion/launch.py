@@ -1,6 +1,6 @@
 """What the diffusion recipes share: parse into a DiffuGRPOConfig, build the model, train, finish cleanly.
 
-The same flow as ``hf_grpo.launch.run_recipe`` (its argument precedence, presets, YAML, CPU handling and
+The same flow as ``hf_grpo.recipe_support.launch.run_recipe`` (its argument precedence, presets, YAML, CPU handling and
 checkpoint loader are reused), with three differences: the parser knows the diffusion fields, ``--tiny``
 builds a tiny *bidirectional* model with a mask token, and a checkpoint whose ``auto_map`` registers
 only ``AutoModel`` (Dream) loads through ``AutoModel``.
@@ -12,8 +12,8 @@ from typing import Any
 
 from trl import ModelConfig
 
-from ..checks import check_model_path
-from ..launch import parse_recipe_args, pretrained_init_kwargs, run_recipe
+from ..checks.inputs import check_model_path
+from ..recipe_support.launch import parse_recipe_args, pretrained_init_kwargs, run_recipe
 from .config import DiffuGRPOConfig
 from .tiny import DEFAULT_ALPHABET, build_diffusion_tokenizer, build_tiny_diffusion_model
 

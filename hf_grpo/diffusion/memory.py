@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..stats import peak_memory_gib
+from ..memory.stats import peak_memory_gib
 
 GIB = 2**30
 

@@ -70,16 +70,9 @@ from .fused_projections import validate_parts
 from .hf import HFGenerateBackend
 from .regional_compile import CompiledLayers
 from .sampling import SamplingSettings, effective_generation_config, unsupported_generation_setting
-from .static_decoder import (
-    GQA_DECODE_ATTENTION,
-    StaticDecoder,
-    base_model,
-    cache_len_ladder,
-    last_logits,
-    sliding_windows,
-    take_next_tokens,
-    weights_signature,
-)
+from .attention_routing import GQA_DECODE_ATTENTION
+from .static_cache import base_model, cache_len_ladder, last_logits, sliding_windows, weights_signature
+from .static_decoder import StaticDecoder, take_next_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +136,7 @@ class CudaGraphBackend(GenerationBackend):
             or "model" (the whole one-token forward: one fusion more per layer boundary, and a
             compile that grows with the depth). A model without a recognisable list of decoder
             layers is compiled whole.
-        decode_attention: how the compiled step attends for sdpa models (see ``static_decoder._gqa_decode``):
+        decode_attention: how the compiled step attends for sdpa models (see ``attention_routing._gqa_decode``):
             "filled" (default: one Triton kernel that reads only the cache blocks the mask admits, the prompt
             and the tokens so far, see ``filled_attention``; "matmul" where Triton or CUDA is missing),
             "matmul" (explicit matmuls + float32 softmax over the whole cache, as transformers' eager

@@ -12,7 +12,7 @@ and everything past the current token stay unread (and inside that span, no excl
 compiled step calls it as one opaque kernel:
 
 * query ``[B, KV heads, G, D]``: the G query heads that share a KV head, for the one decode token
-  (``static_decoder._gqa_decode`` packs them);
+  (``attention_routing._gqa_decode`` packs them);
 * key, value ``[B, KV heads, L, D]``: the static cache;
 * valid ``[B, L]`` bool: the positions each row attends to;
 * result ``[B, KV heads, G, D]`` in the query's dtype.

@@ -16,7 +16,7 @@ A ``StaticDecoder`` decodes chunks of ``batch`` left-padded prompts against a
   ``check_every`` steps.
 * The step's forward may be compiled with ``torch.compile`` before it is captured (inductor
   fuses each layer's dozens of small kernels; ~2x faster steps at 0.5B), with a packed
-  grouped-query attention for the one-token query (``_gqa_decode``), because transformers'
+  grouped-query attention for the one-token query (``attention_routing``), because transformers'
   sdpa path repeats the KV heads while being traced; with a program per SM (rows x KV heads), a
   Triton kernel that reads only the cache blocks the mask admits (``filled_attention``). Where the
   forward is compiled, the token selection and the buffer updates are compiled with it (``compiled_select``,
@@ -38,14 +38,18 @@ import logging
 import weakref
 from collections.abc import Callable
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 
 import torch
 
 from . import filled_attention
+from .attention_routing import decode_attention, is_sdpa, prefill_keys
 from .base import model_device
 from .fused_projections import FusedProjections
+from .graph_capture import capture_graph
 from .regional_compile import CompiledLayers
 from .sampling import SamplingSettings, row_uniforms, select_tokens, select_tokens_from_copies
+from .static_cache import base_model, kv_heads, last_logits, static_cache
 
 logger = logging.getLogger(__name__)
 
@@ -54,303 +58,21 @@ logger = logging.getLogger(__name__)
 PREFILL_SCORE_BYTES = 256 * 2**20
 
 
-def base_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under PEFT (or DDP-style ``.module``) wrappers."""
-    if hasattr(model, "get_base_model"):
-        model = model.get_base_model()
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module) and not hasattr(model, "config"):
-        model = model.module
-    return model
+@dataclass(frozen=True)
+class DecodeBuffers:
+    """The static buffers the decode step's tail reads and writes (a ``StaticDecoder``'s, same names)."""
+
+    out: torch.Tensor  # [B, cache_len] long: the generated tokens
+    tok: torch.Tensor  # [B, 1] long: the next step's input token
+    pos: torch.Tensor  # [B, 1] long: its position id
+    step: torch.Tensor  # [1] long: index of the token being generated
+    min_steps: torch.Tensor  # [1] long: EOS is blocked while step < min_steps
+    unfinished: torch.Tensor  # [B] bool: rows that have not emitted EOS
+    eos_vocab_mask: torch.Tensor  # [V] bool: the EOS token ids
+    seen: torch.Tensor | None = None  # [B, V + 1] bool, for the repetition penalty
 
 
-def cache_len_ladder(need: int, minimum: int = 256) -> int:
-    """The smallest rung of ``minimum x {1, 1.5} x 2^k`` that holds ``need`` positions.
-
-    Rungs 1.5x or 4/3x apart bound the compiles of a run to about 2 log2(longest / minimum) while
-    wasting at most a third of the cache on attention over masked positions.
-    """
-    if need < 1 or minimum < 1:
-        raise ValueError(f"cache lengths must be positive, got need={need}, minimum={minimum}")
-    rung = minimum
-    while True:
-        for candidate in (rung, rung * 3 // 2):
-            if need <= candidate:
-                return candidate
-        rung *= 2
-
-
-def sliding_windows(config) -> list[int | None]:
-    """Each decoder layer's sliding window as its static cache layer will have it (None: full attention).
-
-    Read from transformers' own dispatch: Mistral sets no ``layer_types``, yet every layer of a
-    Mistral with ``sliding_window`` gets a sliding cache layer.
-    """
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
-    _, per_layer = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    return [kwargs.get("sliding_window") for kwargs in per_layer]
-
-
-def static_cache(config, cache_len: int):
-    """A ``StaticCache`` of ``cache_len`` positions whose sliding layers that never fill are plain layers.
-
-    A ``StaticSlidingWindowLayer`` keeps a Python int of its length, which a compiled step reads (its
-    roll-over branch): dynamo compiles the layer anew at every length (seen with Mistral's default
-    4096-token window). While ``cache_len`` fits the window the layer never rolls over and the model's
-    sliding mask cuts nothing, so a plain ``StaticLayer`` holds the same keys and values.
-    """
-    from transformers import StaticCache
-    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
-
-    cache = StaticCache(config=config, max_cache_len=cache_len)
-    for i, (layer, window) in enumerate(zip(cache.layers, sliding_windows(config))):
-        if isinstance(layer, StaticSlidingWindowLayer) and window is not None and cache_len <= window:
-            cache.layers[i] = StaticLayer(max_cache_len=cache_len)
-    return cache
-
-
-def _kv_heads(config) -> int:
-    text = config.get_text_config(decoder=True)
-    return getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 1) or 1
-
-
-def weights_signature(model: torch.nn.Module) -> tuple:
-    """What a captured graph depends on besides shapes: tensor addresses and forward-path flags.
-
-    * ``data_ptr`` of every parameter and buffer: a graph reads fixed addresses, so a moved
-      tensor (ZeRO-3 gather, replaced module/parameter, ``.to()``) needs a new capture.
-    * PEFT tuner flags (``merged``, ``disable_adapters``, active adapters) and ``training``:
-      they choose which Python branch the forward takes, which the graph has frozen.
-    """
-    ptrs = tuple(t.data_ptr() for t in model.parameters()) + tuple(b.data_ptr() for b in model.buffers())
-    flags = []
-    for module in model.modules():
-        if hasattr(module, "merged") and hasattr(module, "disable_adapters"):
-            adapters = repr(getattr(module, "active_adapters", None))
-            flags.append((bool(module.merged), bool(module.disable_adapters), adapters))
-    return ptrs, tuple(flags), model.training
-
-
-def last_logits(model, input_ids, attention_mask, position_ids, cache, cache_kw: str, logits_to_keep: bool,
-                float32: bool = True):
-    """One forward against the static cache; the last position's logits [B, V], as float32 unless told not to."""
-    kwargs = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        cache_kw: cache,
-        "use_cache": True,
-    }
-    if logits_to_keep:
-        kwargs["logits_to_keep"] = 1
-    out = model(**kwargs)
-    logits = out.logits if hasattr(out, "logits") else out[0]
-    return logits[:, -1, :].float() if float32 else logits[:, -1, :]
-
-
-# While the decode step is traced by torch.compile, transformers' sdpa path cannot use its
-# eager "pack GQA" trick (it checks is_torchdynamo_compiling) and materialises every KV head
-# num_key_value_groups times (repeat_kv): 7x the KV-cache traffic for Qwen2-0.5B, per layer
-# and per token. This attention does the pack instead: the one query token of the
-# num_key_value_groups query heads sharing a KV head become the "query length" of one SDPA
-# call on the un-repeated cache. Head h maps to KV head h // groups, as in repeat_kv, and the
-# [B, 1, 1, L] mask broadcasts over both, so the result equals sdpa's.
-# "filled" packs the same way and hands the call to ``filled_attention``, whose kernel reads only the cache
-# blocks the mask lets a row attend to (the matmul variant serves where that kernel cannot: CPU, no Triton).
-GQA_DECODE_ATTENTION = {
-    "sdpa": "hf_grpo_gqa_decode_sdpa",
-    "matmul": "hf_grpo_gqa_decode_matmul",
-    "filled": "hf_grpo_gqa_decode_filled",
-}
-
-
-def _gqa_decode_attention(variant: str):
-    """The attention function transformers calls for ``variant``: "sdpa" (one torch SDPA call on the packed
-    query, cuDNN/efficient kernels), "matmul" (two batched matmuls and a float32 softmax, which inductor
-    fuses around) or "filled" (one kernel that skips the cache blocks the mask excludes)."""
-
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-        return _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, variant, **kwargs)
-
-    return attention
-
-
-def _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, variant, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    batch, heads, q_len, head_dim = query.shape
-    filled = (
-        variant == "filled"
-        and q_len == 1
-        and attention_mask is not None
-        and attention_mask.shape[-1] == key.shape[2]
-        and filled_attention.usable(query, key, attention_mask)
-    )
-    special = kwargs.get("position_bias") is not None or kwargs.get("softcap") is not None
-    if q_len != 1 or special or (groups == 1 and not filled):
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-        )
-    packed = query.reshape(batch, heads // groups, groups, head_dim)  # [B, KV heads, groups, D]
-    scale = head_dim**-0.5 if scaling is None else scaling
-    if filled:
-        valid = attention_mask[:, 0, -1, :].expand(batch, key.shape[2])  # [B, L]: this token's row of the mask
-        out = torch.ops.hf_grpo.filled_decode_attention(packed, key, value, valid, float(scale))
-    elif variant != "sdpa":
-        out = filled_attention.matmul_decode_attention(packed, key, value, attention_mask, scale)
-    else:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            packed, key, value, attn_mask=attention_mask, scale=scaling
-        )
-    return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
-
-
-def _register_gqa_decode_attention() -> None:
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    functions = {name: _gqa_decode_attention(variant) for variant, name in GQA_DECODE_ATTENTION.items()}
-    functions[PREFILL_ATTENTION] = _prefill_attention
-    for name, function in functions.items():
-        if name not in ALL_ATTENTION_FUNCTIONS:
-            ALL_ATTENTION_FUNCTIONS.register(name, function)
-            ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
-
-
-# A prefill piece over prompt positions [start, end) attends to cache positions [0, end) only: the static cache
-# hands every layer all ``cache_len`` positions, and those past ``end`` are masked for every query of the piece
-# (causally). Slicing them off leaves the result as it was and spares the attention, and the copy sdpa's GQA
-# path makes of the keys and values for each query head (600 MB a layer at 1.5B x 128 rows x 768 positions).
-PREFILL_ATTENTION = "hf_grpo_prefill_sdpa"
-_prefill_keys: list[int] = []  # the key positions of the prefill piece being run (set by prefill_keys)
-
-
-def _prefill_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                       **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    keys = _prefill_keys[-1] if _prefill_keys else key.shape[2]
-    if attention_mask is not None and keys < key.shape[2]:
-        key, value = key[:, :, :keys], value[:, :, :keys]
-        attention_mask = attention_mask[..., :keys]
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  is_causal=is_causal, **kwargs)
-
-
-def _is_sdpa(model: torch.nn.Module) -> bool:
-    """Whether the model attends with transformers' sdpa: the only implementation this module reroutes."""
-    return getattr(base_model(model).config, "_attn_implementation_internal", None) == "sdpa"
-
-
-@contextmanager
-def _attention_routed(model: torch.nn.Module, name: str):
-    """The model's attention is this module's registered function ``name`` while inside; the config is restored
-    on exit, so ``model.generate`` and training see it unchanged."""
-    config = base_model(model).config
-    original = config._attn_implementation_internal
-    _register_gqa_decode_attention()
-    config._attn_implementation_internal = name
-    try:
-        yield
-    finally:
-        config._attn_implementation_internal = original
-
-
-@contextmanager
-def prefill_keys(model: torch.nn.Module, keys: int):
-    """Run an sdpa model's prefill forward attending to the first ``keys`` cache positions only.
-
-    For a cache of plain static layers, whose position i holds token i. An eager model keeps attending over the
-    whole cache."""
-    if not _is_sdpa(model):
-        yield
-        return
-    _prefill_keys.append(keys)
-    try:
-        with _attention_routed(model, PREFILL_ATTENTION):
-            yield
-    finally:
-        _prefill_keys.pop()
-
-
-@contextmanager
-def decode_attention(model: torch.nn.Module, variant: str | None):
-    """Route an sdpa model's attention through the packed-GQA decode attention while tracing/capturing.
-
-    The model's config is restored on exit, so `model.generate` and training see it unchanged;
-    the captured graph keeps the kernels it recorded.
-    """
-    if variant is None or not _is_sdpa(model):
-        yield
-        return
-    with _attention_routed(model, GQA_DECODE_ATTENTION[variant]):
-        yield
-
-
-@contextmanager
-def deepspeed_hooks_lifted(model: torch.nn.Module):
-    """Lift DeepSpeed's forward hooks off ``model`` while a step is captured, and put them back after.
-
-    A DeepSpeed engine (ZeRO-1/2) hooks the module it wraps, and its throughput timer calls
-    ``torch.cuda.synchronize`` there: illegal while a stream captures ("operation not permitted when
-    stream is capturing", seen on 2 x H100 under ZeRO-2). A replay runs no Python hooks anyway, so the
-    captured step loses nothing; other hooks (PEFT, accelerate) stay, and every dict keeps its order.
-    """
-    saved = []
-    for module in model.modules():
-        for hooks in (module._forward_pre_hooks, module._forward_hooks):
-            kept = {key: hook for key, hook in hooks.items()
-                    if not (getattr(hook, "__module__", None) or "").startswith("deepspeed")}
-            if len(kept) != len(hooks):
-                saved.append((hooks, dict(hooks)))
-                hooks.clear()
-                hooks.update(kept)
-    try:
-        yield
-    finally:
-        for hooks, original in saved:
-            hooks.clear()
-            hooks.update(original)
-
-
-_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """The one side stream that warms up and captures every decode step on ``device``.
-
-    cuBLAS gets a workspace (32 MiB and more on Hopper) for each stream it runs on, and torch keeps
-    it until the process ends: a fresh stream per capture held one more workspace per rollout, which
-    the training step then ran beside (+0.6 GiB at its peak after 20 rollouts on an H100).
-    """
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _CAPTURE_STREAMS[index]
-
-
-def capture_graph(step: Callable[[], object], model: torch.nn.Module, device: torch.device, warmups: int = 2):
-    """``(graph, output)``: ``step()`` run ``warmups`` times on the capture stream, then captured once.
-
-    The warm-ups let cuBLAS and the allocator settle outside the capture; DeepSpeed's hooks are lifted
-    for the capture (``deepspeed_hooks_lifted``). ``output`` is what the captured call returned: the
-    tensors each replay rewrites.
-    """
-    stream = capture_stream(device)
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmups):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with deepspeed_hooks_lifted(model), torch.cuda.graph(graph, stream=stream):
-        output = step()
-    return graph, output
-
-
-def take_next_tokens(logits, s: SamplingSettings, noise, seen, eos_vocab_mask, min_steps, step, unfinished, out, tok,
-                     pos, copies: bool = True) -> None:
+def take_next_tokens(logits, s: SamplingSettings, noise, buffers: DecodeBuffers, copies: bool = True) -> None:
     """The decode step's tail: pick each row's next token and write it into the decoder's static buffers.
 
     ``out[:, step]`` gets the token (``pad_token_id`` for a row that has finished), ``unfinished`` drops the rows
@@ -360,6 +82,8 @@ def take_next_tokens(logits, s: SamplingSettings, noise, seen, eos_vocab_mask, m
     decode step compiles this whole function, a few kernels instead of a dozen eager ones); without, on them in
     place (they must be float32 and disposable).
     """
+    out, tok, pos, step, unfinished = buffers.out, buffers.tok, buffers.pos, buffers.step, buffers.unfinished
+    seen, eos_vocab_mask, min_steps = buffers.seen, buffers.eos_vocab_mask, buffers.min_steps
     eos_blocked = eos_vocab_mask & (step < min_steps) if s.blocks_early_eos else None
     if copies:
         next_tokens = select_tokens_from_copies(logits, s, noise, seen, eos_blocked)
@@ -416,7 +140,7 @@ class StaticDecoder:
         self.compiled_forward = compiled_forward
         self.compiled_layers = compiled_layers
         self.compile_error: str | None = None  # why compiling failed, once it has
-        if decode_attention == "filled" and not filled_attention.serves(batch, _kv_heads(base.config), device):
+        if decode_attention == "filled" and not filled_attention.serves(batch, kv_heads(base.config), device):
             decode_attention = "matmul"  # too few rows to fill the GPU with the kernel's programs
         self.decode_attention = decode_attention
         self.compiled_select = compiled_select
@@ -536,7 +260,7 @@ class StaticDecoder:
         # where SDPA falls back to its math kernel for a padding mask) stay near PREFILL_SCORE_BYTES instead of
         # growing with the prompt and setting the rollout's peak. A cache of plain static layers lets a piece
         # attend to the positions up to its end only (prefill_keys), so short prompts take one piece.
-        sliced = self._capture_is_rewindable() and _is_sdpa(model)
+        sliced = self._capture_is_rewindable() and is_sdpa(model)
         for start, end in self.prefill_pieces(model, prompt_len, sliced):
             with prefill_keys(model, end) if sliced else contextlib.nullcontext():
                 logits = self._forward(model, input_ids[:, start:end], position_ids[:, start:end])
@@ -585,8 +309,9 @@ class StaticDecoder:
         """
         noise = row_uniforms(logits) if self.sampling.do_sample else None
         step = compiled or functools.partial(take_next_tokens, copies=False)
-        step(logits, self.sampling, noise, self.seen, self.eos_vocab_mask, self.min_steps, self.step, self.unfinished,
-             self.out, self.tok, self.pos)
+        buffers = DecodeBuffers(out=self.out, tok=self.tok, pos=self.pos, step=self.step, min_steps=self.min_steps,
+                                unfinished=self.unfinished, eos_vocab_mask=self.eos_vocab_mask, seen=self.seen)
+        step(logits, self.sampling, noise, buffers)
 
     def _decode_step(self, model) -> None:
         logits = self._forward(model, self.tok, self.pos, decode=True)

@@ -92,7 +92,7 @@ def test_mask_token_resolution_order_and_error():
     assert resolve_mask_token_id(None, model, TOKENIZER) == TOKENIZER.mask_token_id
     model.config.mask_token_id = None
     assert resolve_mask_token_id(None, model, TOKENIZER) == TOKENIZER.mask_token_id  # from the tokenizer
-    from hf_grpo.tiny import build_char_tokenizer
+    from hf_grpo.recipe_support.tiny import build_char_tokenizer
 
     with pytest.raises(ValueError, match=r"mask_token_id is None.*DiffuGRPOConfig\(mask_token_id=\.\.\.\)"):
         resolve_mask_token_id(None, model, build_char_tokenizer())

@@ -188,7 +188,7 @@ def test_model_given_by_path_and_wrong_config_type(tmp_path, checkpoint):
 
 
 def test_missing_mask_token_is_a_clear_error_at_init(tmp_path):
-    from hf_grpo.tiny import build_char_tokenizer
+    from hf_grpo.recipe_support.tiny import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     model = build_tiny_diffusion_model(tokenizer, seed=0)

@@ -20,7 +20,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from hf_grpo.generation import HFGenerateBackend, resolve_backend
 from hf_grpo.generation import cuda_graph, filled_attention, sampling
 from hf_grpo.generation.cuda_graph import CudaGraphBackend, cache_len_ladder
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 PAD, EOS = 0, 1
@@ -265,7 +265,7 @@ def test_varied_prompt_lengths_reuse_one_cache_that_only_grows(tokenizer, monkey
 
 def test_deepspeed_hooks_are_lifted_while_capturing_and_put_back_in_order():
     """ZeRO-1/2 engines hook the wrapped module with a host sync; a capture must not run it, others stay."""
-    from hf_grpo.generation.static_decoder import deepspeed_hooks_lifted
+    from hf_grpo.generation.graph_capture import deepspeed_hooks_lifted
 
     calls = []
 
@@ -379,7 +379,8 @@ def test_an_eager_attention_prefill_keeps_pieces_sized_for_the_whole_cache(token
 
 def test_prefill_against_the_filled_keys_equals_the_whole_cache_in_float64(tokenizer):
     """Cutting the masked cache positions off a left-padded prefill changes no logit (float64)."""
-    from hf_grpo.generation.static_decoder import last_logits, prefill_keys, static_cache
+    from hf_grpo.generation.attention_routing import prefill_keys
+    from hf_grpo.generation.static_cache import last_logits, static_cache
 
     model = build_tiny_model(tokenizer).double().eval()
     rng = random.Random(3)

@@ -24,7 +24,7 @@ from transformers import GenerationConfig, Qwen2ForCausalLM
 from hf_grpo.generation import dense_mirror
 from hf_grpo.generation.dense_mirror import DenseMirror, MirrorChoice, decide, fits, planned_nbytes
 from hf_grpo.plan import BatchPlan
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

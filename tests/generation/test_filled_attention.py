@@ -58,7 +58,7 @@ def test_a_cpu_decoder_asked_for_the_kernel_attends_with_matmul():
 
     from hf_grpo.generation.sampling import SamplingSettings
     from hf_grpo.generation.static_decoder import StaticDecoder
-    from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+    from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
     model = build_tiny_model(build_char_tokenizer()).eval()
     sampling = SamplingSettings.from_config(GenerationConfig(do_sample=False), eos_token_ids=[1], pad_token_id=0)

@@ -17,7 +17,7 @@ from hf_grpo.generation.fused_projections import FusedProjections
 from hf_grpo.generation.regional_compile import CompiledLayers
 from hf_grpo.generation.sampling import SamplingSettings
 from hf_grpo.generation.static_decoder import StaticDecoder
-from hf_grpo.tiny import build_char_tokenizer
+from hf_grpo.recipe_support.tiny import build_char_tokenizer
 from test_regional_compile import (  # the same prompts, decoders and graph counter
     CountingBackend,
     _batch,

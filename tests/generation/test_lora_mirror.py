@@ -18,7 +18,7 @@ import hf_grpo
 from hf_grpo.generation import dense_mirror
 from hf_grpo.generation.hf import HFGenerateBackend
 from hf_grpo.plan import BatchPlan
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model, save_tiny_checkpoint
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model, save_tiny_checkpoint
 
 CPU = torch.device("cpu")
 

@@ -16,8 +16,9 @@ from transformers import GenerationConfig
 from hf_grpo.generation.cuda_graph import CudaGraphBackend
 from hf_grpo.generation.regional_compile import CompiledLayers, decoder_layers
 from hf_grpo.generation.sampling import SamplingSettings
-from hf_grpo.generation.static_decoder import StaticDecoder, decode_attention, take_next_tokens
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo.generation.attention_routing import decode_attention
+from hf_grpo.generation.static_decoder import StaticDecoder, take_next_tokens
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 PAD, EOS = 0, 1
 LAYERS = 5

@@ -21,7 +21,7 @@ from hf_grpo.generation.sampling import (
     select_tokens_from_copies,
     unsupported_generation_setting,
 )
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 EOS, PAD = 1, 0
 VOCAB = 97

@@ -16,7 +16,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from hf_grpo import GRPOConfig, GRPOTrainer, close_distributed
 from hf_grpo.generation import HFGenerateBackend
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 GROUP = 4
 TOKENIZER = build_char_tokenizer()

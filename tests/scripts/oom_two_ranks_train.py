@@ -17,7 +17,7 @@ from datasets import Dataset
 
 import hf_grpo.logprob_head
 from hf_grpo import GRPOConfig, GRPOTrainer, close_distributed
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 TOKENIZER = build_char_tokenizer()
 PROMPTS = ["ab>", "c>", "defg>", "h>", "ij>", "klmno>", "p>", "qr>"]

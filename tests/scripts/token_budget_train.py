@@ -17,9 +17,10 @@ import torch
 from datasets import Dataset
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-from hf_grpo import GRPOConfig, GRPOTrainer, close_distributed, token_budget
+from hf_grpo import GRPOConfig, GRPOTrainer, close_distributed
 from hf_grpo.generation import HFGenerateBackend
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo.memory import packing
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 GROUP = 4
 TOKENIZER = build_char_tokenizer()
@@ -63,14 +64,14 @@ def gathered(params):
 
 
 def record_pass_counts(counts):
-    real = token_budget.plan_passes
+    real = packing.plan_passes
 
     def recording(ext, budget, agree=lambda count: count):
         passes = real(ext, budget, agree)
-        counts.append([len(token_budget.first_fit_decreasing(ext, budget)), len(passes)])
+        counts.append([len(packing.first_fit_decreasing(ext, budget)), len(passes)])
         return passes
 
-    token_budget.plan_passes = recording
+    packing.plan_passes = recording
 
 
 def main(out_dir, budget):

@@ -22,7 +22,7 @@ from transformers import Qwen2ForCausalLM
 
 from hf_grpo import GRPOConfig, GRPOTrainer, close_distributed
 from hf_grpo.generation import HFGenerateBackend
-from hf_grpo.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 TOKENIZER = build_char_tokenizer()
 

@@ -26,71 +26,33 @@ What each knob counts, read off the frameworks' own code:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any
 
-from .plan import BatchPlan, nearest_valid
+from .translation import (
+    Knob,
+    Translation,
+    TranslationError,
+    close_knob,
+    counted,
+    divide_exactly,
+    finish_translation,
+    flatten_config,
+    group_size,
+    is_null,
+    matching_knobs,
+    mini_batch_fixes,
+    parse_settings,
+    required_values,
+    resolve_knobs,
+    unknown_key_error,
+    world_size_from,
+)
 
 
-class TranslationError(ValueError):
-    """A setting that cannot be translated: names the key, the value and what would be valid."""
-
-
-@dataclass(frozen=True)
-class Knob:
-    key: str  # the full dotted path, as the framework's config spells it
-    meaning: str
-    kind: type = int  # int or bool
-    neutral: Any = None  # for knobs hf-grpo lacks: the one value that needs no equivalent
-    lacks: str = ""  # why hf-grpo has no equivalent (then any other value is an error)
-
-
-@dataclass(frozen=True)
-class Translation:
-    framework: str
-    fields: dict[str, Any]  # hf-grpo field -> value, in the order the flags are printed
-    world_size: int
-    plan: BatchPlan
-    source: str  # the source framework's own arithmetic, in its own words
-    notes: tuple[str, ...] = ()
-
-    def flags(self) -> str:
-        """The fields as command-line flags of a recipe (``--name value``)."""
-        return " ".join(f"--{name} {str(value).lower() if isinstance(value, bool) else value}"
-                        for name, value in self.fields.items())
-
-
-# ---- reading key=value settings ---------------------------------------------------------------------
-
-def parse_settings(pairs: Iterable[str]) -> dict[str, str]:
-    """``["a.b=1", ...]`` -> ``{"a.b": "1"}``; a pair without ``=`` is an error naming it."""
-    settings: dict[str, str] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise TranslationError(f"{pair!r} is not KEY=VALUE (e.g. train_batch_size=256)")
-        key = key.strip().lstrip("+-")  # Hydra's +key=, and --key=value as OpenRLHF users type it
-        if key in settings:
-            raise TranslationError(f"{key} is given twice ({settings[key]!r} and {value!r}); give it once")
-        settings[key] = value.strip()
-    return settings
-
-
-def flatten_config(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A framework's nested YAML config as dotted keys: ``{"data": {"train_batch_size": 8}}`` ->
-    ``{"data.train_batch_size": 8}``."""
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, Mapping) and value:
-            flat.update(flatten_config(value, name + "."))
-        else:
-            flat[name] = value
-    return flat
+# ---- whole configs and command-line overrides ------------------------------------------------------
 
 
 def merge_settings(framework: str, base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -98,35 +60,11 @@ def merge_settings(framework: str, base: Mapping[str, Any], overrides: Mapping[s
     (``rollout.n=8``) replaces the file's full key (``actor_rollout_ref.rollout.n``)."""
     merged = dict(base)
     for key, value in overrides.items():
-        matches = _matching(FRAMEWORKS[framework][0], key)
+        matches = matching_knobs(FRAMEWORKS[framework][0], key)
         if len(matches) == 1:
             merged.pop(matches[0].key, None)
         merged[key] = value
     return merged
-
-
-def _matching(knobs: tuple[Knob, ...], given: str) -> list[Knob]:
-    return [k for k in knobs if k.key == given] or [k for k in knobs if k.key.endswith("." + given)]
-
-
-def _close_knob(knobs: tuple[Knob, ...], given: str) -> str | None:
-    """The knob ``given`` is a likely typo of: same parent path (if one is given), a last segment nearly equal.
-    Strict (ratio >= 0.88, at most 3 characters longer or shorter), so that real non-batch keys of a pasted
-    config (``data.val_batch_size``, ``critic.ppo_mini_batch_size``) are never taken for typos."""
-    parent, _, leaf = given.rpartition(".")
-    leaves = {}
-    for knob in knobs:
-        knob_parent, _, knob_leaf = knob.key.rpartition(".")
-        if not parent or ("." + knob_parent).endswith("." + parent):
-            leaves.setdefault(knob_leaf, knob.key)
-    close = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.88)
-    if close and abs(len(close[0]) - len(leaf)) <= 3:
-        return leaves[close[0]]
-    return None
-
-
-def _is_null(raw: Any) -> bool:
-    return raw is None or str(raw).strip().lower() in ("null", "none", "~", "")
 
 
 def split_settings(framework: str, settings: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -136,163 +74,13 @@ def split_settings(framework: str, settings: Mapping[str, Any]) -> tuple[dict[st
     batch: dict[str, Any] = {}
     others: list[str] = []
     for given, raw in settings.items():
-        if _matching(knobs, given):
+        if matching_knobs(knobs, given):
             batch[given] = raw
-        elif _close_knob(knobs, given) is not None and not _is_null(raw):
-            _unknown(framework, knobs, given)
+        elif close_knob(knobs, given) is not None and not is_null(raw):
+            unknown_key_error(framework, knobs, given)
         else:
             others.append(given)
     return batch, others
-
-
-def _unknown(framework: str, knobs: tuple[Knob, ...], given: str):
-    near = _close_knob(knobs, given)
-    hint = f"; did you mean {near!r}?" if near else ";"
-    raise TranslationError(f"{framework}: unknown key {given!r}{hint} the {framework} keys hf-grpo translates "
-                           f"are: {', '.join(k.key for k in knobs)}")
-
-
-def _resolve(framework: str, knobs: tuple[Knob, ...], settings: Mapping[str, Any]) -> dict[str, Any]:
-    """Full key -> typed value. A key may be its full path or any unambiguous dotted tail of it."""
-    found: dict[str, Any] = {}
-    for given, raw in settings.items():
-        matches = _matching(knobs, given)
-        if not matches:
-            _unknown(framework, knobs, given)
-        if len(matches) > 1:
-            raise TranslationError(f"{framework}: {given!r} is ambiguous, it ends "
-                                   f"{' and '.join(k.key for k in matches)}; give the full key")
-        knob = matches[0]
-        if knob.key in found:
-            raise TranslationError(f"{framework}: {knob.key} is given twice; give it once")
-        value = _typed(framework, knob, raw)
-        if value is None:
-            continue  # null / None: left unset, as in the framework's own config
-        if knob.lacks and value != knob.neutral:
-            raise TranslationError(f"{framework}: {knob.key}={raw} has no hf-grpo equivalent: {knob.lacks} "
-                                   f"(only {knob.key}={knob.neutral} translates)")
-        found[knob.key] = value
-    return found
-
-
-def _typed(framework: str, knob: Knob, raw: Any) -> Any:
-    if knob.kind is bool:
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).strip().lower()
-        if text in ("true", "1", "yes"):
-            return True
-        if text in ("false", "0", "no"):
-            return False
-        raise TranslationError(f"{framework}: {knob.key}={raw!r} is not a boolean; give true or false")
-    if isinstance(raw, bool):
-        raise TranslationError(f"{framework}: {knob.key}={raw!r} is not an integer")
-    if isinstance(raw, int):
-        value = raw
-    else:
-        text = str(raw).strip()
-        if text.lower() in ("null", "none", "~"):
-            return None
-        try:
-            value = int(text.replace("_", ""))
-        except ValueError:
-            raise TranslationError(f"{framework}: {knob.key}={raw!r} is not an integer; give a whole number "
-                                   f"({knob.meaning})") from None
-    if value < 1:
-        raise TranslationError(f"{framework}: {knob.key}={value} must be >= 1 ({knob.meaning})")
-    return value
-
-
-def _required(framework: str, values: Mapping[str, Any], *keys: str, why: str = "") -> list[Any]:
-    missing = [k for k in keys if k not in values]
-    if missing:
-        raise TranslationError(f"{framework}: missing {', '.join(missing)}{why}; give it (e.g. {missing[0]}=VALUE): "
-                               f"hf-grpo does not assume {framework}'s defaults, which change between versions")
-    return [values[k] for k in keys]
-
-
-# ---- arithmetic with messages -----------------------------------------------------------------------
-
-Fixes = Mapping[str, tuple[int, Callable[[int], bool]]]
-
-
-def _divide(framework: str, what: str, value: int, by_what: str, by: int, why: str, fixes: Fixes | None = None) -> int:
-    """``value // by``, or an error naming both values and, per knob in ``fixes``, its nearest valid values
-    (default: ``what`` and ``by_what`` themselves)."""
-    if value % by == 0:
-        return value // by
-    if fixes is None:
-        fixes = {what: (value, lambda v: v % by == 0), by_what: (by, lambda d: value % d == 0)}
-    options = []
-    for name, (current, ok) in fixes.items():
-        near = sorted(nearest_valid(current, ok, limit=1 << 16))  # the one below, then the one above
-        if near:
-            options.append(f"{name}: {' or '.join(map(str, near))}")
-    raise TranslationError(f"{framework}: {what} = {value} is not a multiple of {by_what} = {by}, so {why}; "
-                           f"nearest valid " + "; or ".join(options))
-
-
-def _mini_fixes(key: str, mini: int, prompts: int, G: int, world: int) -> Fixes:
-    """Mini-batches (in prompts) that split over the GPUs and divide the rollout, or GPU counts that fit."""
-    return {key: (mini, lambda m: m * G % world == 0 and prompts % m == 0),
-            "GPUs": (world, lambda w: mini * G % w == 0)}
-
-
-def _group_size(framework: str, key: str, values: Mapping[str, Any]) -> int:
-    (n,) = _required(framework, values, key)
-    if n < 2:
-        raise TranslationError(f"{framework}: {key}={n}: GRPO compares the completions of one prompt, so it "
-                               f"needs at least 2 per prompt (num_generations >= 2); set {key} to 2 or more")
-    return n
-
-
-def _world(framework: str, values: Mapping[str, Any], nodes_key: str | None, gpus_key: str | None,
-           world_size: int | None) -> int:
-    """Data-parallel processes: --num_processes, or the framework's nodes x GPUs per node; both must agree."""
-    if world_size is not None and world_size < 1:
-        raise TranslationError(f"--num_processes must be >= 1, got {world_size}")
-    if gpus_key is None or gpus_key not in values:
-        if nodes_key is not None and nodes_key in values:
-            raise TranslationError(f"{framework}: {nodes_key} is given without {gpus_key}; give both, or "
-                                   f"--num_processes")
-        return 1 if world_size is None else world_size
-    nodes = values.get(nodes_key, 1)
-    gpus = nodes * values[gpus_key]
-    if world_size is not None and world_size != gpus:
-        raise TranslationError(f"{framework}: --num_processes {world_size} disagrees with {nodes_key} x "
-                               f"{gpus_key} = {nodes} x {values[gpus_key]} = {gpus}; drop one or make them agree")
-    return gpus
-
-
-def _finish(framework: str, fields: dict[str, Any], world: int, source: str, notes: list[str],
-            source_batch: int, source_steps: Fraction, source_rollout: int) -> Translation:
-    """Build and validate the plan, and check it against the source framework's own arithmetic."""
-    P, A = fields["per_device_train_batch_size"], fields["gradient_accumulation_steps"]
-    S = fields.get("steps_per_generation", A)
-    plan = BatchPlan(
-        per_device_train_batch_size=P,
-        gradient_accumulation_steps=A,
-        steps_per_generation=S,
-        num_generations=fields["num_generations"],
-        num_iterations=fields.get("num_iterations", 1),
-        per_device_generation_batch_size=fields.get("per_device_generation_batch_size", P * S),
-        tensor_batch_size=fields.get("tensor_batch_size", 1024),
-        world_size=world,
-        max_tokens_per_micro_batch=fields.get("max_tokens_per_micro_batch"),
-    )
-    try:
-        plan.validate()
-    except ValueError as err:
-        raise TranslationError(f"{framework}: the translated sizes break hf-grpo's batch contract: {err}") from None
-    same = (plan.global_batch_size, plan.optimizer_steps_per_rollout, plan.global_rollout)
-    if same != (source_batch, source_steps, source_rollout):  # a bug in this module, never the user's input
-        raise RuntimeError(f"{framework} translation disagrees with the source arithmetic: hf-grpo {same}, "
-                           f"{framework} {(source_batch, source_steps, source_rollout)}")
-    return Translation(framework, fields, world, plan, source, tuple(notes))
-
-
-def _n(count: int, word: str) -> str:
-    return f"{count} {word}" + ("" if count == 1 else "es" if word.endswith("s") else "s")
 
 
 # ---- SkyRL ------------------------------------------------------------------------------------------
@@ -315,21 +103,22 @@ SKYRL = (
 
 def from_skyrl(settings: Mapping[str, Any], world_size: int | None = None) -> Translation:
     name = "skyrl"
-    v = _resolve(name, SKYRL, settings)
-    world = _world(name, v, "trainer.placement.policy_num_nodes", "trainer.placement.policy_num_gpus_per_node",
-                   world_size)
-    G = _group_size(name, "generator.n_samples_per_prompt", v)
-    prompts, mini, micro = _required(name, v, "trainer.train_batch_size", "trainer.policy_mini_batch_size",
-                                     "trainer.micro_train_batch_size_per_gpu")
+    v = resolve_knobs(name, SKYRL, settings)
+    world = world_size_from(name, v, "trainer.placement.policy_num_nodes", "trainer.placement.policy_num_gpus_per_node",
+                            world_size)
+    G = group_size(name, "generator.n_samples_per_prompt", v)
+    prompts, mini, micro = required_values(name, v, "trainer.train_batch_size", "trainer.policy_mini_batch_size",
+                                           "trainer.micro_train_batch_size_per_gpu")
     epochs = v.get("trainer.update_epochs_per_batch", 1)
-    minis = _divide(name, "trainer.train_batch_size", prompts, "trainer.policy_mini_batch_size", mini,
-                    "the last mini-batch would be partial")
-    mini_per_gpu = _divide(name, "policy_mini_batch_size x n_samples_per_prompt", mini * G, "the number of GPUs",
-                           world, "the mini-batch does not split evenly over the GPUs",
-                           _mini_fixes("trainer.policy_mini_batch_size", mini, prompts, G, world))
-    A = _divide(name, "the per-GPU mini-batch policy_mini_batch_size x n_samples_per_prompt / GPUs", mini_per_gpu,
-                "trainer.micro_train_batch_size_per_gpu", micro, "the last micro-batch would be partial",
-                {"trainer.micro_train_batch_size_per_gpu": (micro, lambda d: mini_per_gpu % d == 0)})
+    minis = divide_exactly(name, "trainer.train_batch_size", prompts, "trainer.policy_mini_batch_size", mini,
+                           "the last mini-batch would be partial")
+    mini_per_gpu = divide_exactly(name, "policy_mini_batch_size x n_samples_per_prompt", mini * G, "the number of GPUs",
+                                  world, "the mini-batch does not split evenly over the GPUs",
+                                  mini_batch_fixes("trainer.policy_mini_batch_size", mini, prompts, G, world))
+    A = divide_exactly(name, "the per-GPU mini-batch policy_mini_batch_size x n_samples_per_prompt / GPUs",
+                       mini_per_gpu,
+                       "trainer.micro_train_batch_size_per_gpu", micro, "the last micro-batch would be partial",
+                       {"trainer.micro_train_batch_size_per_gpu": (micro, lambda d: mini_per_gpu % d == 0)})
     fields = {"per_device_train_batch_size": micro, "gradient_accumulation_steps": A,
               "steps_per_generation": A * minis, "num_generations": G, "num_iterations": epochs}
     notes = []
@@ -342,8 +131,8 @@ def from_skyrl(settings: Mapping[str, Any], world_size: int | None = None) -> Tr
         notes.append(_NO_PROMPT_LENGTH.format("trainer.max_prompt_length"))
     steps = Fraction(minis * epochs)
     source = (f"skyrl: {mini} prompts x {G} samples = {mini * G} samples per optimizer step; {prompts} / {mini} "
-              f"mini-batches x {_n(epochs, 'epoch')} = {steps} optimizer steps per training step")
-    return _finish(name, fields, world, source, notes, mini * G, steps, prompts * G)
+              f"mini-batches x {counted(epochs, 'epoch')} = {steps} optimizer steps per training step")
+    return finish_translation(name, fields, world, source, notes, mini * G, steps, prompts * G)
 
 
 _NO_PROMPT_LENGTH = ("{}: no equivalent; TRL 1.16 does not truncate prompts, so filter or truncate long prompts "
@@ -374,16 +163,17 @@ VERL = (
 
 def from_verl(settings: Mapping[str, Any], world_size: int | None = None) -> Translation:
     name = "verl"
-    v = _resolve(name, VERL, settings)
-    world = _world(name, v, "trainer.nnodes", "trainer.n_gpus_per_node", world_size)
-    G = _group_size(name, "actor_rollout_ref.rollout.n", v)
-    prompts, mini = _required(name, v, "data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size")
+    v = resolve_knobs(name, VERL, settings)
+    world = world_size_from(name, v, "trainer.nnodes", "trainer.n_gpus_per_node", world_size)
+    G = group_size(name, "actor_rollout_ref.rollout.n", v)
+    prompts, mini = required_values(name, v, "data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size")
     epochs = v.get("actor_rollout_ref.actor.ppo_epochs", 1)
-    minis = _divide(name, "data.train_batch_size", prompts, "actor_rollout_ref.actor.ppo_mini_batch_size", mini,
-                    "the last mini-batch would be partial")
-    mini_per_gpu = _divide(name, "ppo_mini_batch_size x rollout.n", mini * G, "the number of GPUs", world,
-                           "the mini-batch does not split evenly over the GPUs",
-                           _mini_fixes("actor_rollout_ref.actor.ppo_mini_batch_size", mini, prompts, G, world))
+    minis = divide_exactly(name, "data.train_batch_size", prompts, "actor_rollout_ref.actor.ppo_mini_batch_size", mini,
+                           "the last mini-batch would be partial")
+    mini_per_gpu = divide_exactly(name, "ppo_mini_batch_size x rollout.n", mini * G, "the number of GPUs", world,
+                                  "the mini-batch does not split evenly over the GPUs",
+                                  mini_batch_fixes("actor_rollout_ref.actor.ppo_mini_batch_size", mini, prompts, G,
+                                                   world))
     notes = []
     dynamic = v.get("actor_rollout_ref.actor.use_dynamic_bsz", False)
     micro_keys = [k for k in ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
@@ -392,8 +182,8 @@ def from_verl(settings: Mapping[str, Any], world_size: int | None = None) -> Tra
         raise TranslationError(f"{name}: give one of {' and '.join(micro_keys)}, not both (veRL rejects both too)")
     if dynamic:
         # veRL ignores the micro-batch size then: a GPU's mini-batch is cut into pieces by a token budget.
-        (budget,) = _required(name, v, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-                              why=" (the token budget of use_dynamic_bsz=true)")
+        (budget,) = required_values(name, v, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                                    why=" (the token budget of use_dynamic_bsz=true)")
         micro, A = mini_per_gpu, 1
         notes.append(f"use_dynamic_bsz=true: veRL packs each GPU's mini-batch of {mini_per_gpu} samples into "
                      f"micro-batches of at most {budget} tokens. hf-grpo: one micro-batch of {mini_per_gpu} per "
@@ -405,16 +195,17 @@ def from_verl(settings: Mapping[str, Any], world_size: int | None = None) -> Tra
             notes.append(f"{micro_keys[0]}: ignored, as veRL ignores it under use_dynamic_bsz=true")
     else:
         if not micro_keys:
-            _required(name, v, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+            required_values(name, v, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
         key, micro = micro_keys[0], v[micro_keys[0]]
         if key.endswith("ppo_micro_batch_size"):  # the deprecated global form
             fix = {key: (micro, lambda m: m % world == 0 and mini_per_gpu % (m // world) == 0)}
-            micro = _divide(name, key, micro, "the number of GPUs", world, "it does not split evenly over the GPUs",
-                            fix)
+            micro = divide_exactly(name, key, micro, "the number of GPUs", world,
+                                   "it does not split evenly over the GPUs",
+                                   fix)
         else:
             fix = {key: (micro, lambda d: mini_per_gpu % d == 0)}
-        A = _divide(name, "the per-GPU mini-batch ppo_mini_batch_size x rollout.n / GPUs", mini_per_gpu,
-                    "the micro-batch per GPU", micro, "the last micro-batch would be partial", fix)
+        A = divide_exactly(name, "the per-GPU mini-batch ppo_mini_batch_size x rollout.n / GPUs", mini_per_gpu,
+                           "the micro-batch per GPU", micro, "the last micro-batch would be partial", fix)
         if "actor_rollout_ref.actor.ppo_max_token_len_per_gpu" in v:
             notes.append("actor_rollout_ref.actor.ppo_max_token_len_per_gpu: not used by veRL without "
                          "use_dynamic_bsz=true, so not translated")
@@ -433,8 +224,8 @@ def from_verl(settings: Mapping[str, Any], world_size: int | None = None) -> Tra
         notes.append(_NO_PROMPT_LENGTH.format("data.max_prompt_length"))
     steps = Fraction(minis * epochs)
     source = (f"verl: {mini} prompts x {G} samples = {mini * G} samples per optimizer step; {prompts} / {mini} "
-              f"mini-batches x {_n(epochs, 'epoch')} = {steps} optimizer steps per training step")
-    return _finish(name, fields, world, source, notes, mini * G, steps, prompts * G)
+              f"mini-batches x {counted(epochs, 'epoch')} = {steps} optimizer steps per training step")
+    return finish_translation(name, fields, world, source, notes, mini * G, steps, prompts * G)
 
 
 # ---- OpenRLHF ---------------------------------------------------------------------------------------
@@ -457,23 +248,23 @@ OPENRLHF = (
 
 def from_openrlhf(settings: Mapping[str, Any], world_size: int | None = None) -> Translation:
     name = "openrlhf"
-    v = _resolve(name, OPENRLHF, settings)
-    world = _world(name, v, "actor_num_nodes", "actor_num_gpus_per_node", world_size)
-    G = _group_size(name, "n_samples_per_prompt", v)
-    prompts, batch, micro = _required(name, v, "rollout_batch_size", "train_batch_size", "micro_train_batch_size")
+    v = resolve_knobs(name, OPENRLHF, settings)
+    world = world_size_from(name, v, "actor_num_nodes", "actor_num_gpus_per_node", world_size)
+    G = group_size(name, "n_samples_per_prompt", v)
+    prompts, batch, micro = required_values(name, v, "rollout_batch_size", "train_batch_size", "micro_train_batch_size")
     epochs = v.get("max_epochs", 1)
-    R = _divide(name, "rollout_batch_size x n_samples_per_prompt", prompts * G, "the number of GPUs", world,
-                "the rollout does not split evenly over the GPUs",
-                {"rollout_batch_size": (prompts, lambda p: p * G % world == 0),
-                 "GPUs": (world, lambda w: prompts * G % w == 0)})
-    updates = _divide(name, "rollout_batch_size x n_samples_per_prompt", prompts * G, "train_batch_size", batch,
-                      "the last optimizer step of a rollout would be partial",
-                      {"rollout_batch_size": (prompts, lambda p: p * G % batch == 0),
-                       "train_batch_size": (batch, lambda b: prompts * G % b == 0 and b % (micro * world) == 0)})
-    A = _divide(name, "train_batch_size", batch, "micro_train_batch_size x GPUs", micro * world,
-                "the optimizer step does not split into whole micro-batches on every GPU",
-                {"train_batch_size": (batch, lambda b: b % (micro * world) == 0 and prompts * G % b == 0),
-                 "micro_train_batch_size": (micro, lambda m: batch % (m * world) == 0)})
+    R = divide_exactly(name, "rollout_batch_size x n_samples_per_prompt", prompts * G, "the number of GPUs", world,
+                       "the rollout does not split evenly over the GPUs",
+                       {"rollout_batch_size": (prompts, lambda p: p * G % world == 0),
+                       "GPUs": (world, lambda w: prompts * G % w == 0)})
+    updates = divide_exactly(name, "rollout_batch_size x n_samples_per_prompt", prompts * G, "train_batch_size", batch,
+                             "the last optimizer step of a rollout would be partial",
+                             {"rollout_batch_size": (prompts, lambda p: p * G % batch == 0),
+                             "train_batch_size": (batch, lambda b: prompts * G % b == 0 and b % (micro * world) == 0)})
+    A = divide_exactly(name, "train_batch_size", batch, "micro_train_batch_size x GPUs", micro * world,
+                       "the optimizer step does not split into whole micro-batches on every GPU",
+                       {"train_batch_size": (batch, lambda b: b % (micro * world) == 0 and prompts * G % b == 0),
+                       "micro_train_batch_size": (micro, lambda m: batch % (m * world) == 0)})
     fields = {"per_device_train_batch_size": micro, "gradient_accumulation_steps": A,
               "steps_per_generation": A * updates, "num_generations": G, "num_iterations": epochs}
     notes = []
@@ -493,8 +284,8 @@ def from_openrlhf(settings: Mapping[str, Any], world_size: int | None = None) ->
         notes.append(_NO_PROMPT_LENGTH.format("prompt_max_len"))
     steps = Fraction(updates * epochs)
     source = (f"openrlhf: train_batch_size = {batch} samples per optimizer step; {prompts} prompts x {G} samples / "
-              f"{batch} x {_n(epochs, 'epoch')} = {steps} optimizer steps per rollout")
-    return _finish(name, fields, world, source, notes, batch, steps, prompts * G)
+              f"{batch} x {counted(epochs, 'epoch')} = {steps} optimizer steps per rollout")
+    return finish_translation(name, fields, world, source, notes, batch, steps, prompts * G)
 
 
 # ---- trlx -------------------------------------------------------------------------------------------
@@ -512,8 +303,8 @@ TRLX = (
 def from_trlx(settings: Mapping[str, Any], world_size: int | None = None,
               num_generations: int | None = None) -> Translation:
     name = "trlx"
-    v = _resolve(name, TRLX, settings)
-    world = _world(name, v, None, None, world_size)
+    v = resolve_knobs(name, TRLX, settings)
+    world = world_size_from(name, v, None, None, world_size)
     if num_generations is None or num_generations < 2:
         got = "" if num_generations is None else f", got {num_generations}"
         raise TranslationError(
@@ -521,11 +312,11 @@ def from_trlx(settings: Mapping[str, Any], world_size: int | None = None,
             f"2 completions per prompt to compare instead. Give --num_generations G (>= 2{got}): "
             f"the translation keeps method.num_rollouts completions per process, from num_rollouts x processes / G "
             f"prompts")
-    batch, rollouts, chunk, epochs = _required(name, v, "train.batch_size", "method.num_rollouts",
-                                               "method.chunk_size", "method.ppo_epochs")
+    batch, rollouts, chunk, epochs = required_values(name, v, "train.batch_size", "method.num_rollouts",
+                                                     "method.chunk_size", "method.ppo_epochs")
     micro = v.get("train.minibatch_size", batch)
-    A = _divide(name, "train.batch_size", batch, "train.minibatch_size", micro,
-                "trlx asserts 'Minibatch size must divide batch size'")
+    A = divide_exactly(name, "train.batch_size", batch, "train.minibatch_size", micro,
+                       "trlx asserts 'Minibatch size must divide batch size'")
     notes = [(f"trlx is PPO with a value head; hf-grpo is GRPO: group-relative advantages over num_generations="
               f"{num_generations} completions per prompt, no value head. The batch arithmetic is kept, the algorithm "
               f"is not")]
@@ -534,23 +325,23 @@ def from_trlx(settings: Mapping[str, Any], world_size: int | None = None,
     if collected != rollouts:
         notes.append(f"method.num_rollouts={rollouts} is not a multiple of method.chunk_size={chunk}: trlx collects "
                      f"whole chunks, {collected} per process, and so does this translation")
-    updates = _divide(name, "the samples trlx collects per process", collected, "train.batch_size", batch,
-                      "trlx's last batch of a rollout would be a smaller optimizer step",
-                      {"method.num_rollouts": (rollouts, lambda r: r % chunk == 0 and r % batch == 0),
-                       "train.batch_size": (batch, lambda b: collected % b == 0
-                                            and b % v.get("train.minibatch_size", b) == 0)})
-    _divide(name, "the rollout of all processes (collected x processes)", collected * world, "--num_generations",
-            num_generations, "a prompt group would be split",
-            {"--num_generations": (num_generations, lambda g: g >= 2 and collected * world % g == 0)})
+    updates = divide_exactly(name, "the samples trlx collects per process", collected, "train.batch_size", batch,
+                             "trlx's last batch of a rollout would be a smaller optimizer step",
+                             {"method.num_rollouts": (rollouts, lambda r: r % chunk == 0 and r % batch == 0),
+                             "train.batch_size": (batch, lambda b: collected % b == 0
+                             and b % v.get("train.minibatch_size", b) == 0)})
+    divide_exactly(name, "the rollout of all processes (collected x processes)", collected * world, "--num_generations",
+                   num_generations, "a prompt group would be split",
+                   {"--num_generations": (num_generations, lambda g: g >= 2 and collected * world % g == 0)})
     fields = {"per_device_train_batch_size": micro, "gradient_accumulation_steps": A,
               "steps_per_generation": A * updates, "num_generations": num_generations, "num_iterations": epochs,
               "per_device_generation_batch_size": chunk}
     if "method.gen_kwargs.max_new_tokens" in v:
         fields["max_completion_length"] = v["method.gen_kwargs.max_new_tokens"]
     steps = Fraction(updates * epochs)
-    source = (f"trlx: batch_size {batch} x {_n(world, 'process')} = {batch * world} samples per optimizer step; "
+    source = (f"trlx: batch_size {batch} x {counted(world, 'process')} = {batch * world} samples per optimizer step; "
               f"{collected} / {batch} batches x {epochs} ppo_epochs = {steps} optimizer steps per rollout")
-    return _finish(name, fields, world, source, notes, batch * world, steps, collected * world)
+    return finish_translation(name, fields, world, source, notes, batch * world, steps, collected * world)
 
 
 # ---- d1 (diffu-GRPO on TRL) -------------------------------------------------------------------------
@@ -570,10 +361,10 @@ D1 = (
 
 def from_d1(settings: Mapping[str, Any], world_size: int | None = None) -> Translation:
     name = "d1"
-    v = _resolve(name, D1, settings)
-    world = _world(name, v, None, None, world_size)
-    G = _group_size(name, "num_generations", v)
-    P, A = _required(name, v, "per_device_train_batch_size", "gradient_accumulation_steps")
+    v = resolve_knobs(name, D1, settings)
+    world = world_size_from(name, v, None, None, world_size)
+    G = group_size(name, "num_generations", v)
+    P, A = required_values(name, v, "per_device_train_batch_size", "gradient_accumulation_steps")
     mu = v.get("num_iterations", 1)
     fields = {"per_device_train_batch_size": P, "gradient_accumulation_steps": A, "num_generations": G,
               "num_iterations": mu}
@@ -589,9 +380,10 @@ def from_d1(settings: Mapping[str, Any], world_size: int | None = None) -> Trans
             fields[key] = v[key]
     if "block_length" in v or "diffusion_steps" in v:
         notes.append("block_length / diffusion_steps are fields of hf_grpo.DiffuGRPOConfig (recipes/diffu_*.py)")
-    source = (f"d1: {P} x {A} x {_n(world, 'device')} = {P * A * world} completions per optimizer step; each generated "
+    source = (f"d1: {P} x {A} x {counted(world, 'device')} = {P * A * world} completions per optimizer step; "
+              f"each generated "
               f"batch is used for num_iterations = {mu} optimizer steps")
-    return _finish(name, fields, world, source, notes, P * A * world, Fraction(mu), P * A * world)
+    return finish_translation(name, fields, world, source, notes, P * A * world, Fraction(mu), P * A * world)
 
 
 # ---- the registry -------------------------------------------------------------------------------------
@@ -631,7 +423,7 @@ def translate(framework: str, settings: Mapping[str, Any], world_size: int | Non
 def render(translation: Translation) -> str:
     """What ``hf-grpo plan --from`` prints: the flags, the plan, the source's own count, the notes."""
     t = translation
-    processes = _n(t.world_size, "process")
+    processes = counted(t.world_size, "process")
     lines = [f"hf-grpo flags (a recipe launched on {processes}):", t.flags(), "", "batch plan:", str(t.plan), "",
              f"checked against {t.source}"]
     lines += [f"note: {note}" for note in t.notes]

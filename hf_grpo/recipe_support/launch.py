@@ -15,14 +15,15 @@ import torch
 import yaml
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
-from .checks import check_model_path
-from .config import GRPOConfig, device_defaults, explicit_fields
+from ..checks.inputs import check_model_path
+from ..config import GRPOConfig, device_defaults, explicit_fields
+from ..distributed import build_locks
+from ..distributed.shutdown import close_distributed
+from ..trainer import GRPOTrainer
 from .recipe_args import RecipeArguments
 from .reporting import METRICS_FILE, PLOT_FILE, MetricsFileCallback, plot_metrics
-from .shutdown import close_distributed
 from .tasks import as_chat
 from .tiny import build_char_tokenizer, build_tiny_model
-from .trainer import GRPOTrainer
 
 logger = logging.getLogger("hf_grpo")
 PERFORMANCE_FILE = "performance.json"
@@ -52,6 +53,7 @@ def parse_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None, c
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.WARNING)
     logger.setLevel(logging.INFO)
     cpu_launch_without_mixed_precision()
+    build_locks.warn_if_launched_with_deepspeed()  # before the config is built: that may build a DeepSpeed op
     parser = TrlParser((config_cls, RecipeArguments, ModelConfig))
     unknown = parser.set_defaults_with_config(**{**device_defaults(), **defaults})
     if unknown:

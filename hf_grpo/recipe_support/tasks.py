@@ -2,10 +2,10 @@
 
 * :func:`countdown_dataset` -- generated, always-solvable Countdown instances
   (columns ``prompt``, ``nums``, ``target`` and optionally ``solution``), scored by
-  :func:`hf_grpo.rewards.countdown_reward`.
+  :func:`hf_grpo.recipe_support.rewards.countdown_reward`.
 * :func:`gsm8k_dataset` -- GSM8K from the hub or a local JSON/JSON-lines file
-  (columns ``prompt``, ``answer``), scored by :func:`hf_grpo.rewards.gsm8k_correctness_reward`
-  and :func:`hf_grpo.rewards.gsm8k_format_reward`.
+  (columns ``prompt``, ``answer``), scored by :func:`hf_grpo.recipe_support.rewards.gsm8k_correctness_reward`
+  and :func:`hf_grpo.recipe_support.rewards.gsm8k_format_reward`.
 * :func:`as_chat` -- wraps a plain prompt as a chat message list.
 
 Prompts are plain text; recipes that use a chat model map them through :func:`as_chat` and let
@@ -19,7 +19,7 @@ import random
 
 import datasets
 
-from .rewards import MAX_INTERMEDIATE, MAX_LITERAL
+from .answer_parsing import MAX_INTERMEDIATE, MAX_LITERAL
 
 __all__ = [
     "GSM8K_INSTRUCTION",
@@ -130,8 +130,9 @@ def countdown_dataset(
     positive integers (subtraction only when it stays positive, division only when exact). Its
     value is the ``target``; draws with a target above ``max_target`` (``None``: no cap) are
     redrawn (after 1000 failed draws -- only with a very small ``max_target`` -- the sum of the
-    numbers is used even if above the cap). The classic rule of :func:`hf_grpo.rewards.countdown_reward` (every number exactly
-    once) therefore always has a solution.
+    numbers is used even if above the cap). The classic rule of
+    :func:`hf_grpo.recipe_support.rewards.countdown_reward` (every number exactly once) therefore always has a
+    solution.
 
     Columns: ``prompt`` (plain text, :func:`countdown_prompt`), ``nums`` (``list[int]``, shuffled
     so the order does not reveal the solution), ``target`` (``int``) and, with
@@ -186,7 +187,7 @@ def countdown_dataset(
 
 def gsm8k_prompt(question: str) -> str:
     """The question followed by :data:`GSM8K_INSTRUCTION` (the format
-    :func:`hf_grpo.rewards.gsm8k_format_reward` rewards)."""
+    :func:`hf_grpo.recipe_support.rewards.gsm8k_format_reward` rewards)."""
     return f"{question.strip()}\n\n{GSM8K_INSTRUCTION}"
 
 

@@ -354,7 +354,7 @@ class Prober:
         # a decode step per probed size would cost minutes, and the cache is what takes the memory.
         backend = self.trainer._generation_backend(self.trainer.model)
         if backend.name == "cuda_graph":
-            from .generation.cuda_graph import CudaGraphBackend
+            from ..generation.cuda_graph import CudaGraphBackend
 
             eager = CudaGraphBackend(use_cuda_graph=False, compile=False)
             eager.reserved_len = backend.reserved_len

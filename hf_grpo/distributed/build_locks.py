@@ -4,7 +4,9 @@ DeepSpeed compiles some of its ops on first use (CPU Adam for an offloaded optim
 communication op) through torch's extension builder, which holds a ``lock`` file in the build
 directory while it compiles. A build killed half-way (Ctrl-C, a job time-out) leaves the file,
 and every later run waits on it silently. Naming the file before that wait turns a hang into a fix:
-the config does it as it is built, under DeepSpeed, before DeepSpeed builds its first op.
+a recipe does it before it builds its config (under DeepSpeed, building the config may already build
+DeepSpeed's CPU communication op), and the trainer does it before TRL prepares the model and optimizer, for
+code that builds its own config. Each lock is named once per process.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 logger = logging.getLogger("hf_grpo")
 # A build of DeepSpeed's largest CPU op takes about a minute on two cores: a lock this old is left over.
 STALE_AFTER_S = 600.0
+_named: set[pathlib.Path] = set()  # locks already logged by this process
 
 
 def extensions_root() -> pathlib.Path:
@@ -48,13 +51,22 @@ def launched_with_deepspeed(deepspeed_field: Any) -> bool:
 
 
 def warn_about_stale_build_locks(is_main_process: bool = True) -> list[pathlib.Path]:
-    """Log each stale lock (on the main process) with the command that removes it; returns them."""
+    """Log each stale lock not yet named by this process (on the main process) with the command that removes
+    it; returns the stale locks."""
     locks = stale_build_locks()
     if locks and is_main_process:
-        for lock in locks:
+        for lock in (lock for lock in locks if lock not in _named):
+            _named.add(lock)
             age_min = (time.time() - lock.stat().st_mtime) / 60
             logger.warning(
                 "%s is an extension-build lock last touched %.0f minutes ago, most likely left by an interrupted "
                 "build; DeepSpeed waits on it for ever when it builds that op. If no build is running, "
                 "remove it: rm %s", lock, age_min, lock)
     return locks
+
+
+def warn_if_launched_with_deepspeed(deepspeed_field: Any = None) -> list[pathlib.Path]:
+    """Under DeepSpeed, name the stale build locks it would wait on (main process only); returns them."""
+    if not launched_with_deepspeed(deepspeed_field):
+        return []
+    return warn_about_stale_build_locks(is_main_process=os.environ.get("RANK", "0") == "0")

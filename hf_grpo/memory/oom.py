@@ -18,7 +18,7 @@ The trainer therefore wraps only collective-free units: one rollout's generation
 gathered before it; not so under ZeRO-3 with ``ds3_gather_for_generation=False``, where an OOM inside
 ``generate`` still leaves the other ranks waiting) and the log-prob head after the backbone's forward.
 An OOM in the backbone's forward or in the backward escapes them: in a one-process run
-``hf_grpo.train_backoff`` retries the micro-batch in token-budget passes; with several processes it ends
+``hf_grpo.memory.train_backoff`` retries the micro-batch in token-budget passes; with several processes it ends
 the run, since that backward all-reduces as it goes.
 
 Cost: with several processes, one all-reduce of one integer (and a host sync) per wrapped unit, i.e.
@@ -38,7 +38,7 @@ import torch.distributed as dist
 logger = logging.getLogger("hf_grpo")
 
 # The sizes an out-of-memory halves (each a SizeKnob of the trainer): kept on the config for the rest of the
-# run, saved in checkpoints and kept by a resume (hf_grpo.autosize).
+# run, saved in checkpoints and kept by a resume (hf_grpo.memory.autosize).
 BACKOFF_FIELDS = ("per_device_generation_batch_size", "tensor_batch_size", "max_tokens_per_micro_batch")
 
 # Error texts of allocation failures raised as a plain RuntimeError (cuBLAS/cuDNN workspaces, older torch).

@@ -5,7 +5,7 @@ activations kept for the backward, the backward itself) halves ``max_tokens_per_
 micro-batch's own padded size when no budget was set), and the optimizer step goes on at the smaller
 size, which is kept for the rest of the run (and in checkpoints) like the other chunk sizes. The update
 is the one that budget would have given from the start, to rounding (the passes are exact per loss type:
-``hf_grpo.token_budget``).
+``hf_grpo.memory.token_budget``).
 
 How, without copying gradients: a failed backward has added part of a gradient to some parameters, and
 the earlier micro-batches of the same optimizer step (gradient accumulation) have added theirs. So the

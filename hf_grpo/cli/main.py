@@ -10,16 +10,16 @@ from collections.abc import Sequence
 
 import yaml
 
-from .config import BATCH_FIELDS, GRPOConfig, batch_field_defaults, resolve_batch_fields
-from .plan import BatchPlan
+from ..config import BATCH_FIELDS, GRPOConfig, batch_field_defaults, resolve_batch_fields
+from ..plan import BatchPlan
 
 
 def _known_yaml_keys() -> set[str]:
     """Keys a recipe YAML may hold: fields of the config and of the recipe's other dataclasses."""
     from trl import ModelConfig, ScriptArguments
 
-    from .diffusion.config import DiffuGRPOConfig
-    from .recipe_args import RecipeArguments
+    from ..diffusion.config import DiffuGRPOConfig
+    from ..recipe_support.recipe_args import RecipeArguments
 
     keys = set()
     for cls in (GRPOConfig, DiffuGRPOConfig, ModelConfig, ScriptArguments, RecipeArguments):
@@ -86,7 +86,7 @@ def build_plan(argv: Sequence[str]) -> BatchPlan:
 
 def translate_plan(argv: Sequence[str]) -> str:
     """``hf-grpo plan --from FRAMEWORK KEY=VALUE ...``: the equivalent flags and their plan (raises ValueError)."""
-    from .config import ENV_OVERRIDES, env_override
+    from ..config import ENV_OVERRIDES, env_override
     from .translate import FRAMEWORKS, flatten_config, merge_settings, parse_settings, render, translate
 
     parser = argparse.ArgumentParser(
@@ -141,6 +141,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(plan)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())
