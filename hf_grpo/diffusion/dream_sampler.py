@@ -72,9 +72,9 @@ def truncate_top_k(logits: torch.Tensor, top_k: int) -> torch.Tensor:
 def dream_sample_tokens(logits: torch.Tensor, *, temperature: float, top_p: float | None, top_k: int | None,
                         algorithm: str, generator: torch.Generator | None = None):
     """``(tokens, confidence)`` for logits ``[n, V]``, ``NOISE_ELEMENTS`` float64 elements at a time."""
-    from . import sampler  # the noise source, looked up at call time (tests replace it)
+    from . import draws  # the noise source, looked up at call time (tests replace it)
 
-    rows_per_piece = max(1, sampler.NOISE_ELEMENTS // max(logits.size(-1), 1))
+    rows_per_piece = max(1, draws.NOISE_ELEMENTS // max(logits.size(-1), 1))
     tokens, confidence = [], []
     for begin in range(0, logits.size(0), rows_per_piece):
         piece = logits[begin:begin + rows_per_piece].to(torch.float64)
@@ -87,7 +87,7 @@ def dream_sample_tokens(logits: torch.Tensor, *, temperature: float, top_p: floa
         log_p = piece.log_softmax(dim=-1)
         del piece
         if temperature > 0:
-            drawn = (log_p + sampler.gumbel_noise(log_p.shape, log_p.device, generator)).argmax(dim=-1)
+            drawn = (log_p + draws.gumbel_noise(log_p.shape, log_p.device, generator)).argmax(dim=-1)
         else:
             drawn = log_p.argmax(dim=-1)
         p = log_p.exp()
@@ -107,7 +107,7 @@ def dream_sample_tokens(logits: torch.Tensor, *, temperature: float, top_p: floa
 def sample_slots(bypass: HeadBypass, hidden: torch.Tensor, mask_token_id: int, forbid_mask_token: bool, **sampling):
     """``(tokens, confidence)`` ``[n]`` from the slots' hidden states (or logits) ``[n, ...]``, projected through the
     head ``HEAD_POSITIONS`` at a time: the completion's logits never exist whole."""
-    from .sampler import HEAD_POSITIONS
+    from .draws import HEAD_POSITIONS
 
     tokens, confidence = [], []
     for begin in range(0, hidden.size(0), HEAD_POSITIONS):
@@ -124,15 +124,15 @@ def sample_slots(bypass: HeadBypass, hidden: torch.Tensor, mask_token_id: int, f
 def choose_positions(confidence: torch.Tensor, count: int, confidence_temperature: float,
                      generator: torch.Generator | None) -> torch.Tensor:
     """Boolean ``[B, L]``: ``count`` positions per row, the most confident or drawn from softmax(conf / temp)."""
-    from . import sampler
+    from . import draws
 
     scores = confidence
     if confidence_temperature > 0:
         # Gumbel-top-k: ``count`` draws without replacement from softmax(confidence / temperature)
         scores = (confidence.double() / confidence_temperature).log_softmax(dim=-1)
-        scores = scores + sampler.gumbel_noise(scores.shape, scores.device, generator)
+        scores = scores + draws.gumbel_noise(scores.shape, scores.device, generator)
     counts = torch.full((confidence.size(0),), count, dtype=torch.long, device=confidence.device)
-    return sampler.commit_topk(scores, counts)
+    return draws.commit_topk(scores, counts)
 
 
 @torch.no_grad()

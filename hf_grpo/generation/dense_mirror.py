@@ -361,19 +361,22 @@ def choose(setting: str, model: torch.nn.Module, generation_backend: str, device
 
     ``min_over_ranks`` reduces an integer to its minimum over the ranks (the tightest GPU decides "auto").
     """
-    from . import resolve_backend
-
     if not is_zero3_partitioned(model):
         return None
+    return _choose(setting, model, generation_backend, device, min_over_ranks, "zero3_generation_mirror", "ZeRO-3")
+
+
+def _choose(setting: str, model, generation_backend: str, device: torch.device,
+            min_over_ranks: Callable[[int], int], field: str, kind: str) -> MirrorChoice:
     if generation_backend == "vllm":
-        return MirrorChoice(None, "vLLM generates from its own copy of the weights")
+        return MirrorChoice(None, "vLLM generates from its own copy of the weights", kind)
     free = free_bytes(device)
     if free is not None:
         free = min_over_ranks(free)
-    on, reason = decide(setting, model, generation_backend, free)
+    on, reason = decide(setting, model, generation_backend, free, field)
     if not on:
-        return MirrorChoice(None, reason)
-    return _build(setting, model, generation_backend, device, reason, "ZeRO-3")
+        return MirrorChoice(None, reason, kind)
+    return _build(setting, model, generation_backend, device, reason, kind)
 
 
 def _build(setting: str, model, generation_backend: str, device: torch.device, reason: str, kind: str) -> MirrorChoice:
@@ -399,12 +402,4 @@ def choose_lora(setting: str, model: torch.nn.Module, generation_backend: str, d
     a copy with the adapters merged, refreshed each rollout. None for a model without LoRA layers."""
     if not has_lora(model):
         return None
-    if generation_backend == "vllm":
-        return MirrorChoice(None, "vLLM generates from its own copy of the weights", "LoRA")
-    free = free_bytes(device)
-    if free is not None:
-        free = min_over_ranks(free)
-    on, reason = decide(setting, model, generation_backend, free, field="lora_generation_mirror")
-    if not on:
-        return MirrorChoice(None, reason, "LoRA")
-    return _build(setting, model, generation_backend, device, reason, "LoRA")
+    return _choose(setting, model, generation_backend, device, min_over_ranks, "lora_generation_mirror", "LoRA")

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from transformers import GenerationConfig
 
 from hf_grpo.diffusion import dream_sampler, sampler as sampler_module
+from hf_grpo.diffusion import draws as draws_module
 from hf_grpo.diffusion.config import DiffuGRPOConfig
 from hf_grpo.diffusion.dream_sampler import dream_commit_count, dream_generate, dream_timesteps
 from hf_grpo.diffusion.model import left_pad_tensors
@@ -146,7 +147,7 @@ def test_dream_sampler_commits_what_dreams_algorithm_commits(model, monkeypatch,
     with torch.no_grad():
         plain = plain_dream(model, ids, mask, has_padding, temperature=temperature, top_p=top_p, top_k=top_k,
                             alg=alg, alg_temp=alg_temp, noise=noise)
-    monkeypatch.setattr(sampler_module, "gumbel_noise", noise.ours)
+    monkeypatch.setattr(draws_module, "gumbel_noise", noise.ours)
     ours = dream_generate(model, ids, mask, gen_length=GEN, steps=STEPS, mask_token_id=MASK, pad_token_id=PAD,
                           temperature=temperature, top_p=top_p, top_k=top_k, algorithm=alg,
                           confidence_temperature=alg_temp, eps=EPS, logits_shift=True, padding_style="mask2d",

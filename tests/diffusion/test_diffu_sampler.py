@@ -5,6 +5,7 @@ import torch
 from transformers import GenerationConfig
 
 from hf_grpo.diffusion import sampler as sampler_module
+import hf_grpo.diffusion.draws as draws_module
 from hf_grpo.diffusion.model import left_pad_tensors
 from hf_grpo.diffusion.sampler import DiffusionSampler, commit_topk, diffusion_generate, transfer_schedule
 from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
@@ -84,16 +85,16 @@ def test_gumbel_noise_is_float64_and_covers_the_current_block_only(model, monkey
     """Each step draws float64 noise for the block's 3 x 4 positions only, over the whole vocabulary once
     (in one piece, or in slices of NOISE_ELEMENTS // 12 columns)."""
     shapes = []
-    original = sampler_module.gumbel_noise
+    original = draws_module.gumbel_noise
 
     def spy(shape, device, generator=None):
         noise = original(shape, device, generator)
         shapes.append((tuple(shape), noise.dtype))
         return noise
 
-    monkeypatch.setattr(sampler_module, "gumbel_noise", spy)
+    monkeypatch.setattr(draws_module, "gumbel_noise", spy)
     if slice_elements:
-        monkeypatch.setattr(sampler_module, "NOISE_ELEMENTS", slice_elements)
+        monkeypatch.setattr(draws_module, "NOISE_ELEMENTS", slice_elements)
     generate(model.to(torch.bfloat16), IDS[:3], temperature=0.9)
     model.to(torch.float32)
     vocab = model.config.vocab_size
@@ -108,7 +109,7 @@ class TableNoise:
     each a slice of columns per call, left to right; after the last position the next step starts over."""
 
     def __init__(self, positions, vocab, seed=0):
-        self.table = sampler_module.gumbel_noise((positions, vocab), "cpu", torch.Generator().manual_seed(seed))
+        self.table = draws_module.gumbel_noise((positions, vocab), "cpu", torch.Generator().manual_seed(seed))
         self.row = self.column = 0
 
     def __call__(self, shape, device, generator=None):
@@ -132,8 +133,8 @@ def test_head_and_noise_pieces_change_no_token(model, monkeypatch, cfg):
     outputs = []
     for positions, elements in ((1 << 20, 1 << 22), (4, 1 << 22), (8, 40), (12, 7)):
         monkeypatch.setattr(sampler_module, "HEAD_POSITIONS", positions)
-        monkeypatch.setattr(sampler_module, "NOISE_ELEMENTS", elements)
-        monkeypatch.setattr(sampler_module, "gumbel_noise", TableNoise(len(IDS) * 4, model.config.vocab_size))
+        monkeypatch.setattr(draws_module, "NOISE_ELEMENTS", elements)
+        monkeypatch.setattr(draws_module, "gumbel_noise", TableNoise(len(IDS) * 4, model.config.vocab_size))
         heads.clear()
         outputs.append(generate(model, IDS, temperature=0.9, cfg_scale=cfg).tolist())
         rows_per_piece = max(1, positions // 4) * (2 if cfg else 1)  # block 4; CFG projects both halves together
@@ -151,8 +152,8 @@ def test_sampling_in_vocabulary_slices_equals_one_pass(monkeypatch, temperature)
     logits[1, 2, [40, 41]] = 20.0  # a tie inside one slice
     outputs = []
     for elements in (1 << 22, 24 * 10, 24 * 7):  # one pass; slices of 10 and of 7 columns
-        monkeypatch.setattr(sampler_module, "NOISE_ELEMENTS", elements)
-        monkeypatch.setattr(sampler_module, "gumbel_noise", TableNoise(24, 53))
+        monkeypatch.setattr(draws_module, "NOISE_ELEMENTS", elements)
+        monkeypatch.setattr(draws_module, "gumbel_noise", TableNoise(24, 53))
         outputs.append(sampler_module.sample_tokens(logits, temperature))
     for tokens, confidence in outputs[1:]:
         assert tokens.tolist() == outputs[0][0].tolist()

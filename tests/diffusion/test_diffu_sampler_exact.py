@@ -13,6 +13,7 @@ import torch
 from project_files import load_bench
 
 from hf_grpo.diffusion import sampler as sampler_module
+import hf_grpo.diffusion.draws as draws_module
 from hf_grpo.diffusion.model import left_pad_tensors
 from hf_grpo.diffusion.sampler import diffusion_generate
 from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
@@ -74,7 +75,7 @@ def test_default_sampler_commits_what_the_plain_published_algorithm_commits(benc
     plain = bench.plain_generate(model, ids, mask if has_padding else None, steps=STEPS, gen_length=GEN,
                                  block_length=BLOCK, temperature=temperature, mask_id=MASK,
                                  uniform=noise.plain(ids.size(1)))
-    monkeypatch.setattr(sampler_module, "gumbel_noise", noise.ours)
+    monkeypatch.setattr(draws_module, "gumbel_noise", noise.ours)
     ours = diffusion_generate(model, ids, mask, gen_length=GEN, block_length=BLOCK, steps=STEPS, mask_token_id=MASK,
                               pad_token_id=TOKENIZER.pad_token_id, temperature=temperature, has_padding=has_padding)
     assert ours.tolist() == plain.tolist()
@@ -135,7 +136,7 @@ def test_without_forbid_mask_token_the_sampler_is_llada_code_token_for_token(ben
     plain = bench.plain_generate(model, ids, mask, steps=STEPS, gen_length=GEN, block_length=BLOCK,
                                  temperature=temperature, mask_id=MASK, uniform=noise.plain(ids.size(1)),
                                  forbid_mask_token=False)
-    monkeypatch.setattr(sampler_module, "gumbel_noise", noise.ours)
+    monkeypatch.setattr(draws_module, "gumbel_noise", noise.ours)
     ours = diffusion_generate(model, ids, mask, gen_length=GEN, block_length=BLOCK, steps=STEPS, mask_token_id=MASK,
                               pad_token_id=TOKENIZER.pad_token_id, temperature=temperature, has_padding=has_padding,
                               forbid_mask_token=False)
