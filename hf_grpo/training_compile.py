@@ -23,7 +23,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .generation.regional_compile import decoder_layers
+from .generation.regional_compile import CompiledLayers, decoder_layers
 
 
 class CompiledTrainingLayers:
@@ -32,16 +32,6 @@ class CompiledTrainingLayers:
         self.compiles = 0  # graphs compiled, over the run
         self._compiled: dict[type, object] = {}
         self._routed: list[torch.nn.Module] = []
-
-    @staticmethod
-    def unavailable_reason(model: torch.nn.Module) -> str | None:
-        """Why ``model``'s decoder layers cannot be routed through one compiled forward, or None."""
-        layers = decoder_layers(model)
-        if layers is None:
-            return f"{type(model).__name__} has no list of decoder layers with self_attn"
-        if any("forward" in vars(layer) for layer in layers):
-            return "a decoder layer's forward is replaced on the instance (offloading hooks?)"
-        return None
 
     def _counting_backend(self, graph, example_inputs):
         self.compiles += 1
@@ -114,7 +104,7 @@ def choose(setting: str, models: list[torch.nn.Module], device: torch.device, sh
     if sharded is not None:
         return None, f"{sharded} shards the parameters that the layers would read"
     for model in models:
-        reason = CompiledTrainingLayers.unavailable_reason(model)
+        reason = CompiledLayers.unavailable_reason(model)  # the decode step's conditions: one class, forwards intact
         if reason is not None:
             return None, reason
     return CompiledTrainingLayers(), None
