@@ -1,4 +1,5 @@
-"""Train a float64 tiny model on fixed completions, with or without a token budget, and save its parameters.
+"""Train a float64 tiny model (float32 under ZeRO-3) on fixed completions, with or without a token budget, and save
+its parameters.
 
     accelerate launch --num_processes 2 --config_file accelerate_configs/multi_gpu.yaml --mixed_precision no \
         tests/scripts/token_budget_train.py OUT_DIR BUDGET_OR_none
@@ -11,6 +12,7 @@ angles are computed in float64, so packing is exact to rounding.
 
 import contextlib
 import json
+import os
 import sys
 
 import torch
@@ -74,6 +76,11 @@ def record_pass_counts(counts):
     packing.plan_passes = recording
 
 
+def model_dtype() -> torch.dtype:
+    """float64, except under ZeRO-3, whose parameter partitioning takes half, bfloat16 or float32 only."""
+    return torch.float32 if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3" else torch.float64
+
+
 def main(out_dir, budget):
     args = GRPOConfig(
         output_dir=out_dir, report_to=[], use_cpu=True, bf16=False, max_steps=2, seed=3,
@@ -86,7 +93,7 @@ def main(out_dir, budget):
         num_iterations=2,
     )
     trainer = GRPOTrainer(
-        model=float64_rope(build_tiny_model(TOKENIZER, seed=0, dtype=torch.float64)), reward_funcs=reward,
+        model=float64_rope(build_tiny_model(TOKENIZER, seed=0, dtype=model_dtype())), reward_funcs=reward,
         args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=TOKENIZER,
     )
     trainer._backend = FixedBackend()
