@@ -1,6 +1,6 @@
 """The training forward's decoder layers compiled: one ``torch.compile`` per layer class, dynamic shapes.
 
-Measured on an H100/H200 (``bench/phase_timer.py``), a 0.5B model's training half of a GRPO step is bound by
+Measured on an H200 (``bench/phase_timer.py``, ``docs/performance.md``), a 0.5B model's training half of a GRPO step is bound by
 the host, not the GPU: the GPU is busy for about a fifth of it, and the rest is Python and kernel launches of
 eager layers (norms, rotary embeddings, activations and residual adds a few kernels each, run again by
 activation checkpointing's recompute). Compiled, each layer is a handful of fused kernels and one call.
@@ -11,8 +11,10 @@ activation checkpointing's recompute). Compiled, each layer is a handful of fuse
 * Layers are routed through the compiled forward only inside ``route`` - the trainer's ``training_step``
   (scoring, forward and backward, so activation checkpointing's recompute runs the same code) - and lifted
   again around generation (``suspended``), whose decoders compile or capture the layers their own way.
-* The packed attention of ``hf_grpo.padding_free`` stays outside the graph (its row bounds are host
-  integers that would specialize it), as does nothing else: the graph breaks around it.
+* The packed attention of ``hf_grpo.padding_free`` is one custom op inside the graph: its row bounds are read
+  on the host within it, so they neither specialize the graph nor break it (a break is not allowed inside
+  activation checkpointing's recompute).
+* Compiling costs about a minute once per run (5-6 graphs), which a short run does not repay: ``choose``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from .generation.regional_compile import CompiledLayers, decoder_layers
 
 
 class CompiledTrainingLayers:
+    """The compiled forwards, one per decoder-layer class, and the layers routed through them right now."""
+
     def __init__(self, backend: str | object = "inductor") -> None:
         self.backend = backend  # torch.compile's backend (tests count graphs through their own)
         self.compiles = 0  # graphs compiled, over the run
