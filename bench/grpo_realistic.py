@@ -340,6 +340,23 @@ def parse_args(argv=None):
     return args
 
 
+def compile_report() -> dict:
+    """What torch.compile did in this process: graphs, recompiles, cache hits and seconds by stage (the
+    first step's cost, and whether a warm cache served it)."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    wanted = {"stats": ("unique_graphs", "calls_captured"), "recompiles": None,
+              "inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
+              "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass")}
+    report = {}
+    for group, keys in wanted.items():
+        values = counters.get(group, {})
+        report[group] = dict(values) if keys is None else {key: values.get(key, 0) for key in keys}
+    report["seconds"] = {name: round(sum(times), 2) for name, times in compilation_time_metrics.items()
+                         if sum(times) >= 0.05}
+    return report
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import datasets
@@ -519,6 +536,7 @@ def main(argv=None) -> int:
         record.update(gpu=None, cpu=platform.processor() or platform.machine())
     if phases is not None:
         record["phases"] = phases.summary()
+    record["torch_compile"] = compile_report()
     if args.impl == "hf_grpo":
         stats = trainer.get_performance_stats()
         stats.pop("batch_plan", None)
