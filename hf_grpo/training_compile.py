@@ -28,6 +28,33 @@ import torch
 from .generation.regional_compile import CompiledLayers, decoder_layers
 
 
+def own_forward(cls: type):
+    """The layer's own forward. transformers wraps the forward of every ``GradientCheckpointingLayer`` in
+    ``forward_with_checkpointing``, which calls ``torch.utils.checkpoint`` when checkpointing is on. Compiled
+    through that wrapper, the checkpoint becomes a higher-order op inside the graph, which torch's compile
+    caches refuse (every run compiled it again, 40-60 s at 0.5B on an H200); so the layer's own forward is
+    compiled and the checkpoint stays eager around it (``checkpointed_forward``)."""
+    forward = cls.forward
+    code = getattr(forward, "__code__", None)  # functools.wraps copies the name; the code keeps its own
+    if code is not None and code.co_name == "forward_with_checkpointing" and hasattr(forward, "__wrapped__"):
+        return forward.__wrapped__
+    return forward
+
+
+_CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past")
+
+
+def checkpointed_forward(layer: torch.nn.Module, compiled, *args, **kwargs):
+    """transformers' checkpointing wrapper with the compiled forward inside: the layer is checkpointed when
+    it trains with gradients, as the wrapper decides. A checkpointed call that carries a cache (which the
+    wrapper drops, with a warning) goes through the wrapper itself, uncompiled."""
+    if layer.gradient_checkpointing and layer.training and torch.is_grad_enabled():
+        if any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
+            return type(layer).forward(layer, *args, **kwargs)
+        return layer._gradient_checkpointing_func(functools.partial(compiled, layer, **kwargs), *args)
+    return compiled(layer, *args, **kwargs)
+
+
 class CompiledTrainingLayers:
     """The compiled forwards, one per decoder-layer class, and the layers routed through them right now."""
 
@@ -45,12 +72,16 @@ class CompiledTrainingLayers:
     def _compiled_forward(self, layer: torch.nn.Module):
         cls = type(layer)
         if cls not in self._compiled:
-            self._compiled[cls] = torch.compile(cls.forward, backend=self._counting_backend, dynamic=True)
+            self._compiled[cls] = torch.compile(own_forward(cls), backend=self._counting_backend, dynamic=True)
         return self._compiled[cls]
 
     def _attach(self, layers) -> None:
         for layer in layers:
-            layer.forward = functools.partial(self._compiled_forward(layer), layer)
+            compiled = self._compiled_forward(layer)
+            if own_forward(type(layer)) is type(layer).forward:
+                layer.forward = functools.partial(compiled, layer)
+            else:
+                layer.forward = functools.partial(checkpointed_forward, layer, compiled)
             self._routed.append(layer)
 
     def _detach(self) -> None:

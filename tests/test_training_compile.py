@@ -62,6 +62,36 @@ def test_compiled_layers_equal_eager_and_compile_a_bounded_number_of_times(paddi
     assert all("forward" not in vars(layer) for layer in compiled_model.model.layers)
 
 
+def test_checkpoint_stays_outside_the_compiled_graph_so_compile_caches_serve_it():
+    """Traced through transformers' checkpointing wrapper, the checkpoint became a higher-order op in the graph,
+    which torch's compile caches refuse: every run compiled again. The layer's own forward is compiled instead,
+    run once forward and once more by the checkpoint's recompute in backward."""
+    model = build_tiny_model(build_char_tokenizer(), attn_implementation="sdpa")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    install_chunked_lm_head(model, temperature=1.0, chunk_rows=7, return_entropy=True)
+    graphs = []
+    runs = []
+
+    def capture(graph, example_inputs):
+        graphs.append(graph)
+
+        def run(*args):
+            runs.append(1)
+            return graph.forward(*args)
+
+        return run
+
+    layers = training_compile.CompiledTrainingLayers(backend=capture)
+    with layers.route(model):
+        forward_backward(model, *batch(3, 5, 4, seed=0))
+    calls = len(runs)
+    assert graphs, "nothing was compiled"
+    targets = {str(node.target) for graph in graphs for node in graph.graph.nodes}
+    assert not any("checkpoint" in target for target in targets), sorted(targets)
+    assert calls == 2 * len(model.model.layers)  # the forward, and the recompute in backward
+
+
 def test_suspended_layers_run_their_own_forward():
     model = build_tiny_model(build_char_tokenizer())
     layers = training_compile.CompiledTrainingLayers(backend="eager")
