@@ -29,11 +29,8 @@ from .generation.regional_compile import CompiledLayers, decoder_layers
 
 
 def own_forward(cls: type):
-    """The layer's own forward. transformers wraps the forward of every ``GradientCheckpointingLayer`` in
-    ``forward_with_checkpointing``, which calls ``torch.utils.checkpoint`` when checkpointing is on. Compiled
-    through that wrapper, the checkpoint becomes a higher-order op inside the graph, which torch's compile
-    caches refuse (every run compiled it again, 40-60 s at 0.5B on an H200); so the layer's own forward is
-    compiled and the checkpoint stays eager around it (``checkpointed_forward``)."""
+    """The layer's own forward, without transformers' ``forward_with_checkpointing`` wrapper (which calls
+    ``torch.utils.checkpoint`` when checkpointing is on). See ``checkpointed_forward``."""
     forward = cls.forward
     code = getattr(forward, "__code__", None)  # functools.wraps copies the name; the code keeps its own
     if code is not None and code.co_name == "forward_with_checkpointing" and hasattr(forward, "__wrapped__"):
@@ -44,14 +41,18 @@ def own_forward(cls: type):
 _CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "cache", "layer_past")
 
 
-def checkpointed_forward(layer: torch.nn.Module, compiled, *args, **kwargs):
-    """transformers' checkpointing wrapper with the compiled forward inside: the layer is checkpointed when
-    it trains with gradients, as the wrapper decides. A checkpointed call that carries a cache (which the
-    wrapper drops, with a warning) goes through the wrapper itself, uncompiled."""
+def checkpointed_forward(layer: torch.nn.Module, compiled, recomputing, *args, **kwargs):
+    """transformers' checkpointing wrapper, compiled. Where the wrapper would checkpoint (training, with
+    gradients), ``recomputing`` runs: the layer compiled with activation checkpointing done by the compiler,
+    which saves next to nothing for backward and recomputes inside the compiled backward. (Traced through the
+    wrapper instead, the checkpoint becomes a higher-order op that torch's compile caches refuse: every run
+    compiled again, 40-60 s at 0.5B on an H200; an eager checkpoint around the compiled forward is cacheable
+    but recomputes layer by layer, 25% slower.) A checkpointed call that carries a cache, which the wrapper
+    drops with a warning, goes through the wrapper itself, uncompiled."""
     if layer.gradient_checkpointing and layer.training and torch.is_grad_enabled():
         if any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
             return type(layer).forward(layer, *args, **kwargs)
-        return layer._gradient_checkpointing_func(functools.partial(compiled, layer, **kwargs), *args)
+        return recomputing(layer, *args, **kwargs)
     return compiled(layer, *args, **kwargs)
 
 
@@ -61,7 +62,7 @@ class CompiledTrainingLayers:
     def __init__(self, backend: str | object = "inductor") -> None:
         self.backend = backend  # torch.compile's backend (tests count graphs through their own)
         self.compiles = 0  # graphs compiled, over the run
-        self._compiled: dict[type, object] = {}
+        self._compiled: dict[tuple[type, bool], object] = {}
         self._routed: list[torch.nn.Module] = []
 
     def _counting_backend(self, graph, example_inputs):
@@ -69,19 +70,27 @@ class CompiledTrainingLayers:
         backend = torch._dynamo.lookup_backend(self.backend) if isinstance(self.backend, str) else self.backend
         return backend(graph, example_inputs)
 
-    def _compiled_forward(self, layer: torch.nn.Module):
-        cls = type(layer)
-        if cls not in self._compiled:
-            self._compiled[cls] = torch.compile(own_forward(cls), backend=self._counting_backend, dynamic=True)
-        return self._compiled[cls]
+    def _recomputing_backend(self, graph, example_inputs):
+        # A memory budget of 0 makes the partitioner keep as little as it can for backward and recompute
+        # the rest there: activation checkpointing, done inside the graph.
+        with torch._functorch.config.patch(activation_memory_budget=0.0):
+            return self._counting_backend(graph, example_inputs)
+
+    def _compiled_forward(self, layer: torch.nn.Module, recomputing: bool = False):
+        key = (type(layer), recomputing)
+        if key not in self._compiled:
+            backend = self._recomputing_backend if recomputing else self._counting_backend
+            self._compiled[key] = torch.compile(own_forward(type(layer)), backend=backend, dynamic=True)
+        return self._compiled[key]
 
     def _attach(self, layers) -> None:
         for layer in layers:
             compiled = self._compiled_forward(layer)
-            if own_forward(type(layer)) is type(layer).forward:
+            if own_forward(type(layer)) is type(layer).forward:  # no checkpointing wrapper
                 layer.forward = functools.partial(compiled, layer)
             else:
-                layer.forward = functools.partial(checkpointed_forward, layer, compiled)
+                layer.forward = functools.partial(checkpointed_forward, layer, compiled,
+                                                  self._compiled_forward(layer, recomputing=True))
             self._routed.append(layer)
 
     def _detach(self) -> None:
