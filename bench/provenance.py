@@ -2,7 +2,8 @@
 
 Each script in bench/ passes the rows it prints through ``with_provenance``, so a result file says which code,
 on which card and with which torch / TRL produced it. The commit is ``git rev-parse --short HEAD`` of this
-checkout; outside a git checkout (a copied tree) it is ``$BENCH_COMMIT`` if set, else ``"unknown"``, never a guess.
+checkout, unless ``$BENCH_COMMIT`` names it (a tree copied to a GPU machine can carry a stale ``.git``); with
+neither it is ``"unknown"``, never a guess.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ REPOSITORY = pathlib.Path(__file__).resolve().parents[1]
 
 @functools.lru_cache(maxsize=None)
 def current_commit() -> str:
+    if os.environ.get("BENCH_COMMIT"):  # named by whoever ran it: a copied tree can carry a stale .git
+        return os.environ["BENCH_COMMIT"]
     try:
         result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPOSITORY, capture_output=True,
                                 text=True, timeout=30)
@@ -24,7 +27,7 @@ def current_commit() -> str:
         result = None
     if result is not None and result.returncode == 0 and result.stdout.strip():
         return result.stdout.strip()
-    return os.environ.get("BENCH_COMMIT") or "unknown"
+    return "unknown"
 
 
 def _version(module_name: str) -> str:

@@ -16,7 +16,8 @@ def _fresh_provenance(directory: pathlib.Path, name: str):
     return load_file(directory / "provenance.py", name)
 
 
-def test_a_row_gets_the_checkouts_commit_and_versions_and_keeps_its_own_fields():
+def test_a_row_gets_the_checkouts_commit_and_versions_and_keeps_its_own_fields(monkeypatch):
+    monkeypatch.delenv("BENCH_COMMIT", raising=False)
     provenance = _fresh_provenance(BENCH, "bench_provenance_here")
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     expected_commit = head.stdout.strip() if head.returncode == 0 else "unknown"
@@ -36,6 +37,12 @@ def test_outside_git_the_commit_is_the_environments_or_unknown_never_a_guess(tmp
     assert _fresh_provenance(copy, "bench_provenance_copy").current_commit() == "unknown"
     monkeypatch.setenv("BENCH_COMMIT", "abc1234")
     assert _fresh_provenance(copy, "bench_provenance_copy_env").current_commit() == "abc1234"
+
+
+def test_bench_commit_names_the_code_even_inside_a_checkout(monkeypatch):
+    """A tree copied to a GPU machine may carry a stale .git; the commit its runner names wins."""
+    monkeypatch.setenv("BENCH_COMMIT", "fedcba9")
+    assert _fresh_provenance(BENCH, "bench_provenance_env_wins").current_commit() == "fedcba9"
 
 
 def test_every_benchmark_that_prints_rows_passes_them_through_with_provenance():
