@@ -109,8 +109,9 @@ class GRPOConfig(trl.GRPOConfig):
         compile_training (`str`, *optional*, defaults to `"auto"`):
             ``"on"``: the decoder layers of the scoring and training forwards run through one
             ``torch.compile`` per layer class (dynamic shapes: a few compiles a run, counted as
-            ``perf/train_compiles``); ``"auto"``: so on CUDA outside ZeRO-3 and FSDP, for runs of 300
-            optimizer steps or more (the compile takes about a minute once); ``"off"``: eager.
+            ``perf/train_compiles``); ``"auto"``: so on CUDA outside ZeRO-3 and FSDP, for runs of 50
+            optimizer steps or more (the compile takes 20-30 s once, a few seconds from a warm compile cache);
+            ``"off"``: eager.
     """
 
     # `int | str | None` (not `int | str`) so that HfArgumentParser reads the flag as text and "auto" gets through;
@@ -206,8 +207,8 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "auto, on or off. 'on' runs the decoder layers of the scoring and training forwards (and the "
             "backward's recompute) through one torch.compile per layer class with dynamic shapes, so a run compiles "
-            "a few graphs (perf/train_compiles); 'auto' does so on CUDA outside ZeRO-3 and FSDP for runs of 300 "
-            "optimizer steps or more, where the compile (about a minute) pays for itself. See "
+            "a few graphs (perf/train_compiles); 'auto' does so on CUDA outside ZeRO-3 and FSDP for runs of 50 "
+            "optimizer steps or more, where the compile (20-30 s once) pays for itself. See "
             "hf_grpo.training_compile."
         },
     )

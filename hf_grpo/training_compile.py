@@ -9,12 +9,17 @@ activation checkpointing's recompute). Compiled, each layer is a handful of fuse
   ``generation.regional_compile``), and ``dynamic=True`` makes one graph serve every micro-batch shape, so
   a run compiles a bounded number of times (``compiles`` counts the graphs; ``perf/train_compiles``).
 * Layers are routed through the compiled forward only inside ``route`` - the trainer's ``training_step``
-  (scoring, forward and backward, so activation checkpointing's recompute runs the same code) - and lifted
-  again around generation (``suspended``), whose decoders compile or capture the layers their own way.
+  (scoring, forward and backward) - and lifted again around generation (``suspended``), whose decoders
+  compile or capture the layers their own way.
 * The packed attention of ``hf_grpo.padding_free`` is one custom op inside the graph: its row bounds are read
-  on the host within it, so they neither specialize the graph nor break it (a break is not allowed inside
-  activation checkpointing's recompute).
-* Compiling costs about a minute once per run (5-6 graphs), which a short run does not repay: ``choose``.
+  on the host within it, so they neither specialize the graph nor break it.
+* Where transformers would checkpoint a layer (training, with gradients), the compiler does the activation
+  checkpointing: the layer's own forward is compiled with the partitioner's memory budget at 0, so the graph
+  keeps for backward little more than the layer's input and recomputes the rest inside the compiled backward
+  (``checkpointed_forward``). Nothing in the graph stops torch's compile caches (``TORCHINDUCTOR_CACHE_DIR``)
+  from serving a later run.
+* Compiling costs about 22 s once per run from a cold cache (6 graphs at 0.5B), about 7 s from a warm one,
+  which a short run does not repay: ``choose``.
 """
 
 from __future__ import annotations
@@ -124,8 +129,10 @@ class CompiledTrainingLayers:
 
 SETTINGS = ("auto", "on", "off")
 # "auto" compiles runs of at least this many optimizer steps. Measured at 0.5B on an H200 (docs/performance.md):
-# compiling costs 48-77 s once a run, and saves 0.3-0.4 s a step, so it pays after ~150-250 steps.
-AUTO_MIN_STEPS = 300
+# the compile costs about 22 s once from a cold cache (a bit more than 10 s more on step 1 and one recompile
+# of about 10 s when a micro-batch's length first breaks the 8-token alignment of the first), about 7 s from a
+# warm one, and saves about 0.48 s a step: it pays after about 45 steps from a cold cache.
+AUTO_MIN_STEPS = 50
 
 
 def validate_setting(value: str) -> None:
@@ -144,7 +151,7 @@ def choose(setting: str, models: list[torch.nn.Module], device: torch.device, sh
         return None, f"compile_training='auto' compiles on CUDA only (device {device.type})"
     if setting == "auto" and planned_steps < AUTO_MIN_STEPS:
         return None, (f"compile_training='auto' compiles runs of {AUTO_MIN_STEPS} optimizer steps or more, where the "
-                      f"compile (about a minute) pays for itself; this run has {planned_steps}: set 'on' to compile")
+                      f"compile (20-30 s once) pays for itself; this run has {planned_steps}: set 'on' to compile")
     if sharded is not None:
         return None, f"{sharded} shards the parameters that the layers would read"
     for model in models:
