@@ -62,6 +62,29 @@ def test_compiled_layers_equal_eager_and_compile_a_bounded_number_of_times(paddi
     assert all("forward" not in vars(layer) for layer in compiled_model.model.layers)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_inductor_compiled_layers_equal_eager_on_the_gpu_with_checkpointing():
+    """What the trainer runs on a GPU: inductor's kernels, the compiler's own activation checkpointing."""
+    eager = build_tiny_model(build_char_tokenizer(), attn_implementation="sdpa", hidden_size=128,
+                             intermediate_size=512).cuda()
+    eager.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    eager.train()
+    compiled_model = copy.deepcopy(eager)
+    for model in (eager, compiled_model):
+        install_chunked_lm_head(model, temperature=1.0, chunk_rows=7, return_entropy=True)
+    layers = training_compile.CompiledTrainingLayers()
+    for seed, shape in enumerate([(4, 40, 24), (3, 17, 9), (4, 40, 24)]):
+        inputs = [t.cuda() for t in batch(*shape, seed=seed)]
+        expected_logps, expected_grads = forward_backward(eager, *inputs)
+        with layers.route(compiled_model):
+            logps, grads = forward_backward(compiled_model, *inputs)
+        torch.testing.assert_close(logps, expected_logps, rtol=1e-4, atol=1e-4)
+        for name, grad in expected_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)
+    assert 0 < layers.compiles <= 6, layers.compiles
+
+
 def saved_for_backward_mib(model, ids, mask, labels) -> float:
     """MiB of memory that autograd keeps for backward over one forward of ``model``, parameters aside
     (a compiled graph saves references to the weights it reads; they take no memory of their own)."""
@@ -159,9 +182,9 @@ def test_grpo_run_with_compiled_layers_updates_as_eager(tmp_path, monkeypatch):
     from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
 
     checkpoint = save_tiny_checkpoint(tmp_path / "checkpoint")
-    init = training_compile.CompiledTrainingLayers.__init__  # the trainer's layers compile through aot_eager here
+    init = training_compile.CompiledTrainingLayers.__init__  # the trainer's layers compile without codegen here
     monkeypatch.setattr(training_compile.CompiledTrainingLayers, "__init__",
-                        functools.partialmethod(init, backend="aot_eager"))
+                        functools.partialmethod(init, backend="aot_eager_decomp_partition"))
     generate = HFGenerateBackend.generate
     routed_during_generation = []
 
