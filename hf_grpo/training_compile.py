@@ -53,12 +53,20 @@ def checkpointed_forward(layer: torch.nn.Module, compiled, recomputing, *args, *
     wrapper instead, the checkpoint becomes a higher-order op that torch's compile caches refuse: every run
     compiled again, 40-60 s at 0.5B on an H200; an eager checkpoint around the compiled forward is cacheable
     but recomputes layer by layer, 25% slower.) A checkpointed call that carries a cache, which the wrapper
-    drops with a warning, goes through the wrapper itself, uncompiled."""
+    drops with a warning, goes through the wrapper itself, uncompiled. Without ``recomputing`` (a torch whose
+    partitioner has no memory budget) the wrapper's checkpoint runs eagerly around the compiled forward."""
     if layer.gradient_checkpointing and layer.training and torch.is_grad_enabled():
         if any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
             return type(layer).forward(layer, *args, **kwargs)
+        if recomputing is None:
+            return layer._gradient_checkpointing_func(functools.partial(compiled, layer, **kwargs), *args)
         return recomputing(layer, *args, **kwargs)
     return compiled(layer, *args, **kwargs)
+
+
+def compiler_checkpointing_available() -> bool:
+    """Whether this torch's partitioner takes a memory budget (``activation_memory_budget``)."""
+    return hasattr(torch._functorch.config, "activation_memory_budget")
 
 
 class CompiledTrainingLayers:
@@ -94,8 +102,9 @@ class CompiledTrainingLayers:
             if own_forward(type(layer)) is type(layer).forward:  # no checkpointing wrapper
                 layer.forward = functools.partial(compiled, layer)
             else:
-                layer.forward = functools.partial(checkpointed_forward, layer, compiled,
-                                                  self._compiled_forward(layer, recomputing=True))
+                recomputing = (self._compiled_forward(layer, recomputing=True)
+                               if compiler_checkpointing_available() else None)
+                layer.forward = functools.partial(checkpointed_forward, layer, compiled, recomputing)
             self._routed.append(layer)
 
     def _detach(self) -> None:

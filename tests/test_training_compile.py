@@ -133,6 +133,36 @@ def test_checkpointing_is_done_inside_the_graph_so_compile_caches_serve_it():
     assert kept_with < 1.25 * eager_checkpointed, (kept_with, eager_checkpointed)
 
 
+def test_without_a_partitioner_memory_budget_the_checkpoint_runs_eagerly_around_the_compiled_layer(monkeypatch):
+    """On a torch whose partitioner takes no memory budget, checkpointed layers still compile, equal to eager,
+    with transformers' checkpoint around them: the layer runs compiled in forward and again in the recompute."""
+    monkeypatch.setattr(training_compile, "compiler_checkpointing_available", lambda: False)
+    eager = build_tiny_model(build_char_tokenizer(), attn_implementation="sdpa")
+    eager.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    eager.train()
+    compiled_model = copy.deepcopy(eager)
+    for model in (eager, compiled_model):
+        install_chunked_lm_head(model, temperature=1.0, chunk_rows=7, return_entropy=True)
+    runs = []
+
+    def counting(graph, example_inputs):
+        def run(*args):
+            runs.append(1)
+            return graph.forward(*args)
+
+        return run
+
+    layers = training_compile.CompiledTrainingLayers(backend=counting)
+    inputs = batch(3, 5, 4, seed=0)
+    expected_logps, expected_grads = forward_backward(eager, *inputs)
+    with layers.route(compiled_model):
+        logps, grads = forward_backward(compiled_model, *inputs)
+    torch.testing.assert_close(logps, expected_logps, rtol=1e-5, atol=1e-6)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert len(runs) == 2 * len(compiled_model.model.layers)  # the forward, and the recompute in backward
+
+
 def test_suspended_layers_run_their_own_forward():
     model = build_tiny_model(build_char_tokenizer())
     layers = training_compile.CompiledTrainingLayers(backend="eager")
