@@ -33,28 +33,37 @@ def forward_backward(model, ids, mask, labels):
     return out.log_probs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
-def test_compiled_layers_equal_eager_and_compile_a_bounded_number_of_times(padding_free):
-    eager = build_tiny_model(build_char_tokenizer(), attn_implementation="sdpa")
+def checkpointed_pair(padding_free: bool = False, device: str = "cpu", **model_overrides):
+    """A tiny model training with activation checkpointing, and its copy to route through compiled layers."""
+    eager = build_tiny_model(build_char_tokenizer(), attn_implementation="sdpa", **model_overrides).to(device)
     eager.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     eager.train()
     compiled_model = copy.deepcopy(eager)
     for model in (eager, compiled_model):
         install_chunked_lm_head(model, temperature=1.0, chunk_rows=7, return_entropy=True,
                                 padding_free_rows=padding_free)
+    return eager, compiled_model
+
+
+def assert_compiled_equals_eager(eager, compiled_model, layers, inputs, rtol=1e-5, atol=1e-6, grad_rtol=1e-5):
+    expected_logps, expected_grads = forward_backward(eager, *inputs)
+    with layers.route(compiled_model):
+        logps, grads = forward_backward(compiled_model, *inputs)
+    torch.testing.assert_close(logps, expected_logps, rtol=rtol, atol=atol)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=grad_rtol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
+def test_compiled_layers_equal_eager_and_compile_a_bounded_number_of_times(padding_free):
+    eager, compiled_model = checkpointed_pair(padding_free)
     layers = training_compile.CompiledTrainingLayers(backend="aot_eager_decomp_partition")  # as inductor partitions
     shapes = [(4, 6, 5), (3, 9, 4), (5, 4, 7), (2, 8, 8)] * 2  # rows, prompt width, completion width; twice
     compiles = []
     for seed, shape in enumerate(shapes):
-        inputs = batch(*shape, seed=seed)
-        expected_logps, expected_grads = forward_backward(eager, *inputs)
-        with layers.route(compiled_model):
-            logps, grads = forward_backward(compiled_model, *inputs)
+        assert_compiled_equals_eager(eager, compiled_model, layers, batch(*shape, seed=seed))
         compiles.append(layers.compiles)
-        torch.testing.assert_close(logps, expected_logps, rtol=1e-5, atol=1e-6)
-        assert grads.keys() == expected_grads.keys()
-        for name, grad in expected_grads.items():
-            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
     # Dynamic shapes: a new shape compiles at most once more (torch 2.13 compiles none; 2.11 one per shape here),
     # and shapes seen once compile nothing again, however the batches come.
     assert compiles[0] > 0 and compiles[3] <= compiles[0] + 3 and compiles[-1] == compiles[3], compiles
@@ -66,22 +75,11 @@ def test_compiled_layers_equal_eager_and_compile_a_bounded_number_of_times(paddi
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_inductor_compiled_layers_equal_eager_on_the_gpu_with_checkpointing():
     """What the trainer runs on a GPU: inductor's kernels, the compiler's own activation checkpointing."""
-    eager = build_tiny_model(build_char_tokenizer(), attn_implementation="sdpa", hidden_size=128,
-                             intermediate_size=512).cuda()
-    eager.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    eager.train()
-    compiled_model = copy.deepcopy(eager)
-    for model in (eager, compiled_model):
-        install_chunked_lm_head(model, temperature=1.0, chunk_rows=7, return_entropy=True)
+    eager, compiled_model = checkpointed_pair(device="cuda", hidden_size=128, intermediate_size=512)
     layers = training_compile.CompiledTrainingLayers()
     for seed, shape in enumerate([(4, 40, 24), (3, 17, 9), (4, 40, 24)]):
         inputs = [t.cuda() for t in batch(*shape, seed=seed)]
-        expected_logps, expected_grads = forward_backward(eager, *inputs)
-        with layers.route(compiled_model):
-            logps, grads = forward_backward(compiled_model, *inputs)
-        torch.testing.assert_close(logps, expected_logps, rtol=1e-4, atol=1e-4)
-        for name, grad in expected_grads.items():
-            torch.testing.assert_close(grads[name], grad, rtol=1e-3, atol=1e-4, msg=name)
+        assert_compiled_equals_eager(eager, compiled_model, layers, inputs, rtol=1e-4, atol=1e-4, grad_rtol=1e-3)
     assert 0 < layers.compiles <= 6, layers.compiles
 
 
@@ -137,12 +135,7 @@ def test_without_a_partitioner_memory_budget_the_checkpoint_runs_eagerly_around_
     """On a torch whose partitioner takes no memory budget, checkpointed layers still compile, equal to eager,
     with transformers' checkpoint around them: the layer runs compiled in forward and again in the recompute."""
     monkeypatch.setattr(training_compile, "compiler_checkpointing_available", lambda: False)
-    eager = build_tiny_model(build_char_tokenizer(), attn_implementation="sdpa")
-    eager.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    eager.train()
-    compiled_model = copy.deepcopy(eager)
-    for model in (eager, compiled_model):
-        install_chunked_lm_head(model, temperature=1.0, chunk_rows=7, return_entropy=True)
+    eager, compiled_model = checkpointed_pair()
     runs = []
 
     def counting(graph, example_inputs):
@@ -153,13 +146,7 @@ def test_without_a_partitioner_memory_budget_the_checkpoint_runs_eagerly_around_
         return run
 
     layers = training_compile.CompiledTrainingLayers(backend=counting)
-    inputs = batch(3, 5, 4, seed=0)
-    expected_logps, expected_grads = forward_backward(eager, *inputs)
-    with layers.route(compiled_model):
-        logps, grads = forward_backward(compiled_model, *inputs)
-    torch.testing.assert_close(logps, expected_logps, rtol=1e-5, atol=1e-6)
-    for name, grad in expected_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert_compiled_equals_eager(eager, compiled_model, layers, batch(3, 5, 4, seed=0))
     assert len(runs) == 2 * len(compiled_model.model.layers)  # the forward, and the recompute in backward
 
 
