@@ -110,8 +110,8 @@ class GRPOConfig(trl.GRPOConfig):
             ``"on"``: the decoder layers of the scoring and training forwards run through one
             ``torch.compile`` per layer class (dynamic shapes: a few compiles a run, counted as
             ``perf/train_compiles``); ``"auto"``: so on CUDA outside ZeRO-3 and FSDP, for runs of 50
-            optimizer steps or more (the compile takes 20-30 s once, a few seconds from a warm compile cache);
-            ``"off"``: eager.
+            optimizer steps or more (the compile takes 20-30 s once, a few seconds from a warm compile cache),
+            going on eagerly with a warning if torch cannot compile the layers; ``"off"``: eager.
     """
 
     # `int | str | None` (not `int | str`) so that HfArgumentParser reads the flag as text and "auto" gets through;

@@ -19,18 +19,22 @@ activation checkpointing's recompute). Compiled, each layer is a handful of fuse
   (``checkpointed_forward``). Nothing in the graph stops torch's compile caches (``TORCHINDUCTOR_CACHE_DIR``)
   from serving a later run.
 * Compiling costs about 22 s once per run from a cold cache (6 graphs at 0.5B), about 7 s from a warm one,
-  which a short run does not repay: ``choose``.
+  which a short run does not repay: ``choose``. Where "auto" chose to compile, a layer torch cannot compile
+  sends the run on eagerly with a warning; where the user asked ("on"), the error stands.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 
 from .generation.regional_compile import CompiledLayers, decoder_layers
+
+logger = logging.getLogger(__name__)
 
 
 def own_forward(cls: type):
@@ -72,9 +76,13 @@ def compiler_checkpointing_available() -> bool:
 class CompiledTrainingLayers:
     """The compiled forwards, one per decoder-layer class, and the layers routed through them right now."""
 
-    def __init__(self, backend: str | object = "inductor") -> None:
+    def __init__(self, backend: str | object = "inductor", eager_on_failure: bool = False) -> None:
         self.backend = backend  # torch.compile's backend (tests count graphs through their own)
         self.compiles = 0  # graphs compiled, over the run
+        # "auto" chose to compile, the user did not ask: a layer torch cannot compile sends the run on eagerly
+        # (with a warning) instead of ending it. ``failure`` says why, once it happened.
+        self.eager_on_failure = eager_on_failure
+        self.failure: str | None = None
         self._compiled: dict[tuple[type, bool], object] = {}
         self._routed: list[torch.nn.Module] = []
 
@@ -100,12 +108,25 @@ class CompiledTrainingLayers:
         for layer in layers:
             compiled = self._compiled_forward(layer)
             if own_forward(type(layer)) is type(layer).forward:  # no checkpointing wrapper
-                layer.forward = functools.partial(compiled, layer)
+                call = functools.partial(compiled, layer)
             else:
                 recomputing = (self._compiled_forward(layer, recomputing=True)
                                if compiler_checkpointing_available() else None)
-                layer.forward = functools.partial(checkpointed_forward, layer, compiled, recomputing)
+                call = functools.partial(checkpointed_forward, layer, compiled, recomputing)
+            layer.forward = functools.partial(self._eager_if_failing, layer, call) if self.eager_on_failure else call
             self._routed.append(layer)
+
+    def _eager_if_failing(self, layer: torch.nn.Module, call, *args, **kwargs):
+        if self.failure is None:
+            try:
+                return call(*args, **kwargs)
+            except torch._dynamo.exc.TorchDynamoException as err:
+                cause = getattr(err, "inner_exception", None) or err.__cause__ or err  # the backend's own error
+                self.failure = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0][:300]}"
+                logger.warning("compile_training='auto': torch could not compile the %s layers (%s); the run goes on "
+                               "with eager layers (compile_training='off' skips the attempt)", type(layer).__name__,
+                               self.failure)
+        return type(layer).forward(layer, *args, **kwargs)
 
     def _detach(self) -> None:
         for layer in self._routed:
@@ -116,7 +137,7 @@ class CompiledTrainingLayers:
     def route(self, *models: torch.nn.Module) -> Iterator[None]:
         """Within the block, the decoder layers of ``models`` run the compiled forward (an inner route, while
         layers are routed, does nothing)."""
-        if self._routed:
+        if self._routed or self.failure is not None:
             yield
             return
         self._attach([layer for model in models for layer in decoder_layers(model)])
@@ -167,4 +188,4 @@ def choose(setting: str, models: list[torch.nn.Module], device: torch.device, sh
         reason = CompiledLayers.unavailable_reason(model)  # the decode step's conditions: one class, forwards intact
         if reason is not None:
             return None, reason
-    return CompiledTrainingLayers(), None
+    return CompiledTrainingLayers(eager_on_failure=setting == "auto"), None

@@ -150,6 +150,37 @@ def test_without_a_partitioner_memory_budget_the_checkpoint_runs_eagerly_around_
     assert len(runs) == 2 * len(compiled_model.model.layers)  # the forward, and the recompute in backward
 
 
+def failing_backend(graph, example_inputs):
+    raise RuntimeError("this backend cannot compile the layer")
+
+
+def test_auto_goes_on_eagerly_when_torch_cannot_compile_the_layers(caplog):
+    """compile_training='auto' was the trainer's choice, not the user's: a layer that does not compile costs a
+    warning, and the step's numbers are eager's."""
+    eager, compiled_model = checkpointed_pair()
+    layers = training_compile.CompiledTrainingLayers(backend=failing_backend, eager_on_failure=True)
+    with caplog.at_level("WARNING", logger="hf_grpo"):
+        assert_compiled_equals_eager(eager, compiled_model, layers, batch(3, 5, 4, seed=0))
+        assert_compiled_equals_eager(eager, compiled_model, layers, batch(2, 6, 3, seed=1))
+    assert layers.failure is not None and "cannot compile the layer" in layers.failure
+    warnings = [r.getMessage() for r in caplog.records if "could not compile" in r.getMessage()]
+    assert len(warnings) == 1 and "Qwen2DecoderLayer" in warnings[0], warnings
+
+
+def test_compile_training_on_raises_when_torch_cannot_compile_the_layers():
+    _, compiled_model = checkpointed_pair()
+    layers = training_compile.CompiledTrainingLayers(backend=failing_backend)
+    with layers.route(compiled_model), pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+        forward_backward(compiled_model, *batch(3, 5, 4, seed=0))
+
+
+def test_choose_lets_only_auto_fall_back_to_eager():
+    model = build_tiny_model(build_char_tokenizer())
+    auto, _ = training_compile.choose("auto", [model], torch.device("cuda"), None, 1000)
+    on, _ = training_compile.choose("on", [model], torch.device("cuda"), None, 1000)
+    assert auto.eager_on_failure and not on.eager_on_failure
+
+
 def test_suspended_layers_run_their_own_forward():
     model = build_tiny_model(build_char_tokenizer())
     layers = training_compile.CompiledTrainingLayers(backend="eager")
