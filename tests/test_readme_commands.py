@@ -177,24 +177,7 @@ def clean_env(tmp: pathlib.Path) -> dict[str, str]:
     # cache: what a user who has just installed gets. Offline: a hub access fails at once instead of retrying.
     env["HF_HOME"] = str(tmp / "hf_home")
     env["HF_HUB_OFFLINE"] = "1"
-    _own_extension_cache_per_ninja(env)
     return env
-
-
-def _own_extension_cache_per_ninja(env: dict[str, str]) -> None:
-    """DeepSpeed JIT-builds its CPU comm op with whichever ``ninja`` is first on PATH (~80 s). The virtualenv ships
-    one (pip's ninja 1.13) and a machine may have another (e.g. /usr/bin/ninja 1.11): each rebuilds what the other
-    built. When this pytest was started without the virtualenv activated, the other tests' launches use the
-    machine's ninja while these (activated, as the README says) use the virtualenv's: give them their own build
-    cache so the two do not rebuild each other's op on every switch. Activated (as in .ci/run), nothing changes."""
-    import shutil
-
-    ninja = shutil.which("ninja", path=env["PATH"])
-    if "TORCH_EXTENSIONS_DIR" in os.environ or ninja is None or ninja == shutil.which("ninja"):
-        return
-    from torch.utils.cpp_extension import get_default_build_root
-
-    env["TORCH_EXTENSIONS_DIR"] = os.path.join(get_default_build_root(), "ninja-" + re.sub(r"\W+", "_", ninja))
 
 
 def _tail(text: str, chars: int = 6000) -> str:
