@@ -43,3 +43,16 @@ def make_config(tmp_path):
         return GRPOConfig(**values)
 
     return make
+
+
+
+@pytest.fixture(scope="session")
+def zero2_quickstart_run(tmp_path_factory):
+    """The quickstart launched once under the shipped zero2.yaml on 2 processes (test_launch.ZERO2_QUICKSTART: 6 steps,
+    a checkpoint every 2, all kept): the uninterrupted run a killed-and-resumed one must equal (test_fault_resume),
+    and a checkpoint of 2 ZeRO partitions that a 1-process resume must refuse (test_zero_resume)."""
+    from test_launch import ZERO2_QUICKSTART, launch
+
+    output_dir = tmp_path_factory.mktemp("zero2_quickstart") / "out"
+    launch("zero2", "recipes/quickstart.py", *ZERO2_QUICKSTART, "--output_dir", output_dir)
+    return output_dir

@@ -35,6 +35,9 @@ def python(script, *args):
 
 QUICK = ["--use_cpu", "true", "--bf16", "false", "--disable_tqdm", "true", "--logging_steps", "1",
          "--per_device_train_batch_size", "8"]
+# conftest's zero2_quickstart_run (shared by test_fault_resume and test_zero_resume)
+ZERO2_QUICKSTART_STEPS = 6
+ZERO2_QUICKSTART = [*QUICK, "--save_steps", "2", "--save_total_limit", "10", "--max_steps", str(ZERO2_QUICKSTART_STEPS)]
 
 
 # multi_gpu, zero2 and zero3 (and zero3_offload) are launched by tests/test_real_runs.py with the gsm8k recipe, which
