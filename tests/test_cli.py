@@ -1,9 +1,12 @@
-"""`hf-grpo plan` as a user runs it: a subprocess, its exit code and output."""
+"""`hf-grpo plan` as a user runs it: its exit code and output (in this process, see tests/in_process.py; the
+installed console script itself runs in test_console_script_is_installed)."""
 
+import os
 import subprocess
 import sys
 
 import pytest
+from in_process import run_hf_grpo
 
 EXPECTED_TREE = """\
 rollout: 64 prompts x 8 generations = 512 completions (64 per device x 8 devices)
@@ -16,13 +19,9 @@ rollout: 64 prompts x 8 generations = 512 completions (64 per device x 8 devices
 
 
 def run_cli(*args, env=None):
-    import os
-
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("DIFFU_")}
     full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", "hf_grpo.cli", *args], capture_output=True, text=True, env=full_env, timeout=120
-    )
+    return run_hf_grpo(args, env=full_env)
 
 
 def test_plan_prints_the_tree_of_the_contract_example():

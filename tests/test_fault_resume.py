@@ -11,13 +11,13 @@ import time
 import pytest
 import torch
 from side_by_side import stop
-from test_launch import QUICK, ROOT, _final_state, launch
+from test_launch import ROOT, ZERO2_QUICKSTART, ZERO2_QUICKSTART_STEPS, _final_state, launch
 
 from hf_grpo.recipe_support.reporting import current_run_rows, read_metrics
 
 pytestmark = pytest.mark.slow
-STEPS = 6
-COMMON = [*QUICK, "--save_steps", "2", "--save_total_limit", "10", "--max_steps", str(STEPS)]
+STEPS = ZERO2_QUICKSTART_STEPS
+COMMON = ZERO2_QUICKSTART  # the uninterrupted run is conftest's zero2_quickstart_run, launched with these
 
 
 def zero2_command(output_dir, *extra):
@@ -63,8 +63,8 @@ def kill_rank_after_first_checkpoint(output_dir, rank=1, timeout=600):
     return launcher.returncode
 
 
-def test_a_killed_rank_resumes_from_the_last_checkpoint_to_the_uninterrupted_result(tmp_path):
-    launch("zero2", "recipes/quickstart.py", *COMMON, "--output_dir", tmp_path / "straight")
+def test_a_killed_rank_resumes_from_the_last_checkpoint_to_the_uninterrupted_result(tmp_path, zero2_quickstart_run):
+    straight_dir = zero2_quickstart_run
 
     interrupted = tmp_path / "interrupted"
     assert kill_rank_after_first_checkpoint(interrupted) != 0  # the launcher reports the lost rank
@@ -72,13 +72,13 @@ def test_a_killed_rank_resumes_from_the_last_checkpoint_to_the_uninterrupted_res
     assert int(last.name.split("-")[1]) < STEPS, "the run finished before the kill: nothing was interrupted"
     launch("zero2", "recipes/quickstart.py", *COMMON, "--output_dir", interrupted, "--resume_from_checkpoint", last)
 
-    straight = read_metrics(str(tmp_path / "straight" / "metrics.jsonl"))
+    straight = read_metrics(str(straight_dir / "metrics.jsonl"))
     resumed = current_run_rows(read_metrics(str(interrupted / "metrics.jsonl")))
     assert [r["step"] for r in resumed] == [r["step"] for r in straight] == list(range(1, STEPS + 1))
     assert [r["reward"] for r in resumed] == [r["reward"] for r in straight]
     for ours, theirs in zip(resumed, straight):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
-    final, expected = _final_state(interrupted), _final_state(tmp_path / "straight")
+    final, expected = _final_state(interrupted), _final_state(straight_dir)
     for name in expected:
         torch.testing.assert_close(final[name], expected[name], rtol=1e-6, atol=1e-7)
     assert json.loads((last / "trainer_state.json").read_text())["global_step"] == int(last.name.split("-")[1])

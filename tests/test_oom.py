@@ -214,8 +214,8 @@ def test_ddp_run_where_only_rank_1_runs_out_of_memory_equals_the_smaller_sizes_f
     from test_launch import launch
 
     script = "tests/scripts/oom_two_ranks_train.py"
-    launch("multi_gpu", script, tmp_path / "oom", 8, 32, 1)
-    launch("multi_gpu", script, tmp_path / "small", 2, 8, 0)
+    # one launch: the smaller sizes from the start, then the injected run (its patches stay in the process)
+    launch("multi_gpu", script, tmp_path / "small", 2, 8, 0, tmp_path / "oom", 8, 32, 1)
     for rank in (0, 1):
         got = json.loads((tmp_path / "oom" / f"rank{rank}.json").read_text())
         assert got == {"per_device_generation_batch_size": 2, "tensor_batch_size": 8, "oom_backoffs": 4, "steps": 2}

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import pytest
+from in_process import run_hf_grpo
 from side_by_side import free_port, wait_for_all
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -176,24 +177,7 @@ def clean_env(tmp: pathlib.Path) -> dict[str, str]:
     # cache: what a user who has just installed gets. Offline: a hub access fails at once instead of retrying.
     env["HF_HOME"] = str(tmp / "hf_home")
     env["HF_HUB_OFFLINE"] = "1"
-    _own_extension_cache_per_ninja(env)
     return env
-
-
-def _own_extension_cache_per_ninja(env: dict[str, str]) -> None:
-    """DeepSpeed JIT-builds its CPU comm op with whichever ``ninja`` is first on PATH (~80 s). The virtualenv ships
-    one (pip's ninja 1.13) and a machine may have another (e.g. /usr/bin/ninja 1.11): each rebuilds what the other
-    built. When this pytest was started without the virtualenv activated, the other tests' launches use the
-    machine's ninja while these (activated, as the README says) use the virtualenv's: give them their own build
-    cache so the two do not rebuild each other's op on every switch. Activated (as in .ci/run), nothing changes."""
-    import shutil
-
-    ninja = shutil.which("ninja", path=env["PATH"])
-    if "TORCH_EXTENSIONS_DIR" in os.environ or ninja is None or ninja == shutil.which("ninja"):
-        return
-    from torch.utils.cpp_extension import get_default_build_root
-
-    env["TORCH_EXTENSIONS_DIR"] = os.path.join(get_default_build_root(), "ninja-" + re.sub(r"\W+", "_", ninja))
 
 
 def _tail(text: str, chars: int = 6000) -> str:
@@ -217,6 +201,8 @@ def run_documented(doc: Documented, run: Run, tmp: pathlib.Path) -> Ran:
         if sys.platform.startswith("linux"):
             # gloo picks its interface from the hostname, which may not be reachable in a container
             env["GLOO_SOCKET_IFNAME"] = "lo"
+    if _is_hf_grpo(command) and run.nodes == 1:
+        return _run_hf_grpo_in_process(command, doc, run, tmp, cwd, env)
     processes = []
     for rank in range(run.nodes):
         node_env = {**env, "NODE_RANK": str(rank)} if run.nodes > 1 else env
@@ -234,6 +220,22 @@ def run_documented(doc: Documented, run: Run, tmp: pathlib.Path) -> Ran:
             for r, (p, (o, e)) in enumerate(zip(processes, outputs))))
     return Ran(command, tmp, doc, stdout=outputs[0][0], stderr=outputs[0][1],
                other_stderr=outputs[1][1] if run.nodes > 1 else "")
+
+
+def _is_hf_grpo(command: str) -> bool:
+    """A plain ``hf-grpo ...`` command: no pipes, redirections, variables or chained commands for a shell to run."""
+    return command.startswith("hf-grpo ") and not re.search(r"[|&;<>$`\n]", command)
+
+
+def _run_hf_grpo_in_process(command: str, doc: Documented, run: Run, tmp: pathlib.Path, cwd: pathlib.Path,
+                            env: dict[str, str]) -> Ran:
+    """The CLI's main with the argv a shell gives the console script, in the same environment and directory
+    (tests/in_process.py: a subprocess per command is ~5 s of imports; test_cli.py runs the console script)."""
+    result = run_hf_grpo(shlex.split(command)[1:], env=env, cwd=cwd)
+    if result.returncode != 0:
+        pytest.fail(f"{command!r}: exit {result.returncode}\n--- stdout tail:\n{_tail(result.stdout, 2000)}"
+                    f"\n--- stderr tail:\n{_tail(result.stderr)}")
+    return Ran(command, tmp, doc, stdout=result.stdout, stderr=result.stderr)
 
 
 # ---- what a run must show --------------------------------------------------------------------------

@@ -168,7 +168,11 @@ def test_gsm8k_recipe_on_a_checkpoint(tmp_path, checkpoint, launch, beta, lora):
 
     # launched with the shipped config's mixed_precision: bf16 on a machine without CUDA: said, then fp32
     assert (FP32_WARNING in result.stderr) == (launch is not None), result.stderr[-3000:]
-    assert f"hf-grpo batch plan (world size {1 if launch is None else 2})" in result.stderr
+    world = 1 if launch is None else 2
+    assert f"hf-grpo batch plan (world size {world})" in result.stderr
+    assert f"(8 per device x {world} device{'s' if world > 1 else ''})" in result.stderr, result.stderr[-3000:]
+    per_rank = json.loads((output_dir / "performance.json").read_text())["per_rank"]
+    assert len(per_rank) == world and all(rank["peak_memory_gib"] > 0 for rank in per_rank), per_rank
 
     rows = _logged(output_dir)
     assert [row["step"] for row in rows] == [1, 2]

@@ -354,9 +354,9 @@ def test_two_processes_needing_different_pass_counts_run_equally_many_and_match(
     """DDP over gloo (float64: exact) and DeepSpeed ZeRO-2/3 (whose own reductions differ from DDP by ~1e-7; ZeRO-3
     partitions float32 parameters, not float64)."""
     script = "tests/scripts/token_budget_train.py"
-    launch(config, script, tmp_path / "one_pass", "none")
-    launch(config, script, tmp_path / "packed", 16)
-    ranks = [json.loads((tmp_path / "packed" / f"passes_rank{r}.json").read_text()) for r in (0, 1)]
+    launch(config, script, tmp_path, "none", 16)  # one pass, then packed, in one launch
+    one_pass_dir, packed_dir = tmp_path / "budget_none", tmp_path / "budget_16"
+    ranks = [json.loads((packed_dir / f"passes_rank{r}.json").read_text()) for r in (0, 1)]
     assert len(ranks[0]) == len(ranks[1]) == 4  # 2 optimizer steps x 2 micro-batches
     assert [ran for _, ran in ranks[0]] == [ran for _, ran in ranks[1]], "every rank runs as many passes"
     assert any(a[0] != b[0] for a, b in zip(*ranks)), "the ranks' own rows needed different numbers of passes"
@@ -367,7 +367,7 @@ def test_two_processes_needing_different_pass_counts_run_equally_many_and_match(
         params = torch.load(run / "params.pt")
         return torch.cat([(params[name] - initial[name].detach()).flatten() for name in sorted(params)])
 
-    one_pass, packed = update(tmp_path / "one_pass"), update(tmp_path / "packed")
+    one_pass, packed = update(one_pass_dir), update(packed_dir)
     assert one_pass.norm() > 0
     assert ((packed - one_pass).norm() / one_pass.norm()).item() < rtol
 

@@ -171,17 +171,30 @@ def checkpoint(tmp_path_factory):
     return save_tiny_checkpoint(tmp_path_factory.mktemp("zero3_leaves") / "checkpoint")
 
 
-def _train(out_dir: pathlib.Path, checkpoint: str, setting: str, variant: str) -> tuple[dict, dict]:
-    out_dir.mkdir()
+VARIANTS = ["full", "lora", "lora-no-gc"]
+
+
+@pytest.fixture(scope="module")
+def zero3_runs(tmp_path_factory, checkpoint):
+    """Every variant with leaves ("auto") and without ("off"), trained in turn in one two-process launch (one
+    start-up, ~10 s of imports per process, for the six runs). Each run's (result.json, trained weights) are read
+    by ``_train``."""
+    out_dir = tmp_path_factory.mktemp("zero3_runs")
+    scenarios = [f"{setting}:{variant}" for variant in VARIANTS for setting in ("auto", "off")]
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
                "--main_process_port", str(free_port()),
                "--config_file", str(ROOT / "accelerate_configs" / "zero3.yaml"), "--mixed_precision", "no",
-               str(ROOT / "tests" / "scripts" / "zero3_leaves_train.py"), str(out_dir), checkpoint, setting, variant]
+               str(ROOT / "tests" / "scripts" / "zero3_leaves_train.py"), str(out_dir), checkpoint, *scenarios]
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_", "ACCELERATE_"))}
-    result = run_to_end(command, 300, cwd=ROOT, env=env)
+    result = run_to_end(command, 600, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
-    return json.loads((out_dir / "result.json").read_text()), torch.load(out_dir / "trained.pt")
+    return out_dir
+
+
+def _train(runs: pathlib.Path, setting: str, variant: str) -> tuple[dict, dict]:
+    run = runs / f"{setting}-{variant}"
+    return json.loads((run / "result.json").read_text()), torch.load(run / "trained.pt")
 
 
 # Logged figures computed before the first optimizer step touches the weights (the first rollout and its loss),
@@ -191,12 +204,12 @@ ROLLOUT = ("reward", "reward_std", "num_tokens", "completions/mean_length", "fra
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["full", "lora", "lora-no-gc"])
-def test_zero3_run_with_leaf_decoder_layers_trains_as_without(tmp_path, checkpoint, variant):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_zero3_run_with_leaf_decoder_layers_trains_as_without(zero3_runs, checkpoint, variant):
     """``full`` has a reference model (beta > 0) that TRL prepares inside its ``__init__``; ``lora`` has none;
     ``lora-no-gc`` (no gradient checkpointing) is where no decoder layer's input needs a gradient of its own."""
-    leaves, leaf_weights = _train(tmp_path / "auto", checkpoint, "auto", variant)
-    plain, plain_weights = _train(tmp_path / "off", checkpoint, "off", variant)
+    leaves, leaf_weights = _train(zero3_runs, "auto", variant)
+    plain, plain_weights = _train(zero3_runs, "off", variant)
 
     # DeepSpeed hooked each decoder layer as one leaf: its parameters tied to it, its children not registered
     assert leaves["marking"] == {"classes": ["Qwen2DecoderLayer"], "count": 2}

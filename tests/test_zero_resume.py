@@ -5,7 +5,7 @@ import sys
 
 import pytest
 from side_by_side import run_to_end
-from test_launch import QUICK, ROOT, launch
+from test_launch import QUICK, ROOT
 from test_trainer import make_trainer
 
 from hf_grpo.distributed.zero_resume import check_resume_shape, saved_partitions
@@ -50,13 +50,13 @@ def test_a_one_process_run_without_deepspeed_refuses_before_any_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_two_process_zero2_checkpoint_is_refused_by_a_one_process_resume(tmp_path):
-    """As a user does it: save under 2-process ZeRO-2 (CPU, gloo), resume with plain python and with the ZeRO-2
-    config on 1 process; both stop with the reason instead of training on with a fresh optimizer."""
+def test_a_two_process_zero2_checkpoint_is_refused_by_a_one_process_resume(tmp_path, zero2_quickstart_run):
+    """As a user does it: save under 2-process ZeRO-2 (CPU, gloo; conftest's zero2_quickstart_run), resume with plain
+    python and with the ZeRO-2 config on 1 process; both stop with the reason instead of training on with a fresh
+    optimizer."""
     out = tmp_path / "out"
     common = [*QUICK, "--output_dir", out, "--save_steps", 2]
-    launch("zero2", "recipes/quickstart.py", *common, "--max_steps", 2)
-    checkpoint = out / "checkpoint-2"
+    checkpoint = zero2_quickstart_run / "checkpoint-2"
     assert saved_partitions(str(checkpoint)) == 2
     resume = [*map(str, common), "--max_steps", "4", "--resume_from_checkpoint", str(checkpoint)]
     plain = run_to_end([sys.executable, str(ROOT / "recipes" / "quickstart.py"), *resume], 900, cwd=ROOT)

@@ -283,18 +283,24 @@ def test_the_plan_says_whether_the_mirror_is_on_and_its_memory(tokenizer):
 
 # ---- ZeRO-3 (two processes) and CUDA -------------------------------------------------------------------
 
-@pytest.mark.slow
-@pytest.mark.parametrize("variant, gathers", [("plain", 5), ("lora-tied", 4)])
-def test_zero3_grpo_run_generates_from_a_layerwise_refreshed_mirror(tmp_path, variant, gathers):
-    """2 CPU processes under the shipped zero3.yaml: the script asserts the mirror path (see its docstring)."""
+@pytest.fixture(scope="module")
+def zero3_mirror_runs(tmp_path_factory):
+    """Both variants trained in turn in one launch: 2 CPU processes under the shipped zero3.yaml; the script asserts
+    the mirror path (see its docstring) and writes each variant's result.json."""
+    out_dir = tmp_path_factory.mktemp("zero3_mirror")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
                "--config_file", str(ROOT / "accelerate_configs" / "zero3.yaml"), "--mixed_precision", "no",
-               str(ROOT / "tests" / "scripts" / "zero3_dense_mirror.py"), str(tmp_path),
-               *([variant] if variant != "plain" else [])]
+               str(ROOT / "tests" / "scripts" / "zero3_dense_mirror.py"), str(out_dir), "plain", "lora-tied"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))}
     result = run_to_end(command, 900, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
-    found = json.loads((tmp_path / "result.json").read_text())
+    return out_dir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant, gathers", [("plain", 5), ("lora-tied", 4)])
+def test_zero3_grpo_run_generates_from_a_layerwise_refreshed_mirror(zero3_mirror_runs, variant, gathers):
+    found = json.loads((zero3_mirror_runs / variant / "result.json").read_text())
     assert found["mirror"] == "on" and found["mirror_bytes"] > 0
     # embeddings, 2 decoder layers, final norm, and the head unless it is the embeddings' tensor
     assert found["gathers_per_refresh"] == gathers

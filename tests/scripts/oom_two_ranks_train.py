@@ -1,11 +1,13 @@
 """Two ranks under DDP, where only rank 1 runs out of memory (injected) in generation and in the log-prob head.
 
     accelerate launch --num_processes 2 --config_file accelerate_configs/multi_gpu.yaml --mixed_precision no \
-        tests/scripts/oom_two_ranks_train.py OUT_DIR GEN_CHUNK TENSOR_ROWS INJECT(0|1)
+        tests/scripts/oom_two_ranks_train.py OUT_DIR GEN_CHUNK TENSOR_ROWS INJECT(0|1) [OUT_DIR GEN_CHUNK ...]
 
 Rank r writes OUT_DIR/rank{r}.json (its final sizes and back-off count) and rank 0 OUT_DIR/params.pt. With
 INJECT=1, rank 1's ``model.generate`` fails above 2 sequences (after sampling, so the RNG moved) and its head
-above 8 rows; a run with GEN_CHUNK=2 TENSOR_ROWS=8 and INJECT=0 is what the back-off must reproduce.
+above 8 rows; a run with GEN_CHUNK=2 TENSOR_ROWS=8 and INJECT=0 is what the back-off must reproduce. Several runs
+(four arguments each) train in turn in the same two processes (tests/scripts/one_launch.py); an injected run
+patches the head for the rest of the process, so it comes last.
 """
 
 import json
@@ -68,8 +70,17 @@ def main(out_dir, gen_chunk, tensor_rows, injected):
     if rank == 0:
         model = trainer.accelerator.unwrap_model(trainer.model)
         torch.save({n: p.detach().cpu() for n, p in model.named_parameters()}, os.path.join(out_dir, "params.pt"))
-    close_distributed()
+    return trainer
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4] == "1")
+    from one_launch import release_for_the_next_run
+
+    runs = [sys.argv[i:i + 4] for i in range(1, len(sys.argv), 4)]
+    injected = [run[3] == "1" for run in runs]
+    assert all(len(run) == 4 for run in runs) and True not in injected[:-1], "four arguments a run; injected last"
+    for index, (out_dir, gen_chunk, tensor_rows, inject_flag) in enumerate(runs):
+        trainer = main(out_dir, int(gen_chunk), int(tensor_rows), inject_flag == "1")
+        if index < len(runs) - 1:
+            release_for_the_next_run(trainer)
+    close_distributed()

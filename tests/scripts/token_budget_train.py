@@ -2,9 +2,10 @@
 its parameters.
 
     accelerate launch --num_processes 2 --config_file accelerate_configs/multi_gpu.yaml --mixed_precision no \
-        tests/scripts/token_budget_train.py OUT_DIR BUDGET_OR_none
+        tests/scripts/token_budget_train.py OUT_DIR BUDGET_OR_none [BUDGET_OR_none ...]
 
-(or zero2.yaml, zero3.yaml). Each rank gets other prompts (lengths 2 to 12) and completions (1 to 4
+(or zero2.yaml, zero3.yaml). Each budget trains in turn in the same two processes (tests/scripts/one_launch.py),
+into OUT_DIR/budget_<BUDGET_OR_none>. Each rank gets other prompts (lengths 2 to 12) and completions (1 to 4
 tokens), so the ranks need different numbers of token-budget passes; each rank writes
 ``passes_rank<r>.json``: per micro-batch, the passes its own rows needed and the passes it ran. RoPE
 angles are computed in float64, so packing is exact to rounding.
@@ -65,8 +66,11 @@ def gathered(params):
     return contextlib.nullcontext()
 
 
+PLAN_PASSES = packing.plan_passes  # the real one: a second run in the process records around it, not around the first's
+
+
 def record_pass_counts(counts):
-    real = packing.plan_passes
+    real = PLAN_PASSES
 
     def recording(ext, budget, agree=lambda count: count):
         passes = real(ext, budget, agree)
@@ -108,8 +112,17 @@ def main(out_dir, budget):
         state = {n: p.detach().clone() for n, p in model.named_parameters()}
     if trainer.is_world_process_zero():
         torch.save(state, f"{out_dir}/params.pt")
-    close_distributed(trainer)
+    return trainer
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], None if sys.argv[2] == "none" else int(sys.argv[2]))
+    from one_launch import release_for_the_next_run  # next to this file (tests/ imports this file as scripts.*)
+
+    budgets = sys.argv[2:]
+    for index, budget in enumerate(budgets):
+        run_dir = os.path.join(sys.argv[1], f"budget_{budget}")
+        os.makedirs(run_dir, exist_ok=True)
+        trainer = main(run_dir, None if budget == "none" else int(budget))
+        if index < len(budgets) - 1:
+            release_for_the_next_run(trainer)
+    close_distributed(trainer)

@@ -1,18 +1,20 @@
 """Train GRPO under ZeRO-3 with the dense generation mirror forced on, then check the mirror against the model.
 
     accelerate launch --num_processes 2 --config_file accelerate_configs/zero3.yaml --mixed_precision no \
-        tests/scripts/zero3_dense_mirror.py OUT_DIR [lora-tied]
+        tests/scripts/zero3_dense_mirror.py OUT_DIR plain|lora-tied [plain|lora-tied]
 
-``lora-tied``: LoRA adapters on a model whose input and output embeddings are one tensor.
+``lora-tied``: LoRA adapters on a model whose input and output embeddings are one tensor. Each variant trains in
+turn in the same two processes (tests/scripts/one_launch.py), into OUT_DIR/<variant>.
 On CPU the "hf" backend generates (the cuda_graph one needs CUDA); what is checked is the mirror path:
 every rollout generates from the mirror, no gather is larger than one unit (a decoder layer, the
 embeddings, ...), and after the last optimizer step a refresh writes the weights into the same tensors,
 whose values then equal the fully gathered model's (through PEFT's own merge under LoRA). Writes
-OUT_DIR/result.json on rank 0; any failed check exits non-zero.
+OUT_DIR/<variant>/result.json on rank 0; any failed check exits non-zero.
 """
 
 import json
 import math
+import os
 import sys
 
 import deepspeed
@@ -73,8 +75,9 @@ def reference_logits(live, state, lora: bool, input_ids):
     return model.eval()(input_ids).logits
 
 
-def main(out_dir: str, lora: bool) -> None:
+def main(out_dir: str, lora: bool) -> GRPOTrainer:
     deepspeed.zero.GatheredParameters = RecordingGather
+    del GATHERS[:], GENERATED_FROM[:]  # this run's only
     args = GRPOConfig(
         output_dir=out_dir, report_to=[], use_cpu=True, bf16=False, max_steps=2, seed=3,
         per_device_train_batch_size=4, num_generations=4, max_completion_length=6, temperature=1.0,
@@ -135,8 +138,18 @@ def main(out_dir: str, lora: bool) -> None:
             json.dump({"losses": losses, "gathers_per_refresh": len(refresh_gathers), "changed": changed,
                        "mirror": plan.generation_mirror, "mirror_bytes": plan.generation_mirror_bytes,
                        "plan": str(plan)}, handle)
-    close_distributed(trainer)
+    return trainer
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], lora=len(sys.argv) > 2 and sys.argv[2] == "lora-tied")
+    from one_launch import release_for_the_next_run
+
+    variants = sys.argv[2:]
+    for index, variant in enumerate(variants):
+        assert variant in ("plain", "lora-tied"), variant
+        run_dir = os.path.join(sys.argv[1], variant)
+        os.makedirs(run_dir, exist_ok=True)
+        trainer = main(run_dir, lora=variant == "lora-tied")
+        if index < len(variants) - 1:
+            release_for_the_next_run(trainer)
+    close_distributed(trainer)

@@ -2,24 +2,30 @@
 DeepSpeed hooked the decoder layers.
 
     accelerate launch --num_processes 2 --config_file accelerate_configs/zero3.yaml --mixed_precision no \
-        tests/scripts/zero3_leaves_train.py OUT_DIR CHECKPOINT_DIR SETTING [full|lora|lora-no-gc]
+        tests/scripts/zero3_leaves_train.py OUT_DIR CHECKPOINT_DIR SETTING:VARIANT [SETTING:VARIANT ...]
+
+Each SETTING:VARIANT (e.g. ``auto:full``, ``off:lora-no-gc``) trains in turn in the same two processes (one launch
+pays the start-up once), writing into OUT_DIR/SETTING-VARIANT; accelerate's state is reset between them, so each
+trainer builds its own DeepSpeed config from its own arguments.
 
 ``full`` (the default) fine-tunes everything with a reference model (beta > 0, built by TRL from CHECKPOINT_DIR);
 ``lora`` has none; ``lora-no-gc`` is ``lora`` without gradient checkpointing (the decoder layers' inputs then need
 no gradient: the frozen embeddings feed them). The others keep the default, gradient checkpointing on.
-Rank 0 writes OUT_DIR/result.json: the logged rows of each step, and for the policy (and the reference) per
+Rank 0 writes OUT_DIR/SETTING-VARIANT/result.json: the logged rows of each step, and for the policy (and the reference) per
 decoder layer whether it carries DeepSpeed's leaf flag, whether DeepSpeed tied its parameters to it as a leaf
 (``ds_z3_leaf_module``, set only when the flag was there as its hooks were registered) and whether its children
-got hooks of their own (``ds_id``, given to every module DeepSpeed registers); OUT_DIR/trained.pt holds the
+got hooks of their own (``ds_id``, given to every module DeepSpeed registers); trained.pt next to it holds the
 trainable weights after the last step.
 """
 
 import json
+import os
 import sys
 
 import deepspeed
 import torch
 from datasets import Dataset
+from one_launch import release_for_the_next_run
 
 from hf_grpo import GRPOConfig, GRPOTrainer, close_distributed
 
@@ -43,7 +49,7 @@ def hooks(model: torch.nn.Module) -> dict:
     }
 
 
-def main(out_dir: str, checkpoint: str, setting: str, variant: str) -> None:
+def train(out_dir: str, checkpoint: str, setting: str, variant: str) -> GRPOTrainer:
     lora = variant.startswith("lora")
     args = GRPOConfig(
         output_dir=out_dir, report_to=[], use_cpu=True, bf16=False, max_steps=2, seed=3,
@@ -77,8 +83,19 @@ def main(out_dir: str, checkpoint: str, setting: str, variant: str) -> None:
         torch.save(weights, f"{out_dir}/trained.pt")  # the trainable weights after the last optimizer step
         with open(f"{out_dir}/result.json", "w") as handle:
             json.dump(result, handle)
+    return trainer
+
+
+def main(out_dir: str, checkpoint: str, scenarios: list[str]) -> None:
+    for index, scenario in enumerate(scenarios):
+        setting, variant = scenario.split(":")
+        run_dir = os.path.join(out_dir, f"{setting}-{variant}")
+        os.makedirs(run_dir, exist_ok=True)
+        trainer = train(run_dir, checkpoint, setting, variant)
+        if index < len(scenarios) - 1:
+            release_for_the_next_run(trainer)
     close_distributed(trainer)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], variant=sys.argv[4] if len(sys.argv) > 4 else "full")
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
