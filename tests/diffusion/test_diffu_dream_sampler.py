@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig
+from float64_rows import TOKENIZER, model, prompts  # noqa: F401 (model: a fixture)
 
 from hf_grpo.diffusion import dream_sampler, sampler as sampler_module
 from hf_grpo.diffusion import draws as draws_module
@@ -20,21 +21,10 @@ from hf_grpo.diffusion.config import DiffuGRPOConfig
 from hf_grpo.diffusion.dream_sampler import dream_commit_count, dream_generate, dream_timesteps
 from hf_grpo.diffusion.model import left_pad_tensors
 from hf_grpo.diffusion.sampler import DiffusionSampler, resolve_sampler
-from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
+from hf_grpo.diffusion.tiny import build_tiny_diffusion_model
 
-TOKENIZER = build_diffusion_tokenizer()
 MASK, PAD = TOKENIZER.mask_token_id, TOKENIZER.pad_token_id
 GEN, STEPS, EPS = 12, 5, 1e-3
-
-
-@pytest.fixture(scope="module")
-def model():
-    return build_tiny_diffusion_model(TOKENIZER, seed=3, dtype=torch.float64).eval()
-
-
-def prompts(padded: bool):
-    lengths = (3, 6, 1, 4) if padded else (4, 4, 4, 4)
-    return [[3 + (7 * row + 5 * j) % 40 for j in range(n)] for row, n in enumerate(lengths)]
 
 
 def gumbel(uniform):

@@ -11,14 +11,14 @@ same steps. float64 model, so no near-tie decides anything.
 import pytest
 import torch
 from project_files import load_bench
+from float64_rows import TOKENIZER, model, prompts  # noqa: F401 (model: a fixture)
 
 from hf_grpo.diffusion import sampler as sampler_module
 import hf_grpo.diffusion.draws as draws_module
 from hf_grpo.diffusion.model import left_pad_tensors
 from hf_grpo.diffusion.sampler import diffusion_generate
-from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
+from hf_grpo.diffusion.tiny import build_tiny_diffusion_model
 
-TOKENIZER = build_diffusion_tokenizer()
 MASK = TOKENIZER.mask_token_id
 GEN, BLOCK, STEPS = 12, 4, 6  # 3 blocks, 2 steps per block, 2 tokens per step
 
@@ -26,16 +26,6 @@ GEN, BLOCK, STEPS = 12, 4, 6  # 3 blocks, 2 steps per block, 2 tokens per step
 @pytest.fixture(scope="module")
 def bench():
     return load_bench("diffu_llada")
-
-
-@pytest.fixture(scope="module")
-def model():
-    return build_tiny_diffusion_model(TOKENIZER, seed=3, dtype=torch.float64).eval()
-
-
-def prompts(padded: bool):
-    lengths = (3, 6, 1, 4) if padded else (4, 4, 4, 4)
-    return [[3 + (7 * row + 5 * j) % 40 for j in range(n)] for row, n in enumerate(lengths)]
 
 
 class SharedNoise:
