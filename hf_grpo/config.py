@@ -102,10 +102,11 @@ class GRPOConfig(trl.GRPOConfig):
             ``"auto"``: the model's decoder-layer classes (its ``_no_split_modules``); ``"off"``: none; else
             comma-separated class names, e.g. ``"Qwen2DecoderLayer"``. No effect without ZeRO-3.
         lora_generation_mirror (`str`, *optional*, defaults to `"auto"`):
-            For a LoRA policy outside ZeRO-3: ``"on"`` decodes from a copy of the weights with the
-            adapters merged, refreshed each rollout (one model copy per device), so LoRA rollouts run at
-            the plain model's speed; ``"auto"``: so when the ``cuda_graph`` backend serves it and memory
-            holds the copy twice over; ``"off"``: the decoder runs the adapters.
+            For a LoRA policy outside ZeRO-3: ``"on"`` decodes from the policy's own weights with the
+            adapters merged into them in place for the rollout and restored after from a host copy of the
+            adapted base weights (no GPU memory; one host copy per process), so LoRA rollouts run at the
+            plain model's speed; ``"auto"``: so when the ``cuda_graph`` backend serves it; ``"off"``: the
+            decoder runs the adapters.
         compile_training (`str`, *optional*, defaults to `"auto"`):
             ``"on"``: the decoder layers of the scoring and training forwards run through one
             ``torch.compile`` per layer class (dynamic shapes: a few compiles a run, counted as

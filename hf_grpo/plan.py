@@ -194,9 +194,8 @@ class BatchPlan:
         if self.generation_mirror_kind == "LoRA":
             if self.generation_mirror != "on":
                 return "│   └── LoRA: decoded with the adapters as they are (lora_generation_mirror)"
-            return (f"│   └── LoRA: decoded from a copy with the adapters merged, one {self.generation_mirror_dtype} "
-                    f"copy of the model per device ({_bytes(self.generation_mirror_bytes)}), refreshed each rollout "
-                    f"(lora_generation_mirror)")
+            return ("│   └── LoRA: decoded with the adapters merged into the weights in place for each rollout, "
+                    "restored after from a host copy; no GPU copy (lora_generation_mirror)")
         if self.generation_mirror != "on":
             return ("│   └── ZeRO-3: no dense mirror, the hf backend generates from the ZeRO-3 model "
                     "(zero3_generation_mirror)")

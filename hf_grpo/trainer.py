@@ -8,7 +8,8 @@ Each is thin and calls TRL's own code wherever it can:
   prompts at a time, all inside one ``unwrap_model_for_generation`` (one ZeRO-3 gather per
   rollout). Every other path is TRL's, unchanged. Under ZeRO-3 with ``zero3_generation_mirror`` on, nothing is
   gathered there: the rollout decodes from a dense mirror refreshed layer by layer (``generation.dense_mirror``);
-  a LoRA policy outside ZeRO-3 decodes from such a copy with its adapters merged (``lora_generation_mirror``).
+  a LoRA policy outside ZeRO-3 decodes from its own weights with the adapters merged in place for the rollout
+  (``lora_generation_mirror``, ``generation.lora_merge``).
 - ``compute_loss`` (public, TRL's): with ``max_tokens_per_micro_batch``, one micro-batch runs as token-budget
   passes (``hf_grpo.memory.token_budget``), each through TRL's own ``compute_loss``. In a one-process run it also
   runs the backward, so that an out-of-memory there can be retried (``hf_grpo.memory.train_backoff``).
@@ -53,6 +54,7 @@ from .checks import output_dirs
 from .config import GRPOConfig
 from .distributed import build_locks, zero3_leaves, zero_resume
 from .generation import GenerationBackend, dense_mirror, resolve_backend
+from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
 from .memory import autosize, token_budget, train_backoff
 from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
@@ -274,19 +276,23 @@ class GRPOTrainer(trl.GRPOTrainer):
                 with self.perf.phase("mirror_refresh"):
                     # the same tensors with the current weights: captured graphs stay valid
                     unwrapped_model = mirror.refresh(unwrapped_model)
-            backend = self._generation_backend(unwrapped_model)
-            counts_before = backend_counts(backend)
-            completion_ids = generate_with_backoff(  # backend.generate, chunk halved on every rank after an OOM
-                backend,
-                unwrapped_model,
-                prompt_ids,
-                self._oom_knobs["per_device_generation_batch_size"],
-                self.accelerator.device,
-                generation_config=self.generation_config,
-                pad_token_id=self._tokenizer.pad_token_id,
-                eos_token_ids=self.eos_token_ids,
-                pad_to_multiple_of=self.pad_to_multiple_of,
-            )
+            try:
+                backend = self._generation_backend(unwrapped_model)
+                counts_before = backend_counts(backend)
+                completion_ids = generate_with_backoff(  # backend.generate, chunk halved on every rank after an OOM
+                    backend,
+                    unwrapped_model,
+                    prompt_ids,
+                    self._oom_knobs["per_device_generation_batch_size"],
+                    self.accelerator.device,
+                    generation_config=self.generation_config,
+                    pad_token_id=self._tokenizer.pad_token_id,
+                    eos_token_ids=self.eos_token_ids,
+                    pad_to_multiple_of=self.pad_to_multiple_of,
+                )
+            finally:
+                if mirror is not None:  # LoRA merged in place: the base weights back before anything else reads them
+                    mirror.restore()
         if self.args.release_generation_memory:
             backend.release(empty_cache=False)  # the training step reuses the blocks; the compile is kept
         self.perf.add("generated_tokens", float(sum(len(ids) for ids in completion_ids)))
@@ -391,7 +397,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         prompt = self._longest_prompt() or max(token_budget.extents(inputs).prompt)
         return prompt + self.max_completion_length
 
-    def _generation_mirror(self) -> dense_mirror.DenseMirror | None:
+    def _generation_mirror(self) -> dense_mirror.DenseMirror | InPlaceLoraMerge | None:
         """The dense copy of the weights generation reads, or None: under ZeRO-3 (``zero3_generation_mirror``), and
         for a LoRA policy otherwise (``lora_generation_mirror``: the adapters merged).
 

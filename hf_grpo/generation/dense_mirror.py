@@ -16,10 +16,9 @@ With PEFT LoRA the mirror holds the merged weights (base + every active adapter'
 ``merge_and_unload`` computes them) as a plain model: the decoder runs no adapter branch.
 Without ZeRO-3 (a plain or DDP model) ``refresh`` is a plain copy, which is what the tests use.
 
-A LoRA policy outside ZeRO-3 gets a mirror for the same reason of speed (``choose_lora``,
-``lora_generation_mirror``): the adapters run as extra matmuls inside every captured decode step
-(seven adapted projections a layer: a few more kernels each, and no fused q/k/v), so a LoRA rollout
-decoded at about a third of the plain model's speed; from the merged copy it decodes as the plain model.
+A LoRA policy outside ZeRO-3 decodes from merged weights for the same reason of speed (``choose_lora``,
+``lora_generation_mirror``), but with no copy: its adapters are merged into its own weights for the rollout
+and restored after (``lora_merge``).
 """
 
 from __future__ import annotations
@@ -29,10 +28,14 @@ import copy
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .base import is_zero3_param, is_zero3_partitioned
+
+if TYPE_CHECKING:
+    from .lora_merge import InPlaceLoraMerge
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +252,9 @@ class DenseMirror:
                     done.add(id(target))
         return self.module
 
+    def restore(self) -> None:
+        """Nothing to undo: the policy's own weights were only read."""
+
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why a dense mirror cannot stand in for ``model`` (prompt-learning PEFT, quantized weights), or None."""
@@ -317,6 +323,9 @@ def decide(setting: str, model: torch.nn.Module, generation_backend: str, free: 
         return True, f"{field}='on'"
     if generation_backend not in ("auto", "cuda_graph"):
         return False, f"generation_backend={generation_backend!r} captures no CUDA graph"
+    if field == "lora_generation_mirror":  # merged in place: no GPU memory to find
+        return (True, "the cuda_graph decoder serves it") if free is not None else (
+            False, "it serves only the CUDA-graph decoder, which runs on CUDA")
     ok, why = fits(planned_nbytes(model), free)
     return ok, why.replace("zero3_generation_mirror", field)
 
@@ -325,7 +334,7 @@ def decide(setting: str, model: torch.nn.Module, generation_backend: str, free: 
 class MirrorChoice:
     """What was decided for a ZeRO-3 run: the mirror (or None), why, and what it costs."""
 
-    mirror: DenseMirror | None
+    mirror: DenseMirror | InPlaceLoraMerge | None
     reason: str
 
     @property
@@ -350,9 +359,11 @@ class MirrorChoice:
             if self.kind == "LoRA":
                 return f"off ({self.reason}): the decoder runs the LoRA adapters as they are"
             return f"off ({self.reason}): the hf backend generates from the ZeRO-3 model (ds3_gather_for_generation)"
-        what = "the adapters merged, " if self.kind == "LoRA" else ""
-        return (f"on ({self.reason}): one {self.dtype} copy of the model per device ({what}"
-                f"{self.nbytes / 2**30:.2f} GiB), refreshed layer by layer each rollout")
+        if self.kind == "LoRA":
+            return (f"on ({self.reason}): the adapters merged into the policy's own weights for each rollout, "
+                    f"then restored from a {self.mirror.host_nbytes / 2**30:.2f} GiB host copy (no GPU copy)")
+        return (f"on ({self.reason}): one {self.dtype} copy of the model per device "
+                f"({self.nbytes / 2**30:.2f} GiB), refreshed layer by layer each rollout")
 
 
 def choose(setting: str, model: torch.nn.Module, generation_backend: str, device: torch.device,
@@ -381,8 +392,9 @@ def _choose(setting: str, model, generation_backend: str, device: torch.device,
 
 def _build(setting: str, model, generation_backend: str, device: torch.device, reason: str, kind: str) -> MirrorChoice:
     from . import resolve_backend
+    from .lora_merge import InPlaceLoraMerge
 
-    mirror = DenseMirror(model, device)
+    mirror = InPlaceLoraMerge(model) if kind == "LoRA" else DenseMirror(model, device)
     backend, why_not = resolve_backend(generation_backend, mirror.module)
     if setting == "auto" and backend.name != "cuda_graph":
         # "auto" keeps the copy only for the decoder it exists for (the model is checked on the copy itself)
@@ -398,8 +410,9 @@ def has_lora(model: torch.nn.Module) -> bool:
 
 def choose_lora(setting: str, model: torch.nn.Module, generation_backend: str, device: torch.device,
                 min_over_ranks: Callable[[int], int]) -> MirrorChoice | None:
-    """The mirror decision for a LoRA policy whose weights are whole on each device (no ZeRO-3): the decoder reads
-    a copy with the adapters merged, refreshed each rollout. None for a model without LoRA layers."""
+    """The merge decision for a LoRA policy whose weights are whole on each device (no ZeRO-3): the decoder reads
+    the policy's weights with the adapters merged in place for each rollout (``lora_merge``). None for a model
+    without LoRA layers."""
     if not has_lora(model):
         return None
     return _choose(setting, model, generation_backend, device, min_over_ranks, "lora_generation_mirror", "LoRA")
