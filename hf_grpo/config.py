@@ -112,7 +112,9 @@ class GRPOConfig(trl.GRPOConfig):
             ``torch.compile`` per layer class (dynamic shapes: a few compiles a run, counted as
             ``perf/train_compiles``); ``"auto"``: so on CUDA outside ZeRO-3 and FSDP, for runs of 50
             optimizer steps or more (the compile takes 20-30 s once, a few seconds from a warm compile cache),
-            going on eagerly with a warning if torch cannot compile the layers; ``"off"``: eager.
+            going on eagerly with a warning if torch cannot compile the layers; ``"off"``: eager. Compiled,
+            prompts and completions are padded to multiples of 8 (TRL's ``pad_to_multiple_of``, unless set),
+            so that rollouts of any length share one compiled variant.
     """
 
     # `int | str | None` (not `int | str`) so that HfArgumentParser reads the flag as text and "auto" gets through;

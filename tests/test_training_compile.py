@@ -219,6 +219,23 @@ def test_bad_setting_is_named(make_config):
 
 
 @pytest.mark.slow
+def test_an_explicit_pad_to_multiple_of_wins_over_the_alignment_for_compiled_layers(tmp_path, make_config):
+    import hf_grpo
+    from datasets import Dataset
+
+    from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
+
+    tokenizer = build_char_tokenizer()
+    for given, expected in (({}, 8), ({"pad_to_multiple_of": None}, None), ({"pad_to_multiple_of": 64}, 64)):
+        trainer = hf_grpo.GRPOTrainer(
+            model=build_tiny_model(tokenizer), processing_class=tokenizer,
+            args=make_config(compile_training="on", **given), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+            train_dataset=Dataset.from_dict({"prompt": ["ab>"] * 8}))
+        trainer._train_layers = training_compile.CompiledTrainingLayers(backend="eager")  # as train begin decides
+        trainer._align_lengths_for_compiled_layers()
+        assert trainer.pad_to_multiple_of == expected, given
+
+
 def test_grpo_run_with_compiled_layers_updates_as_eager(tmp_path, monkeypatch):
     # A whole run from a saved checkpoint with a reference model and activation checkpointing: compiled layers give
     # the eager updates, a bounded number of compiles is logged, and generation never sees the compiled layers.
@@ -241,8 +258,17 @@ def test_grpo_run_with_compiled_layers_updates_as_eager(tmp_path, monkeypatch):
         return generate(self, model, prompt_ids, **kwargs)
 
     monkeypatch.setattr(HFGenerateBackend, "generate", watched_generate)
+    scored_lengths = []  # sequence length of every scoring / training forward
+    score = hf_grpo.GRPOTrainer._get_per_token_logps_and_entropies
+
+    def watched_score(self, model, input_ids, *args, **kwargs):
+        scored_lengths.append(input_ids.shape[1])
+        return score(self, model, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(hf_grpo.GRPOTrainer, "_get_per_token_logps_and_entropies", watched_score)
 
     def run(compile_training):
+        scored_lengths.clear()
         torch.manual_seed(0)
         config = hf_grpo.GRPOConfig(
             output_dir=str(tmp_path / compile_training), report_to=[], use_cpu=True, bf16=False, max_steps=2,
@@ -259,8 +285,12 @@ def test_grpo_run_with_compiled_layers_updates_as_eager(tmp_path, monkeypatch):
         params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
         return params, trainer
 
-    eager_params, _ = run("off")
+    eager_params, eager = run("off")
+    assert any(length % 8 for length in scored_lengths), "the prompts would be aligned anyway: the test proves nothing"
     compiled_params, trainer = run("on")
+    assert scored_lengths and all(length % 8 == 0 for length in scored_lengths), scored_lengths
     assert trainer._train_layers is not None and trainer.get_performance_stats()["train_compiles"] > 0
+    # compiled, lengths are padded to multiples of 8 (one variant of inductor's attention); eager, as TRL pads
+    assert (trainer.pad_to_multiple_of, eager.pad_to_multiple_of) == (8, None)
     assert routed_during_generation and not any(routed_during_generation)
     torch.testing.assert_close(compiled_params, eager_params, rtol=1e-5, atol=1e-6)
