@@ -276,7 +276,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
             return super()._generate_single_turn(*args, **kwargs)
 
     def _generation_mirror(self):
-        # The sampler runs LoRA adapters as they are (the merged copy serves the cuda_graph decoder only): of the
+        # The sampler runs LoRA adapters as they are (merging serves the cuda_graph decoder only): of the
         # dense mirrors only ZeRO-3's applies.
         return super()._generation_mirror() if self._zero3_configured() else None
 
