@@ -332,7 +332,7 @@ def decide(setting: str, model: torch.nn.Module, generation_backend: str, free: 
 
 @dataclass
 class MirrorChoice:
-    """What was decided for a ZeRO-3 run: the mirror (or None), why, and what it costs."""
+    """What was decided for a ZeRO-3 or LoRA run: the mirror or in-place merge (or None), why, and what it costs."""
 
     mirror: DenseMirror | InPlaceLoraMerge | None
     reason: str
