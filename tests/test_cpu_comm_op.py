@@ -11,9 +11,13 @@ from hf_grpo.distributed.cpu_comm_op import SHM_COMM_OP, skip_unused_cpu_comm_op
 
 @pytest.fixture
 def compatible_ops(monkeypatch):
-    """DeepSpeed's table of the ops this machine can build, restored after the test."""
+    """DeepSpeed's table of the ops this machine can build, its shm entry probed afresh (an earlier in-process run
+    under DeepSpeed may have marked it), restored after the test."""
+    from deepspeed.accelerator import get_accelerator
+
     ops = deepspeed.ops.__compatible_ops__
-    monkeypatch.setitem(ops, SHM_COMM_OP, ops.get(SHM_COMM_OP, False))
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    monkeypatch.setitem(ops, SHM_COMM_OP, builder is not None and builder.is_compatible(verbose=False))
     return ops
 
 
