@@ -308,9 +308,10 @@ def fits(nbytes: int, free: int | None) -> tuple[bool, str]:
 
 
 def decide(setting: str, model: torch.nn.Module, generation_backend: str, free: int | None,
-           field: str = "zero3_generation_mirror") -> tuple[bool, str]:
+           field: str = "zero3_generation_mirror", gpu_copy: bool = True) -> tuple[bool, str]:
     """Whether to build a mirror of ``model``, and why (``free``: bytes free on the tightest rank; ``field``: the
-    config field that holds ``setting``)."""
+    config field that holds ``setting``; ``gpu_copy``: whether it copies the model on the GPU, else it needs no
+    memory, as the in-place LoRA merge)."""
     if setting == "off":
         return False, f"{field}='off'"
     reason = unsupported_reason(model)
@@ -323,7 +324,7 @@ def decide(setting: str, model: torch.nn.Module, generation_backend: str, free: 
         return True, f"{field}='on'"
     if generation_backend not in ("auto", "cuda_graph"):
         return False, f"generation_backend={generation_backend!r} captures no CUDA graph"
-    if field == "lora_generation_mirror":  # merged in place: no GPU memory to find
+    if not gpu_copy:  # no GPU memory to find
         return (True, "the cuda_graph decoder serves it") if free is not None else (
             False, "it serves only the CUDA-graph decoder, which runs on CUDA")
     ok, why = fits(planned_nbytes(model), free)
@@ -384,7 +385,7 @@ def _choose(setting: str, model, generation_backend: str, device: torch.device,
     free = free_bytes(device)
     if free is not None:
         free = min_over_ranks(free)
-    on, reason = decide(setting, model, generation_backend, free, field)
+    on, reason = decide(setting, model, generation_backend, free, field, gpu_copy=kind != "LoRA")
     if not on:
         return MirrorChoice(None, reason, kind)
     return _build(setting, model, generation_backend, device, reason, kind)
