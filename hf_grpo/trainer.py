@@ -273,11 +273,11 @@ class GRPOTrainer(trl.GRPOTrainer):
             torch.no_grad(),
             self._dist.summon_full_params(self.model_wrapped, recurse=False),
         ):
-            if mirror is not None:
-                with self.perf.phase("mirror_refresh"):
-                    # the same tensors with the current weights: captured graphs stay valid
-                    unwrapped_model = mirror.refresh(unwrapped_model)
             try:
+                if mirror is not None:
+                    with self.perf.phase("mirror_refresh"):
+                        # the same tensors with the current weights: captured graphs stay valid
+                        unwrapped_model = mirror.refresh(unwrapped_model)
                 backend = self._generation_backend(unwrapped_model)
                 counts_before = backend_counts(backend)
                 completion_ids = generate_with_backoff(  # backend.generate, chunk halved on every rank after an OOM
