@@ -335,13 +335,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         return compiled
 
     def _align_lengths_for_compiled_layers(self) -> None:
-        """With compiled layers, pad prompts and completions to multiples of 8 unless ``pad_to_multiple_of`` was set:
-        inductor's attention kernels guard on the sequence length being a multiple of 8, so rollouts of any length
-        then share one compiled variant instead of recompiling (~10 s at 0.5B) the first time the alignment flips.
-        Pads are masked: the loss is the same."""
         explicit = "pad_to_multiple_of" in getattr(self.args, "_explicit_fields", frozenset())
-        if self._train_layers is not None and self.pad_to_multiple_of is None and not explicit:
-            self.pad_to_multiple_of = 8
+        self.pad_to_multiple_of = training_compile.pad_multiple(self._train_layers, self.pad_to_multiple_of, explicit)
 
     def _scored_models(self) -> list[torch.nn.Module]:
         """The policy, and the reference model where there is one: the models whose forwards score tokens."""
