@@ -14,8 +14,8 @@ Each is thin and calls TRL's own code wherever it can:
   passes (``hf_grpo.memory.token_budget``), each through TRL's own ``compute_loss``. In a one-process run it also
   runs the backward, so that an out-of-memory there can be retried (``hf_grpo.memory.train_backoff``).
 - ``_calculate_rewards``: timed only (TRL's None/NaN handling is kept: see the README).
-- ``_get_per_token_logps_and_entropies``: timed; with ``max_tokens_per_micro_batch``, TRL's no-grad scoring
-  chunks (``batch_size``) are cut to fit the budget.
+- ``_get_per_token_logps_and_entropies``: timed; TRL's no-grad scoring chunks (``batch_size``) hold twice its
+  rows, fewer with ``max_tokens_per_micro_batch`` (``hf_grpo.memory.token_budget.scoring_rows``).
 - the policy's and reference's ``forward`` are patched after TRL's ``add_fused_lm_head`` so the
   log-softmax runs ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
 
@@ -307,13 +307,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         return rewards
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
-        if kwargs.get("batch_size") is not None and self.args.max_tokens_per_micro_batch is not None:
-            # TRL's no-grad scoring of the rollout (old policy, reference) in row chunks: keep them in the budget too
-            rows = token_budget.scoring_rows(self.args.max_tokens_per_micro_batch, input_ids.shape[1],
-                                             kwargs["batch_size"])
+        if kwargs.get("batch_size") is not None:
+            # TRL's no-grad scoring of the rollout (old policy, reference) in row chunks (token_budget.scoring_rows)
+            budget = self.args.max_tokens_per_micro_batch
+            attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+            rows = token_budget.scoring_rows(kwargs["batch_size"], input_ids.shape[1], budget, attention)
             # The same chunk on every rank (widths differ per rank): each chunk's head agrees on out-of-memory
             # with the other ranks (hf_grpo.memory.oom), so unequal chunk counts left a 2-process ZeRO-2 run hanging.
-            kwargs["batch_size"] = min_over_ranks(rows)
+            kwargs["batch_size"] = rows if budget is None else min_over_ranks(rows)
         with self.perf.phase("logprob"):
             return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
 

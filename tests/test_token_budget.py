@@ -289,23 +289,32 @@ def test_eval_runs_in_one_pass(tmp_path):
         torch.testing.assert_close(loss, trainer.compute_loss(trainer.model, inputs), rtol=0, atol=0)
 
 
-def test_trl_scoring_chunks_fit_the_budget_and_give_the_same_logps(tmp_path):
-    # TRL scores the rollout (old policy, reference) without grad, batch_size=P rows of its full padded width
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_trl_scoring_chunks_are_twice_the_micro_batch_within_the_budget_and_give_the_same_logps(tmp_path, attention):
+    # TRL scores the rollout (old policy, reference) without grad, batch_size=P rows of its full padded width; the
+    # trainer runs 2P a chunk (P where attention materialises its scores), at most 2 x budget tokens
     trainer = float64_trainer(tmp_path, "grpo")
+    trainer.model.config._attn_implementation = attention
     inputs = micro_batch()
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)  # 8 rows x 12 columns
     mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
     rows = []
     hook = trainer.model.register_forward_pre_hook(lambda m, a, kw: rows.append(kw["input_ids"].shape[0]),
                                                    with_kwargs=True)
-    logps = {}
+    logps, chunks = {}, {}
     with torch.no_grad():
-        for budget in (None, 30):  # 30 // 12 = 2 rows per chunk
+        for budget in (None, 18, 6):  # 2 x 18 // 12 = 3 rows a chunk; 6 tokens: below one row, one row a chunk
             trainer.args.max_tokens_per_micro_batch = budget
-            logps[budget] = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 7, batch_size=8)[0]
+            rows.clear()
+            logps[budget] = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 7, batch_size=2)[0]
+            chunks[budget] = list(rows)
     hook.remove()
-    assert rows == [8, 2, 2, 2, 2]
-    torch.testing.assert_close(logps[30], logps[None], **EXACT)
+    if attention == "sdpa":
+        assert chunks == {None: [4, 4], 18: [3, 3, 2], 6: [1] * 8}
+    else:
+        assert chunks == {None: [2, 2, 2, 2], 18: [1] * 8, 6: [1] * 8}
+    for budget in (18, 6):
+        torch.testing.assert_close(logps[budget], logps[None], **EXACT)
 
 
 # ---- trainer-level refusals and a real run --------------------------------------------------------

@@ -276,8 +276,8 @@ def from_openrlhf(settings: Mapping[str, Any], world_size: int | None = None) ->
                                    f"{R}")
         fields["per_device_generation_batch_size"] = chunk
         notes.append("micro_rollout_batch_size: the generation chunk (per_device_generation_batch_size); OpenRLHF "
-                     "also runs the old-policy and reference log-probs in it, hf-grpo runs those in micro-batches "
-                     "of per_device_train_batch_size")
+                     "also runs the old-policy and reference log-probs in it, hf-grpo runs those in chunks of twice "
+                     "per_device_train_batch_size")
     if "generate_max_len" in v:
         fields["max_completion_length"] = v["generate_max_len"]
     if "prompt_max_len" in v:
