@@ -322,7 +322,7 @@ def parse_args(argv=None):
                         help="hf_grpo only: score rows packed (on) or padded (off); default: the config's default")
     parser.add_argument("--lora_generation_mirror", choices=["default", "auto", "on", "off"], default="default",
                         help="hf_grpo only: decode LoRA rollouts from the weights with the adapters merged (default: the config's)")
-    parser.add_argument("--compile_training", choices=["default", "auto", "on", "off"], default="default",
+    parser.add_argument("--compile_training", choices=["default", "auto", "on", "cpp_wrapper", "off"], default="default",
                         help="hf_grpo only: compile the training forward's decoder layers (default: the config's)")
     parser.add_argument("--phases", action="store_true",
                         help="time each step's phases (bench/phase_timer.py; syncs the device at every boundary)")

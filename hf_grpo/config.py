@@ -112,9 +112,11 @@ class GRPOConfig(trl.GRPOConfig):
             ``torch.compile`` per layer class (dynamic shapes: a few compiles a run, counted as
             ``perf/train_compiles``); ``"auto"``: so on CUDA outside ZeRO-3 and FSDP, for runs of 50
             optimizer steps or more (the compile takes 20-30 s once, a few seconds from a warm compile cache),
-            going on eagerly with a warning if torch cannot compile the layers; ``"off"``: eager. Compiled,
-            prompts and completions are padded to multiples of 8 (TRL's ``pad_to_multiple_of``, unless set),
-            so that rollouts of any length share one compiled variant.
+            going on eagerly with a warning if torch cannot compile the layers; ``"cpp_wrapper"``: as "on", with
+            the graphs' launch code in C++ (inductor's ``cpp_wrapper``): about a quarter off a host-bound
+            training half, for a first compile more than a minute longer from a cold cache; ``"off"``: eager.
+            Compiled, prompts and completions are padded to multiples of 8 (TRL's ``pad_to_multiple_of``,
+            unless set), so that rollouts of any length share one compiled variant.
     """
 
     # `int | str | None` (not `int | str`) so that HfArgumentParser reads the flag as text and "auto" gets through;
@@ -208,10 +210,12 @@ class GRPOConfig(trl.GRPOConfig):
     compile_training: str = field(
         default="auto",
         metadata={
-            "help": "auto, on or off. 'on' runs the decoder layers of the scoring and training forwards (and the "
+            "help": "auto, on, cpp_wrapper or off. 'on' runs the decoder layers of the scoring and training forwards (and the "
             "backward's recompute) through one torch.compile per layer class with dynamic shapes, so a run compiles "
             "a few graphs (perf/train_compiles); 'auto' does so on CUDA outside ZeRO-3 and FSDP for runs of 50 "
-            "optimizer steps or more, where the compile (20-30 s once) pays for itself. See "
+            "optimizer steps or more, where the compile (20-30 s once) pays for itself; 'cpp_wrapper' compiles as "
+            "'on' with the launch code in C++ (about a quarter off a host-bound training half; the first compile "
+            "takes more than a minute longer from a cold cache). See "
             "hf_grpo.training_compile."
         },
     )

@@ -329,8 +329,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.accelerator.is_main_process:
             if compiled is not None:
                 logger.info("training forward: decoder layers compiled (compile_training=%r)", self.args.compile_training)
-            elif self.args.compile_training == "on":
-                logger.warning("compile_training='on' is not applied: %s", reason)
+            elif self.args.compile_training not in ("auto", "off"):  # asked for
+                logger.warning("compile_training=%r is not applied: %s", self.args.compile_training, reason)
             else:
                 logger.info("training forward: eager (%s)", reason)
         return compiled

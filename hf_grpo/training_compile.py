@@ -20,7 +20,11 @@ activation checkpointing's recompute). Compiled, each layer is a handful of fuse
   from serving a later run.
 * Compiling costs about 22 s once per run from a cold cache (6 graphs at 0.5B), about 7 s from a warm one,
   which a short run does not repay: ``choose``. Where "auto" chose to compile, a layer torch cannot compile
-  sends the run on eagerly with a warning; where the user asked ("on"), the error stands.
+  sends the run on eagerly with a warning; where the user asked ("on", "cpp_wrapper"), the error stands.
+* ``"cpp_wrapper"`` compiles as "on" and has inductor write each graph's launch code in C++ rather than Python
+  (its ``cpp_wrapper`` option): the kernels are the same, the host's time per layer call is about a quarter
+  less, and so is a host-bound training half (0.5B on an H200, ``docs/performance.md``). Building the C++ costs
+  more than a minute more of the first compile from a cold cache.
 """
 
 from __future__ import annotations
@@ -76,8 +80,12 @@ def compiler_checkpointing_available() -> bool:
 class CompiledTrainingLayers:
     """The compiled forwards, one per decoder-layer class, and the layers routed through them right now."""
 
-    def __init__(self, backend: str | object = "inductor", eager_on_failure: bool = False) -> None:
+    def __init__(self, backend: str | object = "inductor", eager_on_failure: bool = False,
+                 cpp_wrapper: bool = False) -> None:
+        if cpp_wrapper and backend != "inductor":
+            raise ValueError(f"cpp_wrapper is an option of the inductor backend, not of {backend!r}")
         self.backend = backend  # torch.compile's backend (tests count graphs through their own)
+        self.cpp_wrapper = cpp_wrapper
         self.compiles = 0  # graphs compiled, over the run
         # "auto" chose to compile, the user did not ask: a layer torch cannot compile sends the run on eagerly
         # (with a warning) instead of ending it. ``failure`` says why, once it happened.
@@ -88,6 +96,11 @@ class CompiledTrainingLayers:
 
     def _counting_backend(self, graph, example_inputs):
         self.compiles += 1
+        if self.cpp_wrapper:
+            # The patch reaches the backward's compile too (compile_fx applies it to every inner compile).
+            from torch._inductor.compile_fx import compile_fx
+
+            return compile_fx(graph, example_inputs, config_patches={"cpp_wrapper": True})
         backend = torch._dynamo.lookup_backend(self.backend) if isinstance(self.backend, str) else self.backend
         return backend(graph, example_inputs)
 
@@ -157,7 +170,7 @@ class CompiledTrainingLayers:
             self._attach(layers)
 
 
-SETTINGS = ("auto", "on", "off")
+SETTINGS = ("auto", "on", "cpp_wrapper", "off")
 # "auto" compiles runs of at least this many optimizer steps. Measured at 0.5B on an H200 (docs/performance.md):
 # the compile costs about 22 s once from a cold cache (a bit more than 10 s more on step 1 and one recompile
 # of about 10 s when a micro-batch's length first breaks the 8-token alignment of the first), about 7 s from a
@@ -201,4 +214,4 @@ def choose(setting: str, models: list[torch.nn.Module], device: torch.device, sh
         reason = CompiledLayers.unavailable_reason(model)  # the decode step's conditions: one class, forwards intact
         if reason is not None:
             return None, reason
-    return CompiledTrainingLayers(eager_on_failure=setting == "auto"), None
+    return CompiledTrainingLayers(eager_on_failure=setting == "auto", cpp_wrapper=setting == "cpp_wrapper"), None

@@ -71,12 +71,37 @@ def test_compiled_layers_equal_eager_and_compile_a_bounded_number_of_times(paddi
     assert all("forward" not in vars(layer) for layer in compiled_model.model.layers)
 
 
+def test_the_cpp_wrapper_setting_compiles_every_graph_with_inductors_cpp_wrapper(monkeypatch):
+    """compile_training="cpp_wrapper": inductor's compile_fx with its cpp_wrapper option, which it applies to the
+    forward's and the backward's compiles (a real inductor build is the GPU test below; on this CPU it takes
+    ~40 s). Here compile_fx partitions as inductor does, so the layers still equal eager."""
+    from torch._inductor import compile_fx as compile_fx_module
+
+    patches = []
+    partitioning = torch._dynamo.lookup_backend("aot_eager_decomp_partition")
+
+    def compile_fx(graph, example_inputs, config_patches=None):
+        patches.append(config_patches)
+        return partitioning(graph, example_inputs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", compile_fx)
+    eager, compiled_model = checkpointed_pair()
+    layers, why = training_compile.choose("cpp_wrapper", [compiled_model], torch.device("cuda"), None, 10)
+    assert layers is not None and layers.cpp_wrapper and not layers.eager_on_failure, why
+    assert_compiled_equals_eager(eager, compiled_model, layers, batch(4, 6, 5, seed=0))
+    assert patches and patches == [{"cpp_wrapper": True}] * layers.compiles
+    assert not training_compile.choose("on", [compiled_model], torch.device("cuda"), None, 10)[0].cpp_wrapper
+    with pytest.raises(ValueError, match=r"cpp_wrapper is an option of the inductor backend, not of 'aot_eager'"):
+        training_compile.CompiledTrainingLayers(backend="aot_eager", cpp_wrapper=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_inductor_compiled_layers_equal_eager_on_the_gpu_with_checkpointing():
+@pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python_wrapper", "cpp_wrapper"])
+def test_inductor_compiled_layers_equal_eager_on_the_gpu_with_checkpointing(cpp_wrapper):
     """What the trainer runs on a GPU: inductor's kernels, the compiler's own activation checkpointing."""
     eager, compiled_model = checkpointed_pair(device="cuda", hidden_size=128, intermediate_size=512)
-    layers = training_compile.CompiledTrainingLayers()
+    layers = training_compile.CompiledTrainingLayers(cpp_wrapper=cpp_wrapper)
     for seed, shape in enumerate([(4, 40, 24), (3, 17, 9), (4, 40, 24)]):
         inputs = [t.cuda() for t in batch(*shape, seed=seed)]
         assert_compiled_equals_eager(eager, compiled_model, layers, inputs, rtol=1e-4, atol=1e-4, grad_rtol=1e-3)
@@ -214,7 +239,7 @@ def test_choose_compiles_long_cuda_runs_and_whatever_on_asks(setting, steps):
 
 
 def test_bad_setting_is_named(make_config):
-    with pytest.raises(ValueError, match=r"compile_training must be one of \['auto', 'on', 'off'\], got 'yes'"):
+    with pytest.raises(ValueError, match=r"compile_training must be one of \['auto', 'on', 'cpp_wrapper', 'off'\], got 'yes'"):
         make_config(compile_training="yes")
 
 
