@@ -210,13 +210,12 @@ class GRPOConfig(trl.GRPOConfig):
     compile_training: str = field(
         default="auto",
         metadata={
-            "help": "auto, on, cpp_wrapper or off. 'on' runs the decoder layers of the scoring and training forwards (and the "
-            "backward's recompute) through one torch.compile per layer class with dynamic shapes, so a run compiles "
-            "a few graphs (perf/train_compiles); 'auto' does so on CUDA outside ZeRO-3 and FSDP for runs of 50 "
-            "optimizer steps or more, where the compile (20-30 s once) pays for itself; 'cpp_wrapper' compiles as "
-            "'on' with the launch code in C++ (about a quarter off a host-bound training half; the first compile "
-            "takes more than a minute longer from a cold cache). See "
-            "hf_grpo.training_compile."
+            "help": "auto, on, cpp_wrapper or off. 'on' runs the decoder layers of the scoring and training forwards "
+            "(and the backward's recompute) through one torch.compile per layer class with dynamic shapes, so a run "
+            "compiles a few graphs (perf/train_compiles); 'auto' does so on CUDA outside ZeRO-3 and FSDP for runs "
+            "of 50 optimizer steps or more, where the compile (20-30 s once) pays for itself; 'cpp_wrapper' compiles "
+            "as 'on' with the launch code in C++ (about a quarter off a host-bound training half; the first compile "
+            "takes more than a minute longer from a cold cache). See hf_grpo.training_compile."
         },
     )
     overwrite_output_dir: bool = field(

@@ -161,7 +161,8 @@ def check_config(config: Any) -> None:
 # ---- TRL's no-grad scoring ------------------------------------------------------------------------
 # A no-grad forward keeps nothing for backward: at any moment it holds one layer's activations, about 4 x hidden
 # + 4 x intermediate values a token, where a training row holds every layer's input (activation checkpointing)
-# plus one layer's activations and their gradients, 2.3-3.3x as much for Qwen2 0.5B-7B and Llama-3 8B. So a
+# plus one layer's activations and their gradients: counting those values, 2.3x as much for Qwen2-0.5B, 2.5x
+# for Qwen2-7B, 3.3x for Llama-3-8B (more without checkpointing), the parameters' gradients on top. So a
 # scoring chunk of twice the micro-batch's rows stays within the memory of the micro-batch's backward, and the
 # rollout is scored in half the forwards (each a layer-by-layer series of launches: the host's time).
 SCORING_ROWS_PER_TRAINING_ROW = 2
