@@ -52,7 +52,7 @@ from . import training_compile
 from .checks import inputs as checks
 from .checks import output_dirs
 from .config import GRPOConfig
-from .distributed import build_locks, cpu_comm_op, zero3_leaves, zero_resume
+from .distributed import before_deepspeed_starts, zero3_leaves, zero_resume
 from .generation import GenerationBackend, dense_mirror, resolve_backend
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
@@ -366,8 +366,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if isinstance(model, str):
             checks.check_model_path(model)
         checks.check_generation_backend_installed(args.generation_backend)
-        build_locks.warn_if_launched_with_deepspeed(args.deepspeed)  # before TRL prepares DeepSpeed's engine
-        cpu_comm_op.skip_unused_cpu_comm_op(args.deepspeed)
+        before_deepspeed_starts(args.deepspeed)  # before TRL prepares DeepSpeed's engine
 
     def _longest_prompt(self) -> int | None:
         """Tokens in the training set's longest prompt (scanned once: the cache sizing and the "auto" probe

@@ -7,3 +7,14 @@ a DeepSpeed op build they never use, ``shutdown`` closes the process group clean
 May import: ``hf_grpo.memory`` (rank agreement helpers), torch, accelerate, deepspeed. Never the trainer or the
 config class.
 """
+
+from typing import Any
+
+from . import build_locks, cpu_comm_op
+
+
+def before_deepspeed_starts(deepspeed_field: Any = None) -> None:
+    """Under DeepSpeed, before it builds or loads its ops: name the stale build locks it would wait on, and spare a
+    CPU run the communication op it never uses. Without DeepSpeed, nothing."""
+    build_locks.warn_if_launched_with_deepspeed(deepspeed_field)
+    cpu_comm_op.skip_unused_cpu_comm_op(deepspeed_field)

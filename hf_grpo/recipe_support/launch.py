@@ -17,7 +17,7 @@ from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from ..checks.inputs import check_model_path
 from ..config import GRPOConfig, device_defaults, explicit_fields
-from ..distributed import build_locks, cpu_comm_op
+from ..distributed import before_deepspeed_starts
 from ..distributed.shutdown import close_distributed
 from ..trainer import GRPOTrainer
 from .recipe_args import RecipeArguments
@@ -53,8 +53,7 @@ def parse_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None, c
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.WARNING)
     logger.setLevel(logging.INFO)
     cpu_launch_without_mixed_precision()
-    build_locks.warn_if_launched_with_deepspeed()  # before the config is built: that may build a DeepSpeed op
-    cpu_comm_op.skip_unused_cpu_comm_op()
+    before_deepspeed_starts()  # before the config is built: that may build a DeepSpeed op
     parser = TrlParser((config_cls, RecipeArguments, ModelConfig))
     unknown = parser.set_defaults_with_config(**{**device_defaults(), **defaults})
     if unknown:
