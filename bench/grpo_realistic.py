@@ -324,6 +324,8 @@ def parse_args(argv=None):
                         help="hf_grpo only: decode LoRA rollouts from the weights with the adapters merged (default: the config's)")
     parser.add_argument("--compile_training", choices=["default", "auto", "on", "cpp_wrapper", "off"], default="default",
                         help="hf_grpo only: compile the training forward's decoder layers (default: the config's)")
+    parser.add_argument("--training_cuda_graphs", choices=["default", "auto", "on", "off"], default="default",
+                        help="hf_grpo only: replay training micro-batches from CUDA graphs (default: the config's)")
     parser.add_argument("--phases", action="store_true",
                         help="time each step's phases (bench/phase_timer.py; syncs the device at every boundary)")
     parser.add_argument("--seed", type=int, default=0)
@@ -412,6 +414,8 @@ def main(argv=None) -> int:
             common["compile_training"] = args.compile_training
         if args.lora_generation_mirror != "default":
             common["lora_generation_mirror"] = args.lora_generation_mirror
+        if args.training_cuda_graphs != "default":
+            common["training_cuda_graphs"] = args.training_cuda_graphs
     elif args.cudnn_attention != "default":
         torch.backends.cuda.enable_cudnn_sdp(args.cudnn_attention == "on")
     config = GRPOConfig(**common)
@@ -496,6 +500,9 @@ def main(argv=None) -> int:
         beta=args.beta, num_iterations=args.num_iterations, lora_r=args.lora_r,
         padding_free=getattr(trainer.args, "padding_free", None),
         compile_training=getattr(trainer, "_train_layers", None) is not None if args.impl == "hf_grpo" else None,
+        training_cuda_graphs=(getattr(trainer, "_train_graphs", None) is not None
+                              and trainer._train_graphs.failure is None) if args.impl == "hf_grpo" else None,
+        training_graphs_failure=getattr(getattr(trainer, "_train_graphs", None), "failure", None),
         generation_mirror=str(getattr(trainer, "_mirror_choice", None)) if args.impl == "hf_grpo" else None,
         checkpointing=bool(getattr(trainer.args, checkpointing_field)),
         tensor_batch_size=args.tensor_batch_size if args.impl == "hf_grpo" else None,

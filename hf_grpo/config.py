@@ -34,6 +34,7 @@ from .generation.dense_mirror import validate_setting as validate_mirror_setting
 from .memory.token_budget import check_config as check_token_budget
 from .plan import BatchPlan
 from .training_compile import validate_setting as validate_compile_setting
+from .training_graphs import validate_setting as validate_graphs_setting
 
 logger = logging.getLogger("hf_grpo")
 
@@ -117,6 +118,13 @@ class GRPOConfig(trl.GRPOConfig):
             training half, for a first compile more than a minute longer from a cold cache; ``"off"``: eager.
             Compiled, prompts and completions are padded to multiples of 8 (TRL's ``pad_to_multiple_of``,
             unless set), so that rollouts of any length share one compiled variant.
+        training_cuda_graphs (`str`, *optional*, defaults to `"auto"`):
+            ``"auto"``/``"on"``: each training micro-batch's forward and backward are replayed from CUDA graphs
+            captured per shape bucket (``hf_grpo.training_graphs``; prompts and completions padded to a few
+            widths an octave, positions kept), on one CUDA process without DeepSpeed, FSDP, padding-free rows or a
+            token budget, for models with sdpa or eager attention; a failed capture sends the run on eagerly with
+            a warning. The graphs' memory pool keeps the largest bucket's activations between steps.
+            ``"off"``: eager launches.
     """
 
     # `int | str | None` (not `int | str`) so that HfArgumentParser reads the flag as text and "auto" gets through;
@@ -218,6 +226,14 @@ class GRPOConfig(trl.GRPOConfig):
             "takes more than a minute longer from a cold cache). See hf_grpo.training_compile."
         },
     )
+    training_cuda_graphs: str = field(
+        default="auto",
+        metadata={
+            "help": "auto, on or off. 'auto'/'on' replay each training micro-batch's forward and backward from CUDA "
+            "graphs captured per shape bucket, where the run allows it (one CUDA process, no DeepSpeed/FSDP, "
+            "padding_free or token budget); see hf_grpo.training_graphs."
+        },
+    )
     overwrite_output_dir: bool = field(
         default=False,
         metadata={
@@ -258,6 +274,7 @@ class GRPOConfig(trl.GRPOConfig):
         validate_mirror_setting(self.lora_generation_mirror, "lora_generation_mirror")
         validate_leaf_setting(self.zero3_leaf_modules)
         validate_compile_setting(self.compile_training)
+        validate_graphs_setting(self.training_cuda_graphs)
         self._fill_device_defaults()
         fraction = self.auto_memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:

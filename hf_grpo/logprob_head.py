@@ -32,6 +32,11 @@ from .ops import chunked_logprobs
 
 logger = logging.getLogger("hf_grpo")
 
+# The static-window head runs inside a CUDA graph, whose memory pool keeps its chunk's fp32 logits (and their
+# gradient) between steps: at most this many rows a chunk (~150 MB of logits at a 152k vocabulary), below any
+# tensor_batch_size asked for. Replayed, smaller chunks cost next to no time.
+STATIC_WINDOW_CHUNK_ROWS = 256
+
 
 def unsupported_reason(model: torch.nn.Module) -> str | None:
     """Why the chunked head cannot stand in for TRL's on ``model`` (we then keep TRL's), or None."""
@@ -94,7 +99,8 @@ def install_chunked_lm_head(
     # Keep the model's own signature: `generate` reads it to decide which kwargs to pass, and without
     # `logits_to_keep` there its prefill would build logits for every prompt token.
     @functools.wraps(type(model).forward)
-    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
+                scored_window=None, **kwargs):
         if not fused_lm_head:
             return previous_forward(
                 *args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, **kwargs
@@ -105,11 +111,20 @@ def install_chunked_lm_head(
         backbone = getattr(self, backbone_name)
         packed = None
         # MoE router logits are scored against the padded rows' mask (TRL's aux loss): those stay padded
-        if (padding_free_rows and not args and shift_labels is None and kwargs.get("attention_mask") is not None
-                and not kwargs.get("output_router_logits")):
+        if (padding_free_rows and scored_window is None and not args and shift_labels is None
+                and kwargs.get("attention_mask") is not None and not kwargs.get("output_router_logits")):
             packed = padding_free.pack_rows(kwargs["input_ids"], kwargs["attention_mask"])
             packed = packed if packed is not None and padding_free.packable(self, packed) else None
-        if packed is not None:
+        if scored_window is not None:
+            # Static shapes, for a CUDA graph (hf_grpo.training_graphs): every position of the last
+            # ``scored_window`` label columns is scored, the unscored ones zeroed below.
+            backbone_outputs = backbone(*args, **kwargs)
+            hidden = backbone_outputs.last_hidden_state[:, -scored_window - 1:-1]
+            targets = labels[:, -scored_window:]
+            mask = targets != -100  # [B, window]
+            scored = hidden.reshape(-1, hidden.shape[-1])
+            scored_targets = targets.clamp(min=0).reshape(-1)
+        elif packed is not None:
             hidden = padding_free.packed_hidden_states(self, backbone, packed, **kwargs)[0]  # [T, H]
             targets = labels[:, 1:]
             mask = targets != -100  # [B, L-1]
@@ -130,7 +145,9 @@ def install_chunked_lm_head(
             scored = scored.float()
             autocast = torch.autocast(scored.device.type, enabled=False)
         gather = lambda: maybe_gather_lm_head_ctx(head.weight, head.bias)  # noqa: E731 (ZeRO-3: full head)
-        scored_targets = targets[mask].to(head.weight.device)  # [T]
+        if scored_window is None:
+            scored_targets = targets[mask]  # [T]
+        scored_targets = scored_targets.to(head.weight.device)
 
         def head_logprobs(rows):  # only scored tokens reach the vocabulary projection
             return chunked_logprobs(
@@ -145,15 +162,24 @@ def install_chunked_lm_head(
             )
 
         with autocast, gather():
-            if isinstance(chunk_rows, SizeKnob):
+            if scored_window is not None:  # (no out-of-memory retry inside a capture: a failure ends the capture)
+                rows = chunk_rows.value if isinstance(chunk_rows, SizeKnob) else chunk_rows
+                result = head_logprobs(min(rows or scored.shape[0], STATIC_WINDOW_CHUNK_ROWS))
+            elif isinstance(chunk_rows, SizeKnob):
                 result = chunk_rows.run(head_logprobs, full=lambda: scored.shape[0])
             else:
                 result = head_logprobs(chunk_rows)
         logps, entropy = result if return_entropy else (result, None)
-        # masked_scatter keeps the graph connected even when no token is scored
-        log_probs = logps.new_zeros(mask.shape).masked_scatter(mask, logps)
-        if entropy is not None:
-            entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
+        if scored_window is not None:  # back to TRL's [B, L - 1] layout, zeros where nothing is scored
+            left = labels.shape[1] - 1 - scored_window
+            log_probs = torch.nn.functional.pad(torch.where(mask, logps.view(mask.shape), 0), (left, 0))
+            if entropy is not None:
+                entropy = torch.nn.functional.pad(torch.where(mask, entropy.view(mask.shape), 0), (left, 0))
+            mask = torch.nn.functional.pad(mask, (left, 0), value=False)
+        else:  # masked_scatter keeps the graph connected even when no token is scored
+            log_probs = logps.new_zeros(mask.shape).masked_scatter(mask, logps)
+            if entropy is not None:
+                entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
         denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss, aux_loss = -log_probs.sum() / denominator, None
         if kwargs.get("output_router_logits"):

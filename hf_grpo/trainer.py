@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
-from . import training_compile
+from . import training_compile, training_graphs
 from .checks import inputs as checks
 from .checks import output_dirs
 from .config import GRPOConfig
@@ -81,6 +81,7 @@ class _RunCallbacks(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._train_layers = self.trainer._compiled_training_layers(state.max_steps)
         self.trainer._align_lengths_for_compiled_layers()
+        self.trainer._train_graphs = self.trainer._training_graphs()
         self.trainer._generation_mirror()  # decided on every rank before the plan is printed
         if state.is_world_process_zero:
             plan = self.trainer.batch_plan()
@@ -144,13 +145,14 @@ class GRPOTrainer(trl.GRPOTrainer):
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         head = dict(temperature=self.temperature, chunk_rows=self._oom_knobs["tensor_batch_size"],
                     cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32, padding_free_rows=self.args.padding_free)
-        install_chunked_lm_head(policy, return_entropy=True, **head)
+        self._chunked_head_installed = install_chunked_lm_head(policy, return_entropy=True, **head)
         if self.ref_model is not None:
             # TRL has already wrapped the reference (a DeepSpeed engine under ZeRO): patch the module inside,
             # whose forward the wrapper calls.
             reference = self.accelerator.unwrap_model(self.ref_model)
             install_chunked_lm_head(reference, return_entropy=False, **head)
         self._train_layers: training_compile.CompiledTrainingLayers | None = None  # decided at train begin
+        self._train_graphs: training_graphs.TrainingGraphs | None = None  # likewise
         self.add_callback(_RunCallbacks(self))
         self.add_callback(autosize.SaveSizesCallback())
 
@@ -316,6 +318,13 @@ class GRPOTrainer(trl.GRPOTrainer):
             # with the other ranks (hf_grpo.memory.oom), so unequal chunk counts left a 2-process ZeRO-2 run hanging.
             kwargs["batch_size"] = rows if budget is None else min_over_ranks(rows)
         with self.perf.phase("logprob"):
+            if self._train_graphs is not None:  # a training micro-batch replayed from CUDA graphs (training_graphs)
+                before = self._train_graphs.captures
+                replayed = training_graphs.score_micro_batch(self._train_graphs, self.accelerator.autocast, model,
+                                                             input_ids, *args, **kwargs)
+                self.perf.add("train_graph_captures", float(self._train_graphs.captures - before))
+                if replayed is not None:
+                    return replayed
             return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -334,6 +343,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             else:
                 logger.info("training forward: eager (%s)", reason)
         return compiled
+
+    def _training_graphs(self) -> training_graphs.TrainingGraphs | None:
+        graphs, reason = training_graphs.choose(self)
+        if self.args.training_cuda_graphs == "on" and graphs is None:
+            logger.warning("training_cuda_graphs='on' is not applied: %s", reason)
+        return graphs
 
     def _align_lengths_for_compiled_layers(self) -> None:
         explicit = "pad_to_multiple_of" in getattr(self.args, "_explicit_fields", frozenset())

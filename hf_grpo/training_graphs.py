@@ -1,0 +1,310 @@
+"""The training micro-batch's forward and backward replayed from CUDA graphs, one pair per shape bucket.
+
+At 0.5B on an H200 the training half of a GRPO step is bound by the host (``docs/performance.md``): most of a
+micro-batch's time is Python and kernel launches, eager or compiled. A CUDA graph launches the whole forward (or
+backward, activation checkpointing's recompute included) as one unit. Measured on one micro-batch of 8 rows x
+640 tokens with checkpointing (``bench/training_graph_probe.py``): 133-150 ms eager, 67 ms replayed; 55 ms
+compiled, 44 ms compiled and replayed. A capture costs a fraction of a second, not a compile.
+
+How:
+
+* A micro-batch is padded to a bucket: the prompt part on the left and the completion part on the right, each
+  to ``bucket(width)`` (a few sizes an octave), with masked tokens; ``position_ids`` keep every real token at the
+  position it has unpadded, so a bucket's log-probs are the unpadded ones. Each (rows, prompt bucket,
+  completion bucket) gets one forward graph and one backward graph, captured at its first micro-batch after two
+  eager warm-up passes.
+* The forward graph computes the completion's log-probs (and entropies) through the model's chunked head in its
+  static-shape form (``scored_window``: every position of the completion window is scored, unscored ones are
+  zeroed), since selecting scored tokens by mask has a data-dependent size that a graph cannot hold.
+* The backward graph accumulates straight into the parameters' ``.grad`` tensors it was captured with
+  (``grad_buffers``, allocated once); before each replay those are made the parameters' gradients again
+  (adopting what earlier micro-batches accumulated), since the Trainer sets gradients to None after each
+  optimizer step. The replay is an autograd node of the loss, so TRL's loss, the Trainer's backward and the
+  out-of-memory back-off work unchanged.
+* Every bucket's graphs share one memory pool: buckets run one at a time, forward then backward, so one
+  bucket's activations may reuse another's memory. The pool holds the largest bucket's activations between
+  steps, which the rollout then does not get back.
+* Graphs are dropped when a parameter moves (``weights_signature``) and given up for the run, with a warning,
+  when a capture fails (an operation that waits on the host, a model the graph cannot hold, out of memory).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+from .generation.static_cache import weights_signature
+
+logger = logging.getLogger(__name__)
+
+SETTINGS = ("auto", "on", "off")
+# eager passes on the capture stream before a capture (cuBLAS workspaces, lazy inits): two before the run's
+# first capture, one before the next buckets'
+WARMUP_PASSES = (2, 1)
+MAX_BUCKETS = 16  # captured buckets kept; the oldest is dropped beyond
+_CAPTURABLE_ATTENTION = ("sdpa", "eager")  # flash-attention's varlen path reads sequence lengths on the host
+
+
+def validate_setting(value: str) -> None:
+    if value not in SETTINGS:
+        raise ValueError(f"training_cuda_graphs must be one of {list(SETTINGS)}, got {value!r}")
+
+
+def bucket(width: int) -> int:
+    """``width`` rounded up to a multiple of 64, or above 512 of an eighth of the power of two below it (less than
+    12.5% padding, eight buckets an octave)."""
+    if width < 1:
+        raise ValueError(f"a width to bucket must be at least 1, got {width}")
+    step = max(64, (1 << (width.bit_length() - 1)) // 8)
+    return -(-width // step) * step
+
+
+def pad_to_bucket(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int, pad_token_id: int):
+    """``(input_ids, attention_mask, position_ids)`` with the prompt part padded on the left and the last
+    ``completion_width`` columns on the right, each to its ``bucket``; every real token keeps the position it has
+    unpadded (transformers counts positions from the first column), so its log-prob is the unpadded one."""
+    prompt_width = input_ids.shape[1] - completion_width
+    left = (bucket(prompt_width) if prompt_width else 0) - prompt_width
+    right = bucket(completion_width) - completion_width
+    ids = torch.nn.functional.pad(input_ids, (left, right), value=pad_token_id)
+    mask = torch.nn.functional.pad(attention_mask, (left, right), value=0)
+    positions = (torch.arange(ids.shape[1], device=ids.device) - left).clamp(min=0).expand(ids.shape[0], -1)
+    return ids, mask, positions
+
+
+def unavailable_reason(trainer) -> str | None:
+    """Why this run's training micro-batches cannot be replayed from CUDA graphs; None when they can."""
+    args, accelerator = trainer.args, trainer.accelerator
+    if accelerator.device.type != "cuda":
+        return f"CUDA graphs need a CUDA device (device {accelerator.device.type})"
+    if accelerator.num_processes > 1 or getattr(args, "n_gpu", 1) > 1:
+        return "several processes: the backward's gradient reductions run inside it"
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        return "DeepSpeed or FSDP manages the gradients"
+    if args.padding_free:
+        return "padding_free packs each micro-batch into a sequence of its own length"
+    if args.max_tokens_per_micro_batch is not None:
+        return "max_tokens_per_micro_batch splits micro-batches into passes of varying rows"
+    config = trainer.model.config
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in _CAPTURABLE_ATTENTION:
+        return f"attention {attention!r} (capturable: {list(_CAPTURABLE_ATTENTION)})"
+    text = config.get_text_config()
+    if any(getattr(text, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return "a mixture-of-experts model routes tokens with data-dependent shapes"
+    if getattr(trainer, "_chunked_head_installed", True) is False:
+        return "the model keeps TRL's fused head (its scored tokens are selected by mask)"
+    return None
+
+
+def choose(trainer) -> tuple[TrainingGraphs | None, str | None]:
+    """``(TrainingGraphs or None, why not)`` for the run's ``training_cuda_graphs`` setting."""
+    setting = trainer.args.training_cuda_graphs
+    if setting == "off":
+        return None, "training_cuda_graphs='off'"
+    reason = unavailable_reason(trainer)
+    if reason is not None:
+        return None, reason
+    pad = trainer.processing_class.pad_token_id if trainer.processing_class is not None else None
+    return TrainingGraphs(trainer.model, pad if pad is not None else 0, eager_on_failure=setting == "auto"), None
+
+
+def score_micro_batch(graphs: TrainingGraphs, autocast: Callable, model, input_ids, attention_mask, logits_to_keep,
+                      batch_size=None, compute_entropy=False, compute_aux_loss=False, **model_inputs):
+    """TRL's ``_get_per_token_logps_and_entropies`` for a training micro-batch, replayed; None where it must run
+    eagerly (scoring without gradients, another model than the captured one, images, the MoE auxiliary loss)."""
+    if (batch_size is not None or compute_aux_loss or model is not graphs.model or not torch.is_grad_enabled()
+            or not model.training or any(value is not None for value in model_inputs.values())):
+        return None
+
+    def score(ids, mask, positions, window):  # TRL's labels: only the completion window is scored
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :-window] = -100
+        with autocast():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels,
+                        fused_lm_head=True, scored_window=window)
+        return out.log_probs[:, -window:], (out.entropy[:, -window:] if compute_entropy else None)
+
+    result = graphs.logps(score, input_ids, attention_mask, logits_to_keep, compute_entropy)
+    return None if result is None else (*result, None)
+
+
+def end_broken_capture() -> None:
+    """After a capture that failed half-way, an empty capture: torch's CUDA generator is still marked as
+    capturing by the failed one (every later random draw would raise), and an ended capture clears the mark."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            pass
+    except Exception as err:  # noqa: BLE001 - the generator's state is what matters; say so if it stays wrong
+        logger.debug("an empty capture after a failed one raised %s", err)
+    del graph
+
+
+class _Bucket:
+    """The static inputs, outputs and the two graphs of one (rows, prompt width, completion width)."""
+
+    def __init__(self, input_ids, attention_mask, position_ids):
+        self.input_ids, self.attention_mask, self.position_ids = input_ids, attention_mask, position_ids
+        self.forward_graph = torch.cuda.CUDAGraph()
+        self.backward_graph = torch.cuda.CUDAGraph()
+        self.logps = self.entropy = self.grad_logps = None
+
+
+class _Replay(torch.autograd.Function):
+    """The forward graph's log-probs as an autograd node whose backward replays the backward graph."""
+
+    @staticmethod
+    def forward(ctx, anchor, graphs, entry):
+        entry.forward_graph.replay()
+        ctx.graphs, ctx.entry = graphs, entry
+        entropy = entry.entropy.clone() if entry.entropy is not None else None
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return entry.logps.clone(), entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_entropy):
+        entry = ctx.entry
+        if grad_logps is None:
+            entry.grad_logps.zero_()
+        else:
+            entry.grad_logps.copy_(grad_logps)
+        ctx.graphs.adopt_gradients()
+        entry.backward_graph.replay()
+        return None, None, None
+
+
+class TrainingGraphs:
+    """Captured buckets of one model's training forward/backward; ``logps`` runs a micro-batch through them."""
+
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, eager_on_failure: bool = True):
+        self.model = model
+        self.eager_on_failure = eager_on_failure
+        self.pad_token_id = pad_token_id
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.grad_buffers: list[torch.Tensor] | None = None
+        self.captures = 0  # buckets captured over the run (perf/train_graph_captures)
+        self.failure: str | None = None  # why graphs were given up, once they were
+        self._entries: OrderedDict[tuple, _Bucket] = OrderedDict()
+        self._signature = None
+        self._pool = None
+        self._anchor = torch.zeros((), requires_grad=True)
+        self._rng_before_capture: torch.Tensor | None = None
+
+    def logps(self, score: Callable, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int,
+              compute_entropy: bool):
+        """``(logps, entropies)`` of the completion's ``completion_width`` columns, as ``score(input_ids,
+        attention_mask, position_ids, window)`` computes them eagerly; None after a failed capture."""
+        if self.failure is not None:
+            return None
+        signature = weights_signature(self.model)
+        if signature != self._signature:
+            self._entries.clear()  # a moved parameter or a changed forward path: every graph reads stale memory
+            self._signature = signature
+        ids, mask, positions = pad_to_bucket(input_ids, attention_mask, completion_width, self.pad_token_id)
+        shape = (input_ids.shape[0], ids.shape[1] - bucket(completion_width), bucket(completion_width), compute_entropy)
+        entry = self._entries.get(shape)
+        if entry is None:
+            try:
+                entry = self._capture(score, ids, mask, positions, shape)
+            except Exception as err:  # noqa: BLE001 - any capture failure: eager for the rest of the run ("auto")
+                if not self.eager_on_failure:
+                    self._recover()
+                    raise
+                self.give_up(f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}")
+                return None
+        else:
+            self._entries.move_to_end(shape)
+            entry.input_ids.copy_(ids)
+            entry.attention_mask.copy_(mask)
+            entry.position_ids.copy_(positions)
+        logps, entropy = _Replay.apply(self._anchor, self, entry)
+        keep = slice(0, completion_width)
+        return logps[:, keep], (entropy[:, keep] if entropy is not None else None)
+
+    def adopt_gradients(self) -> None:
+        """Make the captured gradient buffers the parameters' ``.grad`` again, keeping what they hold."""
+        for param, buffer in zip(self.params, self.grad_buffers):
+            if param.grad is buffer:
+                continue
+            if param.grad is None:
+                buffer.zero_()
+            else:
+                buffer.copy_(param.grad)
+            param.grad = buffer
+
+    def give_up(self, reason: str) -> None:
+        self.failure = reason
+        self._recover()
+        logger.warning("training_cuda_graphs: capturing the training step failed (%s); the run goes on with "
+                       "eager micro-batches (training_cuda_graphs='off' skips the attempt)", reason)
+
+    def _recover(self) -> None:
+        """After a failed capture: no graphs, the random stream usable and where it was before the capture."""
+        self._entries.clear()
+        self._pool = None
+        end_broken_capture()
+        if self._rng_before_capture is not None:
+            torch.cuda.set_rng_state(self._rng_before_capture)
+            self._rng_before_capture = None
+        torch.cuda.empty_cache()
+
+    # ---- capture ---------------------------------------------------------------------------------------------
+    def _warm_up(self, score: Callable, entry: _Bucket, window: int) -> None:
+        """Eager passes before a capture. The run's first computes every gradient (nothing is accumulated yet);
+        a later one, mid-step, would need a second set of gradients beside the step's own, so its backward asks
+        only for an early small parameter's (through every layer, without the weight gradients)."""
+        first = self.captures == 0
+        early = next((p for p in self.params if p.numel() <= 1 << 24), self.params[-1])
+        for _ in range(WARMUP_PASSES[0 if first else 1]):
+            logps, _ = score(entry.input_ids, entry.attention_mask, entry.position_ids, window)
+            if first:
+                for param in self.params:
+                    param.grad = None
+                logps.sum().backward()
+                for param in self.params:
+                    param.grad = None
+            else:
+                torch.autograd.grad(logps.sum(), [early], allow_unused=True)
+
+    def _capture(self, score: Callable, ids, mask, positions, shape) -> _Bucket:
+        if self.grad_buffers is None:
+            self.grad_buffers = [torch.zeros_like(p) for p in self.params]
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        entry = _Bucket(ids.clone(), mask.clone(), positions.clone())
+        window = shape[2]
+        held = [p.grad for p in self.params]  # the step's gradients so far: the warm-up must not add to them
+        # a capture must not move the random stream the rollouts sample from (restored here, or in give_up)
+        self._rng_before_capture = torch.cuda.get_rng_state()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(stream):
+                self._warm_up(score, entry, window)
+            torch.cuda.current_stream().wait_stream(stream)
+            for param, buffer in zip(self.params, self.grad_buffers):
+                param.grad = buffer  # the backward graph accumulates into these addresses
+            with torch.cuda.graph(entry.forward_graph, pool=self._pool):
+                entry.logps, entry.entropy = score(entry.input_ids, entry.attention_mask, entry.position_ids, window)
+            entry.grad_logps = torch.zeros_like(entry.logps)
+            with torch.cuda.graph(entry.backward_graph, pool=self._pool):
+                # No retain_graph: the saved activations go back to the pool, for the next bucket's capture.
+                torch.autograd.backward(entry.logps, entry.grad_logps)
+        finally:
+            for param, grad in zip(self.params, held):
+                param.grad = grad
+        torch.cuda.set_rng_state(self._rng_before_capture)
+        self._rng_before_capture = None
+        entry.logps = entry.logps.detach()
+        entry.entropy = entry.entropy.detach() if entry.entropy is not None else None
+        self._entries[shape] = entry
+        self.captures += 1
+        while len(self._entries) > MAX_BUCKETS:
+            self._entries.popitem(last=False)
+        return entry

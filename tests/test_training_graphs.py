@@ -1,0 +1,182 @@
+"""Training micro-batches replayed from CUDA graphs (hf_grpo.training_graphs): the static-shape head and the bucket
+padding give the eager log-probs and gradients; the captured gradient buffers keep what was accumulated; a whole run
+with graphs updates as one without (GPU)."""
+
+import pytest
+import torch
+
+from hf_grpo import training_graphs
+from hf_grpo.logprob_head import install_chunked_lm_head
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
+
+from test_training_compile import batch
+
+
+@pytest.mark.parametrize("width, expected", [(1, 64), (64, 64), (65, 128), (300, 320), (512, 512), (513, 576),
+                                             (1000, 1024), (1025, 1152), (4000, 4096)])
+def test_bucket_pads_less_than_an_eighth_above_512_and_to_64_below(width, expected):
+    assert training_graphs.bucket(width) == expected
+    assert expected - width < max(64, width / 8)
+
+
+def test_bucket_names_a_bad_width():
+    with pytest.raises(ValueError, match="at least 1, got 0"):
+        training_graphs.bucket(0)
+
+
+def test_bad_setting_is_named(make_config):
+    with pytest.raises(ValueError, match=r"training_cuda_graphs must be one of \['auto', 'on', 'off'\], got 'yes'"):
+        make_config(training_cuda_graphs="yes")
+
+
+def checkpointed_model():
+    model = build_tiny_model(build_char_tokenizer(), attn_implementation="sdpa")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    install_chunked_lm_head(model, temperature=0.7, chunk_rows=5, return_entropy=True)
+    return model
+
+
+def logps_and_grads(model, ids, mask, labels, **kwargs):
+    model.zero_grad()
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, **kwargs)
+    # a loss that weighs rows unequally, so a row's gradient given to another shows
+    weights = torch.arange(1.0, ids.shape[0] + 1).unsqueeze(1)
+    (out.log_probs * weights).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return out.log_probs.detach(), out.entropy.detach(), grads
+
+
+def test_the_static_window_head_scores_as_the_masked_head():
+    # The graph's head scores every position of the completion window; the eager head only the labelled ones.
+    model = checkpointed_model()
+    ids, mask, labels = batch(4, prompt=9, completion=7, seed=3)
+    expected = logps_and_grads(model, ids, mask, labels)
+    got = logps_and_grads(model, ids, mask, labels, scored_window=7)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-6, atol=1e-7)
+    assert (got[0][labels[:, 1:] == -100] == 0).all()
+    for name, grad in expected[2].items():
+        torch.testing.assert_close(got[2][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_a_micro_batch_padded_to_its_bucket_keeps_every_log_prob_and_gradient():
+    # Extra left padding would move every real token's position; the bucket's position ids keep them where they were.
+    model = checkpointed_model()
+    ids, mask, labels = batch(3, prompt=11, completion=6, seed=1)
+    expected = logps_and_grads(model, ids, mask, labels)
+    padded_ids, padded_mask, positions = training_graphs.pad_to_bucket(ids, mask, completion_width=6, pad_token_id=0)
+    assert padded_ids.shape == (3, 128) and positions.shape == (3, 128)
+    padded_labels = padded_ids.masked_fill(padded_mask == 0, -100)
+    padded_labels[:, :-64] = -100
+    got = logps_and_grads(model, padded_ids, padded_mask, padded_labels, position_ids=positions, scored_window=64)
+    # the completion's label columns are 64..69 of the padded batch: log-prob columns 63..68
+    torch.testing.assert_close(got[0][:, 63:69], expected[0][:, -6:], rtol=1e-5, atol=1e-6)
+    assert (got[0][:, :63] == 0).all() and (got[0][:, 69:] == 0).all()
+    for name, grad in expected[2].items():
+        torch.testing.assert_close(got[2][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_captured_gradient_buffers_keep_what_was_accumulated():
+    # The Trainer sets gradients to None after each optimizer step, the back-off zeroes them, eager micro-batches
+    # may have accumulated into fresh tensors: before a replay the buffers become the gradients again, keeping sums.
+    model = torch.nn.Linear(3, 2)
+    graphs = training_graphs.TrainingGraphs(model, pad_token_id=0)
+    graphs.grad_buffers = [torch.full_like(p, 9.0) for p in graphs.params]
+    weight, bias = graphs.params
+    weight.grad, bias.grad = torch.ones_like(weight), None
+    graphs.adopt_gradients()
+    assert weight.grad is graphs.grad_buffers[0] and bias.grad is graphs.grad_buffers[1]
+    assert (weight.grad == 1).all() and (bias.grad == 0).all()
+    weight.grad.add_(2.0)
+    graphs.adopt_gradients()  # already adopted: left as it is
+    assert weight.grad is graphs.grad_buffers[0] and (weight.grad == 3).all()
+
+
+def test_a_cpu_run_says_why_no_graphs(tmp_path):
+    import hf_grpo
+    from datasets import Dataset
+
+    tokenizer = build_char_tokenizer()
+    config = hf_grpo.GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, max_steps=1,
+                                per_device_train_batch_size=2, num_generations=2, max_completion_length=4,
+                                generation_backend="hf")
+    trainer = hf_grpo.GRPOTrainer(model=build_tiny_model(tokenizer), args=config, processing_class=tokenizer,
+                                  reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                                  train_dataset=Dataset.from_dict({"prompt": ["ab>", "c>"]}))
+    graphs, reason = training_graphs.choose(trainer)
+    assert graphs is None and reason == "CUDA graphs need a CUDA device (device cpu)"
+    trainer.args.training_cuda_graphs = "off"
+    assert training_graphs.choose(trainer) == (None, "training_cuda_graphs='off'")
+
+
+def grpo_run(tmp_path, checkpoint, graphs: str, lora: bool = False):
+    import hf_grpo
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    config = hf_grpo.GRPOConfig(
+        output_dir=str(tmp_path / f"{graphs}{lora}"), report_to=[], bf16=False, max_steps=3, seed=0,
+        per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4, max_completion_length=6,
+        learning_rate=0.01, optim="sgd", max_grad_norm=1.0, logging_steps=1, save_strategy="no", disable_tqdm=True,
+        generation_backend="hf", beta=0.04, activation_checkpointing=True, temperature=0.7,
+        training_cuda_graphs=graphs, compile_training="off")
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    prompts = ["ab>", "c>", "defghij>", "ij>", "klmnopqrstu>", "v>", "wx>", "yz>"]
+    trainer = hf_grpo.GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa"), args=config,
+        processing_class=AutoTokenizer.from_pretrained(checkpoint, padding_side="left"),
+        reward_funcs=lambda completions, **kw: [float(sum(map(ord, c)) % 7) for c in completions],
+        train_dataset=Dataset.from_dict({"prompt": prompts * 2}), peft_config=peft_config)
+    trainer.train()
+    params = torch.cat([p.detach().flatten() for p in trainer.model.parameters() if p.requires_grad])
+    return params, trainer
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_grpo_run_with_training_graphs_updates_as_eager(tmp_path, lora):
+    # From a saved checkpoint, with a reference model (or LoRA's disabled adapters), activation checkpointing,
+    # prompts of varied length and two micro-batches a step: the replayed steps give the eager updates.
+    from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "checkpoint")
+    eager_params, eager = grpo_run(tmp_path, checkpoint, "off", lora)
+    graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", lora)
+    assert eager._train_graphs is None
+    assert trainer._train_graphs is not None and trainer._train_graphs.failure is None
+    assert trainer.get_performance_stats()["train_graph_captures"] > 0
+    torch.testing.assert_close(graphed_params, eager_params, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_failed_capture_leaves_auto_eager_and_the_random_stream_usable():
+    # A forward that waits on the host cannot be captured: "auto" goes on eagerly (and later random draws work,
+    # which a capture broken half-way would otherwise stop); "on" raises the error.
+    model = torch.nn.Linear(4, 4).cuda()
+
+    def syncing_score(ids, mask, positions, window):
+        out = model(ids.float().unsqueeze(-1).expand(-1, -1, 4)).sum(-1)[:, -window:]
+        if out.sum() > 1e9:  # a host sync
+            out = out * 2
+        return out, None
+
+    ids, mask = torch.ones(2, 8, dtype=torch.long, device="cuda"), torch.ones(2, 8, dtype=torch.long, device="cuda")
+    graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, eager_on_failure=True)
+    torch.manual_seed(0)
+    expected = torch.rand(3, device="cuda")
+    torch.manual_seed(0)
+    assert graphs.logps(syncing_score, ids, mask, completion_width=4, compute_entropy=False) is None
+    assert graphs.failure is not None and "capturing" in graphs.failure
+    torch.testing.assert_close(torch.rand(3, device="cuda"), expected)  # the stream, as if nothing was captured
+    strict = training_graphs.TrainingGraphs(model, pad_token_id=0, eager_on_failure=False)
+    with pytest.raises(Exception, match="capturing"):
+        strict.logps(syncing_score, ids, mask, completion_width=4, compute_entropy=False)
+    torch.rand(3, device="cuda")  # usable after the error too
