@@ -81,7 +81,7 @@ class _RunCallbacks(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._train_layers = self.trainer._compiled_training_layers(state.max_steps)
         self.trainer._align_lengths_for_compiled_layers()
-        self.trainer._train_graphs = self.trainer._training_graphs()
+        self.trainer._train_graphs = training_graphs.choose(self.trainer)[0]
         self.trainer._generation_mirror()  # decided on every rank before the plan is printed
         if state.is_world_process_zero:
             plan = self.trainer.batch_plan()
@@ -318,13 +318,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             # with the other ranks (hf_grpo.memory.oom), so unequal chunk counts left a 2-process ZeRO-2 run hanging.
             kwargs["batch_size"] = rows if budget is None else min_over_ranks(rows)
         with self.perf.phase("logprob"):
-            if self._train_graphs is not None:  # a training micro-batch replayed from CUDA graphs (training_graphs)
-                before = self._train_graphs.captures
-                replayed = training_graphs.score_micro_batch(self._train_graphs, self.accelerator.autocast, model,
-                                                             input_ids, *args, **kwargs)
-                self.perf.add("train_graph_captures", float(self._train_graphs.captures - before))
-                if replayed is not None:
-                    return replayed
+            replayed = training_graphs.replay(self, model, input_ids, *args, **kwargs)  # a training micro-batch
+            if replayed is not None:
+                return replayed
             return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -335,20 +331,11 @@ class GRPOTrainer(trl.GRPOTrainer):
             sharded = "FSDP"
         compiled, reason = training_compile.choose(self.args.compile_training, self._scored_models(),
                                                    self.accelerator.device, sharded, planned_steps)
-        if self.accelerator.is_main_process:
-            if compiled is not None:
-                logger.info("training forward: decoder layers compiled (compile_training=%r)", self.args.compile_training)
-            elif self.args.compile_training not in ("auto", "off"):  # asked for
-                logger.warning("compile_training=%r is not applied: %s", self.args.compile_training, reason)
-            else:
-                logger.info("training forward: eager (%s)", reason)
+        if self.accelerator.is_main_process and compiled is None and self.args.compile_training not in ("auto", "off"):
+            logger.warning("compile_training=%r is not applied: %s", self.args.compile_training, reason)  # asked for
+        elif self.accelerator.is_main_process:
+            logger.info("training forward: %s", "decoder layers compiled" if compiled is not None else f"eager ({reason})")
         return compiled
-
-    def _training_graphs(self) -> training_graphs.TrainingGraphs | None:
-        graphs, reason = training_graphs.choose(self)
-        if self.args.training_cuda_graphs == "on" and graphs is None:
-            logger.warning("training_cuda_graphs='on' is not applied: %s", reason)
-        return graphs
 
     def _align_lengths_for_compiled_layers(self) -> None:
         explicit = "pad_to_multiple_of" in getattr(self.args, "_explicit_fields", frozenset())

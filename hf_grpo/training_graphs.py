@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -107,18 +108,24 @@ def choose(trainer) -> tuple[TrainingGraphs | None, str | None]:
         return None, "training_cuda_graphs='off'"
     reason = unavailable_reason(trainer)
     if reason is not None:
+        if setting == "on":
+            logger.warning("training_cuda_graphs='on' is not applied: %s", reason)
         return None, reason
     pad = trainer.processing_class.pad_token_id if trainer.processing_class is not None else None
     return TrainingGraphs(trainer.model, pad if pad is not None else 0, eager_on_failure=setting == "auto"), None
 
 
-def score_micro_batch(graphs: TrainingGraphs, autocast: Callable, model, input_ids, attention_mask, logits_to_keep,
-                      batch_size=None, compute_entropy=False, compute_aux_loss=False, **model_inputs):
-    """TRL's ``_get_per_token_logps_and_entropies`` for a training micro-batch, replayed; None where it must run
-    eagerly (scoring without gradients, another model than the captured one, images, the MoE auxiliary loss)."""
-    if (batch_size is not None or compute_aux_loss or model is not graphs.model or not torch.is_grad_enabled()
-            or not model.training or any(value is not None for value in model_inputs.values())):
+def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
+           compute_aux_loss=False, **model_inputs):
+    """TRL's ``_get_per_token_logps_and_entropies`` for a training micro-batch, replayed from the trainer's graphs;
+    None where it runs eagerly (no graphs, scoring without gradients, another model than the captured one, images,
+    the MoE auxiliary loss). New captures are counted as ``perf/train_graph_captures``."""
+    graphs = trainer._train_graphs
+    if (graphs is None or batch_size is not None or compute_aux_loss or model is not graphs.model
+            or not torch.is_grad_enabled() or not model.training
+            or any(value is not None for value in model_inputs.values())):
         return None
+    autocast, before = trainer.accelerator.autocast, graphs.captures
 
     def score(ids, mask, positions, window):  # TRL's labels: only the completion window is scored
         labels = ids.masked_fill(mask == 0, -100)
@@ -129,6 +136,7 @@ def score_micro_batch(graphs: TrainingGraphs, autocast: Callable, model, input_i
         return out.log_probs[:, -window:], (out.entropy[:, -window:] if compute_entropy else None)
 
     result = graphs.logps(score, input_ids, attention_mask, logits_to_keep, compute_entropy)
+    trainer.perf.add("train_graph_captures", float(graphs.captures - before))
     return None if result is None else (*result, None)
 
 
@@ -145,13 +153,45 @@ def end_broken_capture() -> None:
     del graph
 
 
+class CudaGraphRecorder:
+    """What ``TrainingGraphs`` asks of the device: record a function once, replay it. (A test stands in an eager
+    recorder with the same interface, to run the rest on a CPU.)"""
+
+    def new_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    @contextmanager
+    def side_stream(self) -> Iterator[None]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            yield
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def record(self, fn: Callable, pool) -> tuple[Callable[[], None], object]:
+        """``(replay, outputs)``: ``fn`` captured once; ``replay()`` runs it again, writing into ``outputs``."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = fn()
+        return graph.replay, outputs
+
+    def random_state(self):
+        return torch.cuda.get_rng_state()
+
+    def set_random_state(self, state) -> None:
+        torch.cuda.set_rng_state(state)
+
+    def recover(self) -> None:
+        end_broken_capture()
+        torch.cuda.empty_cache()
+
+
 class _Bucket:
-    """The static inputs, outputs and the two graphs of one (rows, prompt width, completion width)."""
+    """The static inputs and outputs, and the two replays, of one (rows, prompt width, completion width)."""
 
     def __init__(self, input_ids, attention_mask, position_ids):
         self.input_ids, self.attention_mask, self.position_ids = input_ids, attention_mask, position_ids
-        self.forward_graph = torch.cuda.CUDAGraph()
-        self.backward_graph = torch.cuda.CUDAGraph()
+        self.replay_forward = self.replay_backward = None
         self.logps = self.entropy = self.grad_logps = None
 
 
@@ -160,7 +200,7 @@ class _Replay(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, anchor, graphs, entry):
-        entry.forward_graph.replay()
+        entry.replay_forward()
         ctx.graphs, ctx.entry = graphs, entry
         entropy = entry.entropy.clone() if entry.entropy is not None else None
         if entropy is not None:
@@ -175,16 +215,18 @@ class _Replay(torch.autograd.Function):
         else:
             entry.grad_logps.copy_(grad_logps)
         ctx.graphs.adopt_gradients()
-        entry.backward_graph.replay()
+        entry.replay_backward()
         return None, None, None
 
 
 class TrainingGraphs:
     """Captured buckets of one model's training forward/backward; ``logps`` runs a micro-batch through them."""
 
-    def __init__(self, model: torch.nn.Module, pad_token_id: int, eager_on_failure: bool = True):
+    def __init__(self, model: torch.nn.Module, pad_token_id: int, eager_on_failure: bool = True,
+                 recorder: CudaGraphRecorder | None = None):
         self.model = model
         self.eager_on_failure = eager_on_failure
+        self.recorder = recorder or CudaGraphRecorder()
         self.pad_token_id = pad_token_id
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grad_buffers: list[torch.Tensor] | None = None
@@ -248,11 +290,10 @@ class TrainingGraphs:
         """After a failed capture: no graphs, the random stream usable and where it was before the capture."""
         self._entries.clear()
         self._pool = None
-        end_broken_capture()
+        self.recorder.recover()
         if self._rng_before_capture is not None:
-            torch.cuda.set_rng_state(self._rng_before_capture)
+            self.recorder.set_random_state(self._rng_before_capture)
             self._rng_before_capture = None
-        torch.cuda.empty_cache()
 
     # ---- capture ---------------------------------------------------------------------------------------------
     def _warm_up(self, score: Callable, entry: _Bucket, window: int) -> None:
@@ -273,33 +314,38 @@ class TrainingGraphs:
                 torch.autograd.grad(logps.sum(), [early], allow_unused=True)
 
     def _capture(self, score: Callable, ids, mask, positions, shape) -> _Bucket:
+        recorder = self.recorder
         if self.grad_buffers is None:
             self.grad_buffers = [torch.zeros_like(p) for p in self.params]
         if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+            self._pool = recorder.new_pool()
         entry = _Bucket(ids.clone(), mask.clone(), positions.clone())
         window = shape[2]
         held = [p.grad for p in self.params]  # the step's gradients so far: the warm-up must not add to them
         # a capture must not move the random stream the rollouts sample from (restored here, or in give_up)
-        self._rng_before_capture = torch.cuda.get_rng_state()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
+        self._rng_before_capture = recorder.random_state()
+        scored = {}  # the forward's outputs with their autograd graph, which the backward's capture runs through
+
+        def forward():
+            scored["outputs"] = score(entry.input_ids, entry.attention_mask, entry.position_ids, window)
+            return scored["outputs"]
+
+        def backward():
+            # No retain_graph: the saved activations go back to the pool, for the next bucket's capture.
+            torch.autograd.backward(scored["outputs"][0], entry.grad_logps)
+
         try:
-            with torch.cuda.stream(stream):
+            with recorder.side_stream():
                 self._warm_up(score, entry, window)
-            torch.cuda.current_stream().wait_stream(stream)
             for param, buffer in zip(self.params, self.grad_buffers):
                 param.grad = buffer  # the backward graph accumulates into these addresses
-            with torch.cuda.graph(entry.forward_graph, pool=self._pool):
-                entry.logps, entry.entropy = score(entry.input_ids, entry.attention_mask, entry.position_ids, window)
+            entry.replay_forward, (entry.logps, entry.entropy) = recorder.record(forward, self._pool)
             entry.grad_logps = torch.zeros_like(entry.logps)
-            with torch.cuda.graph(entry.backward_graph, pool=self._pool):
-                # No retain_graph: the saved activations go back to the pool, for the next bucket's capture.
-                torch.autograd.backward(entry.logps, entry.grad_logps)
+            entry.replay_backward, _ = recorder.record(backward, self._pool)
         finally:
             for param, grad in zip(self.params, held):
                 param.grad = grad
-        torch.cuda.set_rng_state(self._rng_before_capture)
+        recorder.set_random_state(self._rng_before_capture)
         self._rng_before_capture = None
         entry.logps = entry.logps.detach()
         entry.entropy = entry.entropy.detach() if entry.entropy is not None else None

@@ -2,6 +2,8 @@
 padding give the eager log-probs and gradients; the captured gradient buffers keep what was accumulated; a whole run
 with graphs updates as one without (GPU)."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -93,31 +95,69 @@ def test_the_captured_gradient_buffers_keep_what_was_accumulated():
     assert weight.grad is graphs.grad_buffers[0] and (weight.grad == 3).all()
 
 
-def test_a_cpu_run_says_why_no_graphs(tmp_path):
+def test_a_cpu_run_says_why_no_graphs(tmp_path, caplog):
     import hf_grpo
     from datasets import Dataset
 
     tokenizer = build_char_tokenizer()
     config = hf_grpo.GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, max_steps=1,
                                 per_device_train_batch_size=2, num_generations=2, max_completion_length=4,
-                                generation_backend="hf")
+                                generation_backend="hf", training_cuda_graphs="auto")
     trainer = hf_grpo.GRPOTrainer(model=build_tiny_model(tokenizer), args=config, processing_class=tokenizer,
                                   reward_funcs=lambda completions, **kw: [0.0] * len(completions),
                                   train_dataset=Dataset.from_dict({"prompt": ["ab>", "c>"]}))
     graphs, reason = training_graphs.choose(trainer)
     assert graphs is None and reason == "CUDA graphs need a CUDA device (device cpu)"
+    assert "not applied" not in caplog.text  # "auto" falls back quietly
+    trainer.args.training_cuda_graphs = "on"
+    assert training_graphs.choose(trainer)[0] is None
+    assert "training_cuda_graphs='on' is not applied: CUDA graphs need a CUDA device (device cpu)" in caplog.text
     trainer.args.training_cuda_graphs = "off"
     assert training_graphs.choose(trainer) == (None, "training_cuda_graphs='off'")
 
 
-def grpo_run(tmp_path, checkpoint, graphs: str, lora: bool = False):
+class EagerRecorder:
+    """``training_graphs.CudaGraphRecorder``'s interface on a CPU: a "replay" runs the recorded function again and
+    writes its outputs where the recorded ones live, as a graph's replay does. What the CPU cannot check (the
+    capture itself) the GPU tests below do; everything around it runs here."""
+
+    def new_pool(self):
+        return None
+
+    @contextlib.contextmanager
+    def side_stream(self):
+        yield
+
+    def record(self, fn, pool):
+        outputs = fn()
+
+        def replay():
+            with torch.enable_grad():  # (a replay inside the autograd node's forward, where grad is off)
+                fresh = fn()
+            for static, new in zip(outputs or (), fresh or ()):
+                if static is not None:
+                    static.detach().copy_(new.detach())
+
+        return replay, outputs
+
+    def random_state(self):
+        return torch.get_rng_state()
+
+    def set_random_state(self, state):
+        torch.set_rng_state(state)
+
+    def recover(self):
+        pass
+
+
+def grpo_run(tmp_path, checkpoint, graphs: str, lora: bool = False, use_cpu: bool = False):
     import hf_grpo
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
     config = hf_grpo.GRPOConfig(
-        output_dir=str(tmp_path / f"{graphs}{lora}"), report_to=[], bf16=False, max_steps=3, seed=0,
+        output_dir=str(tmp_path / f"{graphs}{lora}"), report_to=[], bf16=False, max_steps=3, seed=0, use_cpu=use_cpu,
         per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4, max_completion_length=6,
         learning_rate=0.01, optim="sgd", max_grad_norm=1.0, logging_steps=1, save_strategy="no", disable_tqdm=True,
         generation_backend="hf", beta=0.04, activation_checkpointing=True, temperature=0.7,
@@ -136,6 +176,29 @@ def grpo_run(tmp_path, checkpoint, graphs: str, lora: bool = False):
     trainer.train()
     params = torch.cat([p.detach().flatten() for p in trainer.model.parameters() if p.requires_grad])
     return params, trainer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_grpo_run_through_the_replay_path_updates_as_eager_on_a_cpu(tmp_path, monkeypatch, lora):
+    # Everything but the capture: buckets, positions, the static head, the autograd node, the gradient buffers
+    # adopted across micro-batches and optimizer steps (the Trainer sets gradients to None), the perf counter.
+    from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
+
+    monkeypatch.setattr(training_graphs, "unavailable_reason", lambda trainer: None)
+    monkeypatch.setattr(training_graphs, "CudaGraphRecorder", EagerRecorder)
+    checkpoint = save_tiny_checkpoint(tmp_path / "checkpoint")
+    eager_params, eager = grpo_run(tmp_path, checkpoint, "off", lora, use_cpu=True)
+    replayed = []
+    replay = training_graphs._Replay.apply
+    monkeypatch.setattr(training_graphs._Replay, "apply", lambda *a: replayed.append(1) or replay(*a))
+    graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", lora, use_cpu=True)
+    graphs = trainer._train_graphs
+    assert eager._train_graphs is None and graphs is not None and graphs.failure is None
+    assert len(replayed) == 6  # 3 steps x 2 micro-batches, every one through the replay path
+    assert trainer.get_performance_stats()["train_graph_captures"] == graphs.captures >= 1
+    assert all(p.grad is None or p.grad is b for p, b in zip(graphs.params, graphs.grad_buffers))
+    torch.testing.assert_close(graphed_params, eager_params, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.gpu
@@ -174,9 +237,9 @@ def test_a_failed_capture_leaves_auto_eager_and_the_random_stream_usable():
     expected = torch.rand(3, device="cuda")
     torch.manual_seed(0)
     assert graphs.logps(syncing_score, ids, mask, completion_width=4, compute_entropy=False) is None
-    assert graphs.failure is not None and "capturing" in graphs.failure
+    assert graphs.failure is not None and "capture" in graphs.failure
     torch.testing.assert_close(torch.rand(3, device="cuda"), expected)  # the stream, as if nothing was captured
     strict = training_graphs.TrainingGraphs(model, pad_token_id=0, eager_on_failure=False)
-    with pytest.raises(Exception, match="capturing"):
+    with pytest.raises(Exception, match="capture"):
         strict.logps(syncing_score, ids, mask, completion_width=4, compute_entropy=False)
     torch.rand(3, device="cuda")  # usable after the error too
