@@ -76,6 +76,18 @@ def pad_to_bucket(input_ids: torch.Tensor, attention_mask: torch.Tensor, complet
     return ids, mask, positions
 
 
+def padded_scoring(score: Callable, input_ids, attention_mask, completion_width: int, rows: int, pad_token_id: int):
+    """``score`` (see ``replay``) over the batch padded to its bucket, ``rows`` rows at a time; ``(logps,
+    entropies or None)`` of the unpadded completion's columns."""
+    ids, mask, positions = pad_to_bucket(input_ids, attention_mask, completion_width, pad_token_id)
+    window = bucket(completion_width)
+    chunks = [score(ids[start:start + rows], mask[start:start + rows], positions[start:start + rows], window)
+              for start in range(0, ids.shape[0], rows)]
+    logps = torch.cat([chunk[0] for chunk in chunks])[:, :completion_width]
+    entropies = None if chunks[0][1] is None else torch.cat([chunk[1] for chunk in chunks])[:, :completion_width]
+    return logps, entropies
+
+
 def unavailable_reason(trainer) -> str | None:
     """Why this run's training micro-batches cannot be replayed from CUDA graphs; None when they can."""
     args, accelerator = trainer.args, trainer.accelerator
@@ -117,12 +129,12 @@ def choose(trainer) -> tuple[TrainingGraphs | None, str | None]:
 
 def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
            compute_aux_loss=False, **model_inputs):
-    """TRL's ``_get_per_token_logps_and_entropies`` for a training micro-batch, replayed from the trainer's graphs;
-    None where it runs eagerly (no graphs, scoring without gradients, another model than the captured one, images,
-    the MoE auxiliary loss). New captures are counted as ``perf/train_graph_captures``."""
+    """TRL's ``_get_per_token_logps_and_entropies`` where the trainer has graphs: a training micro-batch replayed
+    (new captures counted as ``perf/train_graph_captures``), the rollout's no-grad scoring padded alike; None where
+    it runs as TRL's (no graphs or a failed capture, images, the MoE auxiliary loss, a micro-batch of another model
+    or outside training)."""
     graphs = trainer._train_graphs
-    if (graphs is None or batch_size is not None or compute_aux_loss or model is not graphs.model
-            or not torch.is_grad_enabled() or not model.training
+    if (graphs is None or graphs.failure is not None or compute_aux_loss
             or any(value is not None for value in model_inputs.values())):
         return None
     autocast, before = trainer.accelerator.autocast, graphs.captures
@@ -135,6 +147,13 @@ def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size
                         fused_lm_head=True, scored_window=window)
         return out.log_probs[:, -window:], (out.entropy[:, -window:] if compute_entropy else None)
 
+    if batch_size is not None and not torch.is_grad_enabled():
+        # The rollout's scoring (reference, old policy): eager, but padded to the training graphs' bucket and
+        # through the same head, so that at equal weights its log-probs are the replayed ones, to the bit.
+        return (*padded_scoring(score, input_ids, attention_mask, logits_to_keep, batch_size, graphs.pad_token_id),
+                None)
+    if batch_size is not None or model is not graphs.model or not torch.is_grad_enabled() or not model.training:
+        return None
     result = graphs.logps(score, input_ids, attention_mask, logits_to_keep, compute_entropy)
     trainer.perf.add("train_graph_captures", float(graphs.captures - before))
     return None if result is None else (*result, None)

@@ -199,6 +199,9 @@ def test_a_grpo_run_through_the_replay_path_updates_as_eager_on_a_cpu(tmp_path, 
     assert trainer.get_performance_stats()["train_graph_captures"] == graphs.captures >= 1
     assert all(p.grad is None or p.grad is b for p, b in zip(graphs.params, graphs.grad_buffers))
     torch.testing.assert_close(graphed_params, eager_params, rtol=1e-5, atol=1e-6)
+    # the reference is scored in the training graphs' shapes: at step 1, where the policy is the reference, no KL
+    kl = [[log["kl"] for log in run.state.log_history if "kl" in log] for run in (eager, trainer)]
+    assert kl[1][0] == kl[0][0] == 0.0, kl
 
 
 @pytest.mark.gpu
@@ -243,3 +246,24 @@ def test_a_failed_capture_leaves_auto_eager_and_the_random_stream_usable():
     with pytest.raises(Exception, match="capture"):
         strict.logps(syncing_score, ids, mask, completion_width=4, compute_entropy=False)
     torch.rand(3, device="cuda")  # usable after the error too
+
+
+def test_the_rollouts_scoring_is_done_in_the_replayed_shapes_so_bf16_gives_the_same_bits():
+    # bf16 rounds differently in other shapes: a reference scored unpadded would differ from the policy's replayed
+    # log-probs at equal weights (a KL at step 1); scored padded to the same bucket, the bits are the same.
+    model = checkpointed_model().to(torch.bfloat16)
+    ids, mask, _ = batch(8, prompt=13, completion=9, seed=2)
+
+    def score(ids, mask, positions, window):
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :-window] = -100
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels, fused_lm_head=True,
+                    scored_window=window)
+        return out.log_probs[:, -window:], None
+
+    with torch.no_grad():
+        reference, _ = training_graphs.padded_scoring(score, ids, mask, 9, rows=8, pad_token_id=0)
+    graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, recorder=EagerRecorder())
+    for start in (0, 4):  # two training micro-batches of 4 rows
+        replayed, _ = graphs.logps(score, ids[start:start + 4], mask[start:start + 4], 9, compute_entropy=False)
+        assert torch.equal(replayed.detach(), reference[start:start + 4])
