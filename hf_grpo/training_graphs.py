@@ -6,26 +6,31 @@ backward, activation checkpointing's recompute included) as one unit. Measured o
 640 tokens with checkpointing (``bench/training_graph_probe.py``): 133-150 ms eager, 67 ms replayed; 55 ms
 compiled, 44 ms compiled and replayed. A capture costs a fraction of a second, not a compile.
 
-How:
+How (``training_cuda_graphs``, off by default):
 
 * A micro-batch is padded to a bucket: the prompt part on the left and the completion part on the right, each
-  to ``bucket(width)`` (a few sizes an octave), with masked tokens; ``position_ids`` keep every real token at the
-  position it has unpadded, so a bucket's log-probs are the unpadded ones. Each (rows, prompt bucket,
-  completion bucket) gets one forward graph and one backward graph, captured at its first micro-batch after two
-  eager warm-up passes.
+  to ``bucket(width)`` (eight sizes an octave), with masked tokens; ``position_ids`` keep every real token at the
+  position it has unpadded, so a bucket's log-probs are the unpadded ones. Each (rows, prompt bucket, completion
+  bucket) gets one forward graph and one backward graph, captured at its first micro-batch after eager warm-up
+  passes (``_warm_up``), on a side stream, with the random stream restored after.
 * The forward graph computes the completion's log-probs (and entropies) through the model's chunked head in its
   static-shape form (``scored_window``: every position of the completion window is scored, unscored ones are
   zeroed), since selecting scored tokens by mask has a data-dependent size that a graph cannot hold.
+* The rollout's scoring without gradients (reference, old policy) runs eagerly in the same padded shapes and head
+  (``padded_scoring``): bf16 rounds differently in other shapes, and at equal weights its log-probs must be the
+  replayed ones (no KL at the first step).
 * The backward graph accumulates straight into the parameters' ``.grad`` tensors it was captured with
   (``grad_buffers``, allocated once); before each replay those are made the parameters' gradients again
   (adopting what earlier micro-batches accumulated), since the Trainer sets gradients to None after each
   optimizer step. The replay is an autograd node of the loss, so TRL's loss, the Trainer's backward and the
-  out-of-memory back-off work unchanged.
+  out-of-memory back-off work unchanged. The gradients therefore stay allocated through the rollout.
 * Every bucket's graphs share one memory pool: buckets run one at a time, forward then backward, so one
   bucket's activations may reuse another's memory. The pool holds the largest bucket's activations between
   steps, which the rollout then does not get back.
-* Graphs are dropped when a parameter moves (``weights_signature``) and given up for the run, with a warning,
-  when a capture fails (an operation that waits on the host, a model the graph cannot hold, out of memory).
+* Graphs are dropped when a parameter moves (``weights_signature``). A capture that fails (an operation that waits
+  on the host, a model the graph cannot hold, out of memory) ends the run with "on" and sends it on eagerly with
+  "auto", in both cases after an empty capture that clears torch's generator of the failed one.
+* The device sits behind ``CudaGraphRecorder``; the tests run everything else on a CPU through an eager stand-in.
 """
 
 from __future__ import annotations
