@@ -95,6 +95,8 @@ def padded_scoring(score: Callable, input_ids, attention_mask, completion_width:
 
 def unavailable_reason(trainer) -> str | None:
     """Why this run's training micro-batches cannot be replayed from CUDA graphs; None when they can."""
+    if getattr(trainer, "training_graphs_unavailable", None):
+        return trainer.training_graphs_unavailable
     args, accelerator = trainer.args, trainer.accelerator
     if accelerator.device.type != "cuda":
         return f"CUDA graphs need a CUDA device (device {accelerator.device.type})"

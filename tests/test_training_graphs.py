@@ -150,6 +150,14 @@ class EagerRecorder:
         pass
 
 
+def test_the_diffusion_trainer_says_it_scores_its_own_way():
+    from hf_grpo.diffusion.trainer import DiffuGRPOTrainer
+
+    trainer = DiffuGRPOTrainer.__new__(DiffuGRPOTrainer)  # the reason is the class's, before any device check
+    assert training_graphs.unavailable_reason(trainer) == (
+        "the diffusion trainer scores completions with its own estimator")
+
+
 def grpo_run(tmp_path, checkpoint, graphs: str, lora: bool = False, use_cpu: bool = False):
     import hf_grpo
     from datasets import Dataset
