@@ -130,7 +130,7 @@ def choose(trainer) -> tuple[TrainingGraphs | None, str | None]:
         if setting == "on":
             logger.warning("training_cuda_graphs='on' is not applied: %s", reason)
         return None, reason
-    pad = trainer.processing_class.pad_token_id if trainer.processing_class is not None else None
+    pad = getattr(getattr(trainer, "_tokenizer", None), "pad_token_id", None)  # TRL's (pads are masked: any id does)
     return TrainingGraphs(trainer.model, pad if pad is not None else 0, eager_on_failure=setting == "auto"), None
 
 
