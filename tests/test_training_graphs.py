@@ -1,6 +1,6 @@
 """Training micro-batches replayed from CUDA graphs (hf_grpo.training_graphs): the static-shape head and the bucket
 padding give the eager log-probs and gradients; the captured gradient buffers keep what was accumulated; a whole run
-with graphs updates as one without (GPU)."""
+through the replay path updates as one without (on a CPU with the capture stood in by an eager replay; on a GPU)."""
 
 import contextlib
 
@@ -60,6 +60,23 @@ def test_the_static_window_head_scores_as_the_masked_head():
     assert (got[0][labels[:, 1:] == -100] == 0).all()
     for name, grad in expected[2].items():
         torch.testing.assert_close(got[2][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_the_static_window_heads_chunks_stay_small_whatever_tensor_batch_size_asks(monkeypatch):
+    # A graph's pool keeps the head's chunk between steps: at most STATIC_WINDOW_CHUNK_ROWS rows, fewer if asked.
+    from hf_grpo import logprob_head
+
+    asked = []
+    chunked = logprob_head.chunked_logprobs
+    monkeypatch.setattr(logprob_head, "chunked_logprobs",
+                        lambda *a, chunk_rows, **kw: asked.append(chunk_rows) or chunked(*a, chunk_rows=chunk_rows, **kw))
+    ids, mask, labels = batch(4, prompt=9, completion=7, seed=3)
+    # None (no chunking) is every scored position: 4 rows x a 7-token window
+    for rows, expected in [(1024, logprob_head.STATIC_WINDOW_CHUNK_ROWS), (None, 28), (5, 5)]:
+        model = build_tiny_model(build_char_tokenizer())
+        install_chunked_lm_head(model, temperature=1.0, chunk_rows=rows, return_entropy=False)
+        model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, scored_window=7)
+        assert asked.pop() == expected, rows
 
 
 def test_a_micro_batch_padded_to_its_bucket_keeps_every_log_prob_and_gradient():
