@@ -118,14 +118,14 @@ class GRPOConfig(trl.GRPOConfig):
             training half, for a first compile more than a minute longer from a cold cache; ``"off"``: eager.
             Compiled, prompts and completions are padded to multiples of 8 (TRL's ``pad_to_multiple_of``,
             unless set), so that rollouts of any length share one compiled variant.
-        training_cuda_graphs (`str`, *optional*, defaults to `"off"`):
+        training_cuda_graphs (`str`, *optional*, defaults to `"auto"`):
             ``"on"``: each training micro-batch's forward and backward are replayed from CUDA graphs captured per
             shape bucket (``hf_grpo.training_graphs``; prompts and completions padded to a few widths an octave,
             positions kept), on one CUDA process without DeepSpeed, FSDP, padding-free rows or a token budget, for
             dense models with sdpa or eager attention; ``"auto"``: so where the run allows it, going on eagerly
             with a warning if a capture fails; ``"off"``: eager launches. The graphs' memory pool and the
-            parameters' gradients stay allocated between steps (through the rollout). Off by default until its
-            GPU tests have run on the released code (see ``docs/performance.md``).
+            parameters' gradients stay allocated between steps (through the rollout; see
+            ``docs/performance.md``).
     """
 
     # `int | str | None` (not `int | str`) so that HfArgumentParser reads the flag as text and "auto" gets through;
@@ -228,7 +228,7 @@ class GRPOConfig(trl.GRPOConfig):
         },
     )
     training_cuda_graphs: str = field(
-        default="off",
+        default="auto",
         metadata={
             "help": "off, auto or on. 'on' replays each training micro-batch's forward and backward from CUDA graphs "
             "captured per shape bucket (one CUDA process, no DeepSpeed/FSDP, padding_free or token budget; dense "

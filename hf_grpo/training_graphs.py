@@ -6,13 +6,14 @@ backward, activation checkpointing's recompute included) as one unit. Measured o
 640 tokens with checkpointing (``bench/training_graph_probe.py``): 133-150 ms eager, 67 ms replayed; 55 ms
 compiled, 44 ms compiled and replayed. A capture costs a fraction of a second, not a compile.
 
-How (``training_cuda_graphs``, off by default):
+How (``training_cuda_graphs``, "auto" by default):
 
 * A micro-batch is padded to a bucket: the prompt part on the left and the completion part on the right, each
   to ``bucket(width)`` (eight sizes an octave), with masked tokens; ``position_ids`` keep every real token at the
   position it has unpadded, so a bucket's log-probs are the unpadded ones. Each (rows, prompt bucket, completion
-  bucket) gets one forward graph and one backward graph, captured at its first micro-batch after eager warm-up
-  passes (``_warm_up``), on a side stream, with the random stream restored after.
+  bucket) gets one forward graph and one backward graph, captured at its first micro-batch on a side stream
+  (after an eager warm-up pass for the run's first capture, and for every bucket's with compiled layers:
+  ``WARMUP_PASSES``), with the random stream restored after.
 * The forward graph computes the completion's log-probs (and entropies) through the model's chunked head in its
   static-shape form (``scored_window``: every position of the completion window is scored, unscored ones are
   zeroed), since selecting scored tokens by mask has a data-dependent size that a graph cannot hold.
@@ -47,9 +48,11 @@ from .generation.static_cache import weights_signature
 logger = logging.getLogger(__name__)
 
 SETTINGS = ("auto", "on", "off")
-# eager passes on the capture stream before a capture (cuBLAS workspaces, lazy inits): two before the run's
-# first capture, one before the next buckets'
-WARMUP_PASSES = (2, 1)
+# Eager passes on the capture stream before a capture, (the run's first capture, a later bucket's). The first
+# capture's pass loads the kernels and sets up cuBLAS for the stream. Eager layers need nothing more for another
+# shape (a later bucket's pass cost 0.25 s and 0.6 GiB of peak, measured); compiled layers may compile or tune
+# again for a new shape, which cannot happen inside a capture.
+WARMUP_PASSES = {"eager": (1, 0), "compiled": (2, 1)}
 MAX_BUCKETS = 16  # captured buckets kept; the oldest is dropped beyond
 _CAPTURABLE_ATTENTION = ("sdpa", "eager")  # flash-attention's varlen path reads sequence lengths on the host
 
@@ -131,7 +134,9 @@ def choose(trainer) -> tuple[TrainingGraphs | None, str | None]:
             logger.warning("training_cuda_graphs='on' is not applied: %s", reason)
         return None, reason
     pad = getattr(getattr(trainer, "_tokenizer", None), "pad_token_id", None)  # TRL's (pads are masked: any id does)
-    return TrainingGraphs(trainer.model, pad if pad is not None else 0, eager_on_failure=setting == "auto"), None
+    compiled = getattr(trainer, "_train_layers", None) is not None
+    return TrainingGraphs(trainer.model, pad if pad is not None else 0, eager_on_failure=setting == "auto",
+                          compiled_layers=compiled), None
 
 
 def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
@@ -183,12 +188,22 @@ class CudaGraphRecorder:
     """What ``TrainingGraphs`` asks of the device: record a function once, replay it. (A test stands in an eager
     recorder with the same interface, to run the rest on a CPU.)"""
 
+    def __init__(self):
+        self._stream: torch.cuda.Stream | None = None
+
     def new_pool(self):
         return torch.cuda.graph_pool_handle()
 
+    def stream(self) -> torch.cuda.Stream:
+        """The one stream every warm-up and capture runs on: cuBLAS keeps a workspace for each stream it has run
+        on, for the life of the process (a new stream per capture held 64 MiB more each, measured)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
     @contextmanager
     def side_stream(self) -> Iterator[None]:
-        stream = torch.cuda.Stream()
+        stream = self.stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             yield
@@ -197,7 +212,7 @@ class CudaGraphRecorder:
     def record(self, fn: Callable, pool) -> tuple[Callable[[], None], object]:
         """``(replay, outputs)``: ``fn`` captured once; ``replay()`` runs it again, writing into ``outputs``."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=self.stream()):
             outputs = fn()
         return graph.replay, outputs
 
@@ -249,8 +264,9 @@ class TrainingGraphs:
     """Captured buckets of one model's training forward/backward; ``logps`` runs a micro-batch through them."""
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eager_on_failure: bool = True,
-                 recorder: CudaGraphRecorder | None = None):
+                 recorder: CudaGraphRecorder | None = None, compiled_layers: bool = False):
         self.model = model
+        self.warmup_passes = WARMUP_PASSES["compiled" if compiled_layers else "eager"]
         self.eager_on_failure = eager_on_failure
         self.recorder = recorder or CudaGraphRecorder()
         self.pad_token_id = pad_token_id
@@ -328,7 +344,7 @@ class TrainingGraphs:
         only for an early small parameter's (through every layer, without the weight gradients)."""
         first = self.captures == 0
         early = next((p for p in self.params if p.numel() <= 1 << 24), self.params[-1])
-        for _ in range(WARMUP_PASSES[0 if first else 1]):
+        for _ in range(self.warmup_passes[0 if first else 1]):
             logps, _ = score(entry.input_ids, entry.attention_mask, entry.position_ids, window)
             if first:
                 for param in self.params:

@@ -246,6 +246,47 @@ def test_a_grpo_run_with_training_graphs_updates_as_eager(tmp_path, lora):
     torch.testing.assert_close(graphed_params, eager_params, rtol=1e-4, atol=1e-5)
 
 
+def windowed_score(model):
+    """``score`` as ``training_graphs.replay`` builds it: TRL's labels, the completion window scored statically."""
+    def score(ids, mask, positions, window):
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:, :-window] = -100
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels, fused_lm_head=True,
+                    scored_window=window)
+        return out.log_probs[:, -window:], None
+    return score
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_later_buckets_replay_the_eager_gradients_and_keep_no_memory_of_their_own():
+    # With eager layers a later bucket is captured without an eager pass first; its replay gives the eager
+    # log-probs and gradients. Capturing it keeps only its static inputs and outputs allocated (a new stream
+    # for each capture had cuBLAS keep a 64 MiB workspace for each).
+    model = checkpointed_model().cuda()
+    score = windowed_score(model)
+    graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, eager_on_failure=False)
+    held = []
+    for prompt in (13, 80, 150, 200):  # buckets 64, 128, 192, 256
+        ids, mask, _ = (t.cuda() for t in batch(4, prompt=prompt, completion=9, seed=prompt))
+        weights = torch.arange(1.0, 5.0, device="cuda").unsqueeze(1)
+        padded = training_graphs.pad_to_bucket(ids, mask, 9, pad_token_id=0)
+        model.zero_grad(set_to_none=True)
+        expected, _ = score(*padded, training_graphs.bucket(9))
+        (expected[:, :9] * weights).sum().backward()
+        expected_grads = [p.grad.clone() for p in graphs.params]
+        model.zero_grad(set_to_none=True)
+        got, _ = graphs.logps(score, ids, mask, 9, compute_entropy=False)
+        (got * weights).sum().backward()
+        torch.testing.assert_close(got, expected[:, :9], rtol=1e-5, atol=1e-6)
+        for param, grad in zip(graphs.params, expected_grads):
+            torch.testing.assert_close(param.grad, grad, rtol=1e-4, atol=1e-6)
+        torch.cuda.synchronize()
+        held.append(torch.cuda.memory_allocated())
+    assert graphs.captures == 4 and graphs.failure is None
+    assert held[-1] - held[0] < 4 * 2**20, [h / 2**20 for h in held]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_a_failed_capture_leaves_auto_eager_and_the_random_stream_usable():
@@ -278,13 +319,7 @@ def test_the_rollouts_scoring_is_done_in_the_replayed_shapes_so_bf16_gives_the_s
     # log-probs at equal weights (a KL at step 1); scored padded to the same bucket, the bits are the same.
     model = checkpointed_model().to(torch.bfloat16)
     ids, mask, _ = batch(8, prompt=13, completion=9, seed=2)
-
-    def score(ids, mask, positions, window):
-        labels = ids.masked_fill(mask == 0, -100)
-        labels[:, :-window] = -100
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels, fused_lm_head=True,
-                    scored_window=window)
-        return out.log_probs[:, -window:], None
+    score = windowed_score(model)
 
     with torch.no_grad():
         reference, _ = training_graphs.padded_scoring(score, ids, mask, 9, rows=8, pad_token_id=0)
