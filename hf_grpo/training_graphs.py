@@ -17,9 +17,9 @@ How (``training_cuda_graphs``, "auto" by default):
 * The forward graph computes the completion's log-probs (and entropies) through the model's chunked head in its
   static-shape form (``scored_window``: every position of the completion window is scored, unscored ones are
   zeroed), since selecting scored tokens by mask has a data-dependent size that a graph cannot hold.
-* The rollout's scoring without gradients (reference, old policy) runs eagerly in the same padded shapes and head
-  (``padded_scoring``): bf16 rounds differently in other shapes, and at equal weights its log-probs must be the
-  replayed ones (no KL at the first step).
+* The rollout's scoring without gradients (reference, old policy) is replayed from forward-only graphs
+  (``scorer``) in the same padded shapes and head (``padded_scoring``): bf16 rounds differently in other shapes,
+  and at equal weights its log-probs must be the training replay's (no KL at the first step).
 * The backward graph accumulates straight into the parameters' ``.grad`` tensors it was captured with
   (``grad_buffers``, allocated once); before each replay those are made the parameters' gradients again
   (adopting what earlier micro-batches accumulated), since the Trainer sets gradients to None after each
@@ -43,6 +43,7 @@ from contextlib import contextmanager
 
 import torch
 
+from .cuda_graph_recorder import CudaGraphRecorder
 from .generation.static_cache import weights_signature
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ def choose(trainer) -> tuple[TrainingGraphs | None, str | None]:
 def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
            compute_aux_loss=False, **model_inputs):
     """TRL's ``_get_per_token_logps_and_entropies`` where the trainer has graphs: a training micro-batch replayed
-    (new captures counted as ``perf/train_graph_captures``), the rollout's no-grad scoring padded alike; None where
+    (new captures counted as ``perf/train_graph_captures``), the rollout's no-grad scoring replayed alike; None where
     it runs as TRL's (no graphs or a failed capture, images, the MoE auxiliary loss, a micro-batch of another model
     or outside training)."""
     graphs = trainer._train_graphs
@@ -160,71 +161,17 @@ def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size
         return out.log_probs[:, -window:], (out.entropy[:, -window:] if compute_entropy else None)
 
     if batch_size is not None and not torch.is_grad_enabled():
-        # The rollout's scoring (reference, old policy): eager, but padded to the training graphs' bucket and
-        # through the same head, so that at equal weights its log-probs are the replayed ones, to the bit.
-        return (*padded_scoring(score, input_ids, attention_mask, logits_to_keep, batch_size, graphs.pad_token_id),
-                None)
+        # The rollout's scoring (reference, old policy): forward-only graphs, padded to the training graphs'
+        # buckets and through the same head, so that at equal weights its log-probs are the replayed ones, to the bit.
+        scored = padded_scoring(graphs.scorer(score, model, compute_entropy), input_ids, attention_mask,
+                                logits_to_keep, batch_size, graphs.pad_token_id)
+        trainer.perf.add("train_graph_captures", float(graphs.captures - before))
+        return (*scored, None)
     if batch_size is not None or model is not graphs.model or not torch.is_grad_enabled() or not model.training:
         return None
     result = graphs.logps(score, input_ids, attention_mask, logits_to_keep, compute_entropy)
     trainer.perf.add("train_graph_captures", float(graphs.captures - before))
     return None if result is None else (*result, None)
-
-
-def end_broken_capture() -> None:
-    """After a capture that failed half-way, an empty capture: torch's CUDA generator is still marked as
-    capturing by the failed one (every later random draw would raise), and an ended capture clears the mark."""
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            pass
-    except Exception as err:  # noqa: BLE001 - the generator's state is what matters; say so if it stays wrong
-        logger.debug("an empty capture after a failed one raised %s", err)
-    del graph
-
-
-class CudaGraphRecorder:
-    """What ``TrainingGraphs`` asks of the device: record a function once, replay it. (A test stands in an eager
-    recorder with the same interface, to run the rest on a CPU.)"""
-
-    def __init__(self):
-        self._stream: torch.cuda.Stream | None = None
-
-    def new_pool(self):
-        return torch.cuda.graph_pool_handle()
-
-    def stream(self) -> torch.cuda.Stream:
-        """The one stream every warm-up and capture runs on: cuBLAS keeps a workspace for each stream it has run
-        on, for the life of the process (a new stream per capture held 64 MiB more each, measured)."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        return self._stream
-
-    @contextmanager
-    def side_stream(self) -> Iterator[None]:
-        stream = self.stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            yield
-        torch.cuda.current_stream().wait_stream(stream)
-
-    def record(self, fn: Callable, pool) -> tuple[Callable[[], None], object]:
-        """``(replay, outputs)``: ``fn`` captured once; ``replay()`` runs it again, writing into ``outputs``."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=self.stream()):
-            outputs = fn()
-        return graph.replay, outputs
-
-    def random_state(self):
-        return torch.cuda.get_rng_state()
-
-    def set_random_state(self, state) -> None:
-        torch.cuda.set_rng_state(state)
-
-    def recover(self) -> None:
-        end_broken_capture()
-        torch.cuda.empty_cache()
 
 
 class _Bucket:
@@ -272,9 +219,11 @@ class TrainingGraphs:
         self.pad_token_id = pad_token_id
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grad_buffers: list[torch.Tensor] | None = None
-        self.captures = 0  # buckets captured over the run (perf/train_graph_captures)
+        self.captures = 0  # graphs captured over the run, training buckets and scoring (perf/train_graph_captures)
         self.failure: str | None = None  # why graphs were given up, once they were
-        self._entries: OrderedDict[tuple, _Bucket] = OrderedDict()
+        self._entries: OrderedDict[tuple, _Bucket] = OrderedDict()  # training micro-batches
+        self._scoring: OrderedDict[tuple, _Bucket] = OrderedDict()  # the rollout's scoring, forward only
+        self._warmed: set[str] = set()  # the kinds of capture ("train", "score") warmed up once already
         self._signature = None
         self._pool = None
         self._anchor = torch.zeros((), requires_grad=True)
@@ -297,10 +246,7 @@ class TrainingGraphs:
             try:
                 entry = self._capture(score, ids, mask, positions, shape)
             except Exception as err:  # noqa: BLE001 - any capture failure: eager for the rest of the run ("auto")
-                if not self.eager_on_failure:
-                    self._recover()
-                    raise
-                self.give_up(f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}")
+                self._failed(err)
                 return None
         else:
             self._entries.move_to_end(shape)
@@ -310,6 +256,34 @@ class TrainingGraphs:
         logps, entropy = _Replay.apply(self._anchor, self, entry)
         keep = slice(0, completion_width)
         return logps[:, keep], (entropy[:, keep] if entropy is not None else None)
+
+    def scorer(self, score: Callable, model: torch.nn.Module, compute_entropy: bool) -> Callable:
+        """``score`` for ``padded_scoring`` without gradients (the rollout's reference and old-policy scoring),
+        replayed from a forward-only graph per model state and chunk shape, in the training graphs' pool (the
+        scoring runs between steps, never between a micro-batch's forward and backward); after a failed capture,
+        ``score`` itself."""
+        signature = weights_signature(model)  # the reference model, or the policy with its adapters as they are
+
+        def replayed(ids, mask, positions, window):
+            if self.failure is not None:
+                return score(ids, mask, positions, window)
+            key = (signature, tuple(ids.shape), window, compute_entropy)
+            entry = self._scoring.get(key)
+            if entry is None:
+                try:
+                    entry = self._capture_scoring(score, ids, mask, positions, window, key)
+                except Exception as err:  # noqa: BLE001 - as a training capture's failure
+                    self._failed(err)
+                    return score(ids, mask, positions, window)
+            else:
+                self._scoring.move_to_end(key)
+                entry.input_ids.copy_(ids)
+                entry.attention_mask.copy_(mask)
+                entry.position_ids.copy_(positions)
+            entry.replay_forward()
+            return entry.logps.clone(), (entry.entropy.clone() if entry.entropy is not None else None)
+
+        return replayed
 
     def adopt_gradients(self) -> None:
         """Make the captured gradient buffers the parameters' ``.grad`` again, keeping what they hold."""
@@ -328,9 +302,17 @@ class TrainingGraphs:
         logger.warning("training_cuda_graphs: capturing the training step failed (%s); the run goes on with "
                        "eager micro-batches (training_cuda_graphs='off' skips the attempt)", reason)
 
+    def _failed(self, err: Exception) -> None:
+        """A capture failed: raise it again with "on"; with "auto" give graphs up for the rest of the run."""
+        if not self.eager_on_failure:
+            self._recover()
+            raise err
+        self.give_up(f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}")
+
     def _recover(self) -> None:
         """After a failed capture: no graphs, the random stream usable and where it was before the capture."""
         self._entries.clear()
+        self._scoring.clear()
         self._pool = None
         self.recorder.recover()
         if self._rng_before_capture is not None:
@@ -342,7 +324,8 @@ class TrainingGraphs:
         """Eager passes before a capture. The run's first computes every gradient (nothing is accumulated yet);
         a later one, mid-step, would need a second set of gradients beside the step's own, so its backward asks
         only for an early small parameter's (through every layer, without the weight gradients)."""
-        first = self.captures == 0
+        first = "train" not in self._warmed
+        self._warmed.add("train")
         early = next((p for p in self.params if p.numel() <= 1 << 24), self.params[-1])
         for _ in range(self.warmup_passes[0 if first else 1]):
             logps, _ = score(entry.input_ids, entry.attention_mask, entry.position_ids, window)
@@ -355,6 +338,32 @@ class TrainingGraphs:
             else:
                 torch.autograd.grad(logps.sum(), [early], allow_unused=True)
 
+    @contextmanager
+    def _random_stream_kept(self) -> Iterator[None]:
+        """A capture must not move the random stream the rollouts sample from (restored here, or in give_up)."""
+        self._rng_before_capture = self.recorder.random_state()
+        yield
+        self.recorder.set_random_state(self._rng_before_capture)
+        self._rng_before_capture = None
+
+    def _capture_scoring(self, score: Callable, ids, mask, positions, window: int, key: tuple) -> _Bucket:
+        entry = _Bucket(ids.clone(), mask.clone(), positions.clone())
+        if self._pool is None:
+            self._pool = self.recorder.new_pool()
+        passes = self.warmup_passes[1 if "score" in self._warmed else 0]
+        self._warmed.add("score")
+        with self._random_stream_kept():
+            with self.recorder.side_stream():
+                for _ in range(passes):
+                    score(entry.input_ids, entry.attention_mask, entry.position_ids, window)
+            entry.replay_forward, (entry.logps, entry.entropy) = self.recorder.record(
+                lambda: score(entry.input_ids, entry.attention_mask, entry.position_ids, window), self._pool)
+        self._scoring[key] = entry
+        self.captures += 1
+        while len(self._scoring) > MAX_BUCKETS:
+            self._scoring.popitem(last=False)
+        return entry
+
     def _capture(self, score: Callable, ids, mask, positions, shape) -> _Bucket:
         recorder = self.recorder
         if self.grad_buffers is None:
@@ -364,8 +373,6 @@ class TrainingGraphs:
         entry = _Bucket(ids.clone(), mask.clone(), positions.clone())
         window = shape[2]
         held = [p.grad for p in self.params]  # the step's gradients so far: the warm-up must not add to them
-        # a capture must not move the random stream the rollouts sample from (restored here, or in give_up)
-        self._rng_before_capture = recorder.random_state()
         scored = {}  # the forward's outputs with their autograd graph, which the backward's capture runs through
 
         def forward():
@@ -376,19 +383,18 @@ class TrainingGraphs:
             # No retain_graph: the saved activations go back to the pool, for the next bucket's capture.
             torch.autograd.backward(scored["outputs"][0], entry.grad_logps)
 
-        try:
-            with recorder.side_stream():
-                self._warm_up(score, entry, window)
-            for param, buffer in zip(self.params, self.grad_buffers):
-                param.grad = buffer  # the backward graph accumulates into these addresses
-            entry.replay_forward, (entry.logps, entry.entropy) = recorder.record(forward, self._pool)
-            entry.grad_logps = torch.zeros_like(entry.logps)
-            entry.replay_backward, _ = recorder.record(backward, self._pool)
-        finally:
-            for param, grad in zip(self.params, held):
-                param.grad = grad
-        recorder.set_random_state(self._rng_before_capture)
-        self._rng_before_capture = None
+        with self._random_stream_kept():
+            try:
+                with recorder.side_stream():
+                    self._warm_up(score, entry, window)
+                for param, buffer in zip(self.params, self.grad_buffers):
+                    param.grad = buffer  # the backward graph accumulates into these addresses
+                entry.replay_forward, (entry.logps, entry.entropy) = recorder.record(forward, self._pool)
+                entry.grad_logps = torch.zeros_like(entry.logps)
+                entry.replay_backward, _ = recorder.record(backward, self._pool)
+            finally:
+                for param, grad in zip(self.params, held):
+                    param.grad = grad
         entry.logps = entry.logps.detach()
         entry.entropy = entry.entropy.detach() if entry.entropy is not None else None
         self._entries[shape] = entry

@@ -147,9 +147,10 @@ class EagerRecorder:
 
     def record(self, fn, pool):
         outputs = fn()
+        grad_mode = torch.is_grad_enabled()  # a graph keeps the mode it was captured in
 
         def replay():
-            with torch.enable_grad():  # (a replay inside the autograd node's forward, where grad is off)
+            with torch.set_grad_enabled(grad_mode):  # (a training replay runs in the autograd node's forward)
                 fresh = fn()
             for static, new in zip(outputs or (), fresh or ()):
                 if static is not None:
@@ -221,6 +222,7 @@ def test_a_grpo_run_through_the_replay_path_updates_as_eager_on_a_cpu(tmp_path, 
     graphs = trainer._train_graphs
     assert eager._train_graphs is None and graphs is not None and graphs.failure is None
     assert len(replayed) == 6  # 3 steps x 2 micro-batches, every one through the replay path
+    assert graphs._scoring  # and the reference (LoRA: the policy without its adapters) through forward-only graphs
     assert trainer.get_performance_stats()["train_graph_captures"] == graphs.captures >= 1
     assert all(p.grad is None or p.grad is b for p, b in zip(graphs.params, graphs.grad_buffers))
     torch.testing.assert_close(graphed_params, eager_params, rtol=1e-5, atol=1e-6)
@@ -272,13 +274,14 @@ def test_later_buckets_replay_the_eager_gradients_and_keep_no_memory_of_their_ow
         weights = torch.arange(1.0, 5.0, device="cuda").unsqueeze(1)
         padded = training_graphs.pad_to_bucket(ids, mask, 9, pad_token_id=0)
         model.zero_grad(set_to_none=True)
-        expected, _ = score(*padded, training_graphs.bucket(9))
-        (expected[:, :9] * weights).sum().backward()
-        expected_grads = [p.grad.clone() for p in graphs.params]
+        expected = score(*padded, training_graphs.bucket(9))[0][:, :9]
+        (expected * weights).sum().backward()
+        # (the eager graph goes before the capture: its gradient accumulators belong to the default stream)
+        expected, expected_grads = expected.detach(), [p.grad.clone() for p in graphs.params]
         model.zero_grad(set_to_none=True)
         got, _ = graphs.logps(score, ids, mask, 9, compute_entropy=False)
         (got * weights).sum().backward()
-        torch.testing.assert_close(got, expected[:, :9], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
         for param, grad in zip(graphs.params, expected_grads):
             torch.testing.assert_close(param.grad, grad, rtol=1e-4, atol=1e-6)
         torch.cuda.synchronize()
@@ -321,9 +324,13 @@ def test_the_rollouts_scoring_is_done_in_the_replayed_shapes_so_bf16_gives_the_s
     ids, mask, _ = batch(8, prompt=13, completion=9, seed=2)
     score = windowed_score(model)
 
+    graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, recorder=EagerRecorder())
     with torch.no_grad():
         reference, _ = training_graphs.padded_scoring(score, ids, mask, 9, rows=8, pad_token_id=0)
-    graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, recorder=EagerRecorder())
+        # as the trainer scores the rollout: through a forward-only graph of the same bucket
+        replayed_reference, _ = training_graphs.padded_scoring(graphs.scorer(score, model, False), ids, mask, 9,
+                                                               rows=8, pad_token_id=0)
+    assert torch.equal(replayed_reference, reference)
     for start in (0, 4):  # two training micro-batches of 4 rows
         replayed, _ = graphs.logps(score, ids[start:start + 4], mask[start:start + 4], 9, compute_entropy=False)
         assert torch.equal(replayed.detach(), reference[start:start + 4])

@@ -1,0 +1,68 @@
+"""What capturing the training step asks of the device (``hf_grpo.training_graphs``): record a function once
+as a CUDA graph and replay it, on one stream, and get torch's generator back after a capture that failed."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+logger = logging.getLogger("hf_grpo.training_graphs")
+
+
+def end_broken_capture() -> None:
+    """After a capture that failed half-way, an empty capture: torch's CUDA generator is still marked as
+    capturing by the failed one (every later random draw would raise), and an ended capture clears the mark."""
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            pass
+    except Exception as err:  # noqa: BLE001 - the generator's state is what matters; say so if it stays wrong
+        logger.debug("an empty capture after a failed one raised %s", err)
+    del graph
+
+
+class CudaGraphRecorder:
+    """What ``TrainingGraphs`` asks of the device: record a function once, replay it. (A test stands in an eager
+    recorder with the same interface, to run the rest on a CPU.)"""
+
+    def __init__(self):
+        self._stream: torch.cuda.Stream | None = None
+
+    def new_pool(self):
+        return torch.cuda.graph_pool_handle()
+
+    def stream(self) -> torch.cuda.Stream:
+        """The one stream every warm-up and capture runs on: cuBLAS keeps a workspace for each stream it has run
+        on, for the life of the process (a new stream per capture held 64 MiB more each, measured)."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    @contextmanager
+    def side_stream(self) -> Iterator[None]:
+        stream = self.stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            yield
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def record(self, fn: Callable, pool) -> tuple[Callable[[], None], object]:
+        """``(replay, outputs)``: ``fn`` captured once; ``replay()`` runs it again, writing into ``outputs``."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=self.stream()):
+            outputs = fn()
+        return graph.replay, outputs
+
+    def random_state(self):
+        return torch.cuda.get_rng_state()
+
+    def set_random_state(self, state) -> None:
+        torch.cuda.set_rng_state(state)
+
+    def recover(self) -> None:
+        end_broken_capture()
+        torch.cuda.empty_cache()
