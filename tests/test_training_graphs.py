@@ -176,14 +176,14 @@ def test_the_diffusion_trainer_says_it_scores_its_own_way():
         "the diffusion trainer scores completions with its own estimator")
 
 
-def grpo_run(tmp_path, checkpoint, graphs: str, lora: bool = False, use_cpu: bool = False):
+def grpo_run(tmp_path, checkpoint, graphs: str, lora: bool = False, use_cpu: bool = False, num_iterations: int = 1):
     import hf_grpo
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
     config = hf_grpo.GRPOConfig(
-        output_dir=str(tmp_path / f"{graphs}{lora}"), report_to=[], bf16=False, max_steps=3, seed=0, use_cpu=use_cpu,
+        output_dir=str(tmp_path / f"{graphs}{lora}{num_iterations}"), num_iterations=num_iterations, report_to=[], bf16=False, max_steps=3, seed=0, use_cpu=use_cpu,
         per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4, max_completion_length=6,
         learning_rate=0.01, optim="sgd", max_grad_norm=1.0, logging_steps=1, save_strategy="no", disable_tqdm=True,
         generation_backend="hf", beta=0.04, activation_checkpointing=True, temperature=0.7,
@@ -205,8 +205,9 @@ def grpo_run(tmp_path, checkpoint, graphs: str, lora: bool = False, use_cpu: boo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_a_grpo_run_through_the_replay_path_updates_as_eager_on_a_cpu(tmp_path, monkeypatch, lora):
+@pytest.mark.parametrize("lora, num_iterations", [(False, 1), (True, 1), (False, 2)],
+                         ids=["full", "lora", "num_iterations_2"])
+def test_a_grpo_run_through_the_replay_path_updates_as_eager_on_a_cpu(tmp_path, monkeypatch, lora, num_iterations):
     # Everything but the capture: buckets, positions, the static head, the autograd node, the gradient buffers
     # adopted across micro-batches and optimizer steps (the Trainer sets gradients to None), the perf counter.
     from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
@@ -214,15 +215,17 @@ def test_a_grpo_run_through_the_replay_path_updates_as_eager_on_a_cpu(tmp_path, 
     monkeypatch.setattr(training_graphs, "unavailable_reason", lambda trainer: None)
     monkeypatch.setattr(training_graphs, "CudaGraphRecorder", EagerRecorder)
     checkpoint = save_tiny_checkpoint(tmp_path / "checkpoint")
-    eager_params, eager = grpo_run(tmp_path, checkpoint, "off", lora, use_cpu=True)
+    eager_params, eager = grpo_run(tmp_path, checkpoint, "off", lora, use_cpu=True, num_iterations=num_iterations)
     replayed = []
     replay = training_graphs._Replay.apply
     monkeypatch.setattr(training_graphs._Replay, "apply", lambda *a: replayed.append(1) or replay(*a))
-    graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", lora, use_cpu=True)
+    graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", lora, use_cpu=True, num_iterations=num_iterations)
     graphs = trainer._train_graphs
     assert eager._train_graphs is None and graphs is not None and graphs.failure is None
     assert len(replayed) == 6  # 3 steps x 2 micro-batches, every one through the replay path
-    assert graphs._scoring  # and the reference (LoRA: the policy without its adapters) through forward-only graphs
+    # and the reference (LoRA: the policy without its adapters), with num_iterations 2 the old policy too, through
+    # forward-only graphs
+    assert len({key[0] for key in graphs._scoring}) == num_iterations
     assert trainer.get_performance_stats()["train_graph_captures"] == graphs.captures >= 1
     assert all(p.grad is None or p.grad is b for p, b in zip(graphs.params, graphs.grad_buffers))
     torch.testing.assert_close(graphed_params, eager_params, rtol=1e-5, atol=1e-6)
@@ -233,15 +236,16 @@ def test_a_grpo_run_through_the_replay_path_updates_as_eager_on_a_cpu(tmp_path, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_a_grpo_run_with_training_graphs_updates_as_eager(tmp_path, lora):
+@pytest.mark.parametrize("lora, num_iterations", [(False, 1), (True, 1), (False, 2)],
+                         ids=["full", "lora", "num_iterations_2"])
+def test_a_grpo_run_with_training_graphs_updates_as_eager(tmp_path, lora, num_iterations):
     # From a saved checkpoint, with a reference model (or LoRA's disabled adapters), activation checkpointing,
     # prompts of varied length and two micro-batches a step: the replayed steps give the eager updates.
     from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
 
     checkpoint = save_tiny_checkpoint(tmp_path / "checkpoint")
-    eager_params, eager = grpo_run(tmp_path, checkpoint, "off", lora)
-    graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", lora)
+    eager_params, eager = grpo_run(tmp_path, checkpoint, "off", lora, num_iterations=num_iterations)
+    graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", lora, num_iterations=num_iterations)
     assert eager._train_graphs is None
     assert trainer._train_graphs is not None and trainer._train_graphs.failure is None
     assert trainer.get_performance_stats()["train_graph_captures"] > 0
