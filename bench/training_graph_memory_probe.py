@@ -1,0 +1,69 @@
+"""Where ``training_cuda_graphs`` spends memory and time: a realistic run (``bench/grpo_realistic.py``, same flags)
+with each bucket's eager warm-up and each capture (forward, then backward) wrapped, printing one JSON row each:
+memory allocated before, the peak inside, allocated after, reserved after (GiB), and seconds.
+
+    python3 bench/training_graph_memory_probe.py --impl hf_grpo --shape 0.5b --max_steps 8 --phases \\
+        --training_cuda_graphs on --compile_training off --out $OUT/runs.jsonl
+
+Rows go to stdout (``PROBE {...}``) and to ``$OUT/graph_memory_probe.json``. The run's own peak figures stay those
+of the whole run (the wrapper restores torch's peak counter after each part it measures).
+"""
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import grpo_realistic  # noqa: E402
+
+from hf_grpo import training_graphs  # noqa: E402
+
+ROWS = []
+GIB = 2**30
+
+
+def measured(name, fn):
+    def inner(*args, **kwargs):
+        torch.cuda.synchronize()
+        before, run_peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        ROWS.append(dict(what=name, before=round(before / GIB, 3), peak=round(peak / GIB, 3),
+                         after=round(torch.cuda.memory_allocated() / GIB, 3),
+                         reserved=round(torch.cuda.memory_reserved() / GIB, 3), s=round(time.perf_counter() - start, 3)))
+        if run_peak > peak:  # put the run's peak back: allocate up to it once, then free
+            torch.cuda.reset_peak_memory_stats()
+            filler = torch.empty(int(run_peak - torch.cuda.memory_allocated()), dtype=torch.uint8, device="cuda")
+            del filler
+        return out
+    return inner
+
+
+def main() -> int:
+    graphs = training_graphs.TrainingGraphs
+    graphs._warm_up = measured("warm_up", graphs._warm_up)
+    training_graphs.CudaGraphRecorder.record = measured("record", training_graphs.CudaGraphRecorder.record)
+    capture = graphs._capture
+
+    def named_capture(self, score, ids, mask, positions, shape):
+        ROWS.append(dict(what="bucket", shape=list(shape[:3])))  # rows, prompt bucket, completion bucket
+        return capture(self, score, ids, mask, positions, shape)
+
+    graphs._capture = named_capture
+    try:
+        return grpo_realistic.main()
+    finally:
+        with open(os.path.join(os.environ.get("OUT", "/tmp"), "graph_memory_probe.json"), "w") as f:
+            json.dump(ROWS, f, indent=0)
+        for row in ROWS:
+            print("PROBE", json.dumps(row))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
