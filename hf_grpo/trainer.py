@@ -81,7 +81,7 @@ class _RunCallbacks(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._train_layers = self.trainer._compiled_training_layers(state.max_steps)
         self.trainer._align_lengths_for_compiled_layers()
-        self.trainer._train_graphs = training_graphs.choose(self.trainer)[0]
+        self.trainer._train_graphs = training_graphs.start(self.trainer)
         self.trainer._generation_mirror()  # decided on every rank before the plan is printed
         if state.is_world_process_zero:
             plan = self.trainer.batch_plan()

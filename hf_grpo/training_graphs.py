@@ -134,10 +134,24 @@ def choose(trainer) -> tuple[TrainingGraphs | None, str | None]:
         if setting == "on":
             logger.warning("training_cuda_graphs='on' is not applied: %s", reason)
         return None, reason
+    if setting == "auto" and not trainer.args.gradient_checkpointing:
+        # Checkpointed, the pool keeps little more than the layers' inputs; without, it would keep a whole
+        # micro-batch's activations through the rollout, which eager training hands back to it.
+        return None, ("activation checkpointing is off: the graphs' memory pool would keep a micro-batch's "
+                      "activations through the rollout (training_cuda_graphs='on' replays anyway)")
     pad = getattr(getattr(trainer, "_tokenizer", None), "pad_token_id", None)  # TRL's (pads are masked: any id does)
     compiled = getattr(trainer, "_train_layers", None) is not None
     return TrainingGraphs(trainer.model, pad if pad is not None else 0, eager_on_failure=setting == "auto",
                           compiled_layers=compiled), None
+
+
+def start(trainer) -> TrainingGraphs | None:
+    """The run's graphs at train begin (``choose``), the choice logged beside the compile's."""
+    graphs, reason = choose(trainer)
+    if trainer.accelerator.is_main_process:
+        logger.info("training micro-batches: %s",
+                    "replayed from CUDA graphs" if graphs is not None else f"eager launches ({reason})")
+    return graphs
 
 
 def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,

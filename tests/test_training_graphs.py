@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hf_grpo import training_graphs
+from hf_grpo.config import set_checkpointing
 from hf_grpo.logprob_head import install_chunked_lm_head
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
@@ -131,6 +132,32 @@ def test_a_cpu_run_says_why_no_graphs(tmp_path, caplog):
     assert "training_cuda_graphs='on' is not applied: CUDA graphs need a CUDA device (device cpu)" in caplog.text
     trainer.args.training_cuda_graphs = "off"
     assert training_graphs.choose(trainer) == (None, "training_cuda_graphs='off'")
+
+
+def test_auto_leaves_runs_without_activation_checkpointing_eager(tmp_path, monkeypatch, caplog):
+    # Their graphs' pool would hold a whole micro-batch's activations through the rollout; "on" replays anyway.
+    import hf_grpo
+    from datasets import Dataset
+
+    monkeypatch.setattr(training_graphs, "unavailable_reason", lambda trainer: None)  # as on one GPU
+    tokenizer = build_char_tokenizer()
+    config = hf_grpo.GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, max_steps=1,
+                                per_device_train_batch_size=2, num_generations=2, max_completion_length=4,
+                                generation_backend="hf", activation_checkpointing=False)
+    assert config.training_cuda_graphs == "auto"
+    trainer = hf_grpo.GRPOTrainer(model=build_tiny_model(tokenizer), args=config, processing_class=tokenizer,
+                                  reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                                  train_dataset=Dataset.from_dict({"prompt": ["ab>", "c>"]}))
+    graphs, reason = training_graphs.choose(trainer)
+    assert graphs is None and reason.startswith("activation checkpointing is off")
+    with caplog.at_level("INFO", logger="hf_grpo"):
+        assert training_graphs.start(trainer) is None
+    assert "training micro-batches: eager launches (activation checkpointing is off" in caplog.text
+    trainer.args.training_cuda_graphs = "on"
+    assert isinstance(training_graphs.choose(trainer)[0], training_graphs.TrainingGraphs)
+    trainer.args.training_cuda_graphs = "auto"
+    set_checkpointing(trainer.args, True)
+    assert isinstance(training_graphs.choose(trainer)[0], training_graphs.TrainingGraphs)
 
 
 class EagerRecorder:
