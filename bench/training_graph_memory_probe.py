@@ -5,8 +5,9 @@ memory allocated before, the peak inside, allocated after, reserved after (GiB),
     python3 bench/training_graph_memory_probe.py --impl hf_grpo --shape 0.5b --max_steps 8 --phases \\
         --training_cuda_graphs on --compile_training off --out $OUT/runs.jsonl
 
-Rows go to stdout (``PROBE {...}``) and to ``$OUT/graph_memory_probe.json``. The run's own peak figures stay those
-of the whole run (the wrapper restores torch's peak counter after each part it measures).
+Rows, each with its commit, GPU, torch and TRL, go to stdout (``PROBE {...}``) and to
+``$OUT/graph_memory_probe.jsonl``. The run's own peak figures stay those of the whole run (the wrapper restores
+torch's peak counter after each part it measures).
 """
 
 import json
@@ -18,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import grpo_realistic  # noqa: E402
+from provenance import with_provenance  # noqa: E402
 
 from hf_grpo import training_graphs  # noqa: E402
 
@@ -59,9 +61,10 @@ def main() -> int:
     try:
         return grpo_realistic.main()
     finally:
-        with open(os.path.join(os.environ.get("OUT", "/tmp"), "graph_memory_probe.json"), "w") as f:
-            json.dump(ROWS, f, indent=0)
-        for row in ROWS:
+        rows = [with_provenance(row) for row in ROWS]  # commit, GPU, torch and TRL on every row
+        with open(os.path.join(os.environ.get("OUT", "/tmp"), "graph_memory_probe.jsonl"), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        for row in rows:
             print("PROBE", json.dumps(row))
 
 
