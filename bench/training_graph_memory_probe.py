@@ -38,7 +38,8 @@ def measured(name, fn):
         peak = torch.cuda.max_memory_allocated()
         ROWS.append(dict(what=name, before=round(before / GIB, 3), peak=round(peak / GIB, 3),
                          after=round(torch.cuda.memory_allocated() / GIB, 3),
-                         reserved=round(torch.cuda.memory_reserved() / GIB, 3), s=round(time.perf_counter() - start, 3)))
+                         reserved=round(torch.cuda.memory_reserved() / GIB, 3),
+                         s=round(time.perf_counter() - start, 3)))
         if run_peak > peak:  # put the run's peak back: allocate up to it once, then free
             torch.cuda.reset_peak_memory_stats()
             filler = torch.empty(int(run_peak - torch.cuda.memory_allocated()), dtype=torch.uint8, device="cuda")

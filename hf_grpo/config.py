@@ -124,8 +124,8 @@ class GRPOConfig(trl.GRPOConfig):
             positions kept), on one CUDA process without DeepSpeed, FSDP, padding-free rows or a token budget, for
             dense models with sdpa or eager attention; ``"auto"``: so where the run allows it and activation
             checkpointing is on (without it the graphs' pool would keep a micro-batch's activations through the
-            rollout), going on eagerly with a warning if a capture fails; ``"off"``: eager launches. The graphs' memory pool and the
-            parameters' gradients stay allocated between steps (through the rollout; see
+            rollout), going on eagerly with a warning if a capture fails; ``"off"``: eager launches. The graphs'
+            memory pool and the parameters' gradients stay allocated between steps (through the rollout; see
             ``docs/performance.md``).
     """
 
@@ -233,9 +233,8 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "off, auto or on. 'on' replays each training micro-batch's forward and backward from CUDA graphs "
             "captured per shape bucket (one CUDA process, no DeepSpeed/FSDP, padding_free or token budget; dense "
-            "models, sdpa or eager attention); 'auto' does so where the run allows and activation checkpointing is on, "
-            "eagerly after a failed capture. "
-            "See hf_grpo.training_graphs."
+            "models, sdpa or eager attention); 'auto' does so where the run allows and activation checkpointing is "
+            "on, eagerly after a failed capture. See hf_grpo.training_graphs."
         },
     )
     overwrite_output_dir: bool = field(

@@ -210,7 +210,8 @@ def grpo_run(tmp_path, checkpoint, graphs: str, lora: bool = False, use_cpu: boo
 
     torch.manual_seed(0)
     config = hf_grpo.GRPOConfig(
-        output_dir=str(tmp_path / f"{graphs}{lora}{num_iterations}"), num_iterations=num_iterations, report_to=[], bf16=False, max_steps=3, seed=0, use_cpu=use_cpu,
+        output_dir=str(tmp_path / f"{graphs}{lora}{num_iterations}"), report_to=[], bf16=False, max_steps=3, seed=0,
+        use_cpu=use_cpu, num_iterations=num_iterations,
         per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4, max_completion_length=6,
         learning_rate=0.01, optim="sgd", max_grad_norm=1.0, logging_steps=1, save_strategy="no", disable_tqdm=True,
         generation_backend="hf", beta=0.04, activation_checkpointing=True, temperature=0.7,
