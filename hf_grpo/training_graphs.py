@@ -324,10 +324,12 @@ class TrainingGraphs:
         self.give_up(f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}")
 
     def _recover(self) -> None:
-        """After a failed capture: no graphs, the random stream usable and where it was before the capture."""
+        """After a failed capture: no graphs (their pool and, once the Trainer lets go of them, the gradient
+        buffers freed), the random stream usable and where it was before the capture."""
         self._entries.clear()
         self._scoring.clear()
         self._pool = None
+        self.grad_buffers = None  # gradients accumulated into them this step stay the parameters' until zeroed
         self.recorder.recover()
         if self._rng_before_capture is not None:
             self.recorder.set_random_state(self._rng_before_capture)

@@ -195,6 +195,50 @@ class EagerRecorder:
         pass
 
 
+class FailingRecorder(EagerRecorder):
+    """Captures the first ``succeed`` functions, then fails as a capture that waits on the host does."""
+
+    def __init__(self, succeed: int):
+        self.succeed, self.recovered = succeed, 0
+
+    def record(self, fn, pool):
+        if self.succeed == 0:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        self.succeed -= 1
+        return super().record(fn, pool)
+
+    def recover(self):
+        self.recovered += 1
+
+
+def test_a_failed_capture_mid_step_keeps_the_steps_gradients_and_lets_go_of_the_graphs():
+    # A later bucket's capture fails after a replayed micro-batch: "auto" goes on eagerly, the gradients the step
+    # has accumulated stay the parameters' and grow with the eager micro-batches, and the graphs hold nothing.
+    model = checkpointed_model()
+    score = windowed_score(model)
+    graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, recorder=FailingRecorder(succeed=2))
+    first, second = batch(4, prompt=13, completion=9, seed=1), batch(4, prompt=80, completion=9, seed=2)
+    (graphs.logps(score, first[0], first[1], 9, compute_entropy=False)[0].sum()).backward()
+    accumulated = [p.grad.clone() for p in graphs.params]
+    assert all(p.grad is b for p, b in zip(graphs.params, graphs.grad_buffers))
+    assert graphs.logps(score, second[0], second[1], 9, compute_entropy=False) is None  # 80 -> a new bucket
+    assert graphs.failure.startswith("RuntimeError: operation not permitted") and graphs.recorder.recovered == 1
+    assert graphs.grad_buffers is None and not graphs._entries
+    for param, grad in zip(graphs.params, accumulated):
+        torch.testing.assert_close(param.grad, grad)  # the step's gradients so far, kept
+    # the micro-batch goes on eagerly (TRL's path) and adds to them
+    ids, mask, positions = training_graphs.pad_to_bucket(second[0], second[1], 9, pad_token_id=0)
+    loss = score(ids, mask, positions, training_graphs.bucket(9))[0].sum()
+    eager = torch.autograd.grad(loss, graphs.params, retain_graph=True, allow_unused=True)
+    loss.backward()
+    for param, grad, added in zip(graphs.params, accumulated, eager):
+        torch.testing.assert_close(param.grad, grad + (added if added is not None else 0))
+    strict = training_graphs.TrainingGraphs(model, pad_token_id=0, eager_on_failure=False,
+                                            recorder=FailingRecorder(succeed=0))
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        strict.logps(score, first[0], first[1], 9, compute_entropy=False)
+
+
 def test_the_diffusion_trainer_says_it_scores_its_own_way():
     from hf_grpo.diffusion.trainer import DiffuGRPOTrainer
 
