@@ -140,7 +140,8 @@ def choose(trainer) -> tuple[TrainingGraphs | None, str | None]:
         return None, ("activation checkpointing is off: the graphs' memory pool would keep a micro-batch's "
                       "activations through the rollout (training_cuda_graphs='on' replays anyway)")
     pad = getattr(getattr(trainer, "_tokenizer", None), "pad_token_id", None)  # TRL's (pads are masked: any id does)
-    compiled = getattr(trainer, "_train_layers", None) is not None
+    # compiled layers (ours, or the Trainer's torch_compile) may compile again for a new shape: warm every bucket up
+    compiled = getattr(trainer, "_train_layers", None) is not None or bool(getattr(trainer.args, "torch_compile", 0))
     return TrainingGraphs(trainer.model, pad if pad is not None else 0, eager_on_failure=setting == "auto",
                           compiled_layers=compiled), None
 

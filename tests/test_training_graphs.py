@@ -157,7 +157,11 @@ def test_auto_leaves_runs_without_activation_checkpointing_eager(tmp_path, monke
     assert isinstance(training_graphs.choose(trainer)[0], training_graphs.TrainingGraphs)
     trainer.args.training_cuda_graphs = "auto"
     set_checkpointing(trainer.args, True)
-    assert isinstance(training_graphs.choose(trainer)[0], training_graphs.TrainingGraphs)
+    graphs = training_graphs.choose(trainer)[0]
+    assert isinstance(graphs, training_graphs.TrainingGraphs)
+    assert graphs.warmup_passes == training_graphs.WARMUP_PASSES["eager"]
+    trainer.args.torch_compile = True  # the Trainer's own compile may compile again for a new shape
+    assert training_graphs.choose(trainer)[0].warmup_passes == training_graphs.WARMUP_PASSES["compiled"]
 
 
 class EagerRecorder:
