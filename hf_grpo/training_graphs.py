@@ -25,9 +25,10 @@ How (``training_cuda_graphs``, "auto" by default):
   (adopting what earlier micro-batches accumulated), since the Trainer sets gradients to None after each
   optimizer step. The replay is an autograd node of the loss, so TRL's loss, the Trainer's backward and the
   out-of-memory back-off work unchanged. The gradients therefore stay allocated through the rollout.
-* Every bucket's graphs share one memory pool: buckets run one at a time, forward then backward, so one
-  bucket's activations may reuse another's memory. The pool holds the largest bucket's activations between
-  steps, which the rollout then does not get back.
+* Every graph, training and scoring, shares one memory pool: they run one at a time (a bucket's forward then its
+  backward), so one may reuse another's memory. With activation checkpointing the pool holds little more than
+  the largest bucket's layer inputs between steps, which the rollout then does not get back; without it, a
+  whole micro-batch's activations, so "auto" leaves such runs eager.
 * Graphs are dropped when a parameter moves (``weights_signature``). A capture that fails (an operation that waits
   on the host, a model the graph cannot hold, out of memory) ends the run with "on" and sends it on eagerly with
   "auto", in both cases after an empty capture that clears torch's generator of the failed one.
