@@ -26,9 +26,10 @@ How (``training_cuda_graphs``, "auto" by default):
   optimizer step. The replay is an autograd node of the loss, so TRL's loss, the Trainer's backward and the
   out-of-memory back-off work unchanged. The gradients therefore stay allocated through the rollout.
 * Every graph, training and scoring, shares one memory pool: they run one at a time (a bucket's forward then its
-  backward), so one may reuse another's memory. With activation checkpointing the pool holds little more than
-  the largest bucket's layer inputs between steps, which the rollout then does not get back; without it, a
-  whole micro-batch's activations, so "auto" leaves such runs eager.
+  backward), so one may reuse another's memory. Between steps the pool keeps what the largest bucket needs at
+  its peak, which the rollout then does not get back: with activation checkpointing its layer inputs and one
+  layer's recompute (0.6 GiB more reserved at the 0.5B shape of ``docs/performance.md``); without, a whole
+  micro-batch's activations, so "auto" leaves such runs eager.
 * Graphs are dropped when a parameter moves (``weights_signature``). A capture that fails (an operation that waits
   on the host, a model the graph cannot hold, out of memory) ends the run with "on" and sends it on eagerly with
   "auto", in both cases after an empty capture that clears torch's generator of the failed one.
