@@ -195,9 +195,16 @@ class _Bucket:
     """The static inputs and outputs, and the two replays, of one (rows, prompt width, completion width)."""
 
     def __init__(self, input_ids, attention_mask, position_ids):
-        self.input_ids, self.attention_mask, self.position_ids = input_ids, attention_mask, position_ids
+        self.input_ids, self.attention_mask = input_ids.clone(), attention_mask.clone()
+        self.position_ids = position_ids.clone()
         self.replay_forward = self.replay_backward = None
         self.logps = self.entropy = self.grad_logps = None
+
+    def load(self, input_ids, attention_mask, position_ids) -> None:
+        """A micro-batch of this bucket into the static inputs the graphs read."""
+        self.input_ids.copy_(input_ids)
+        self.attention_mask.copy_(attention_mask)
+        self.position_ids.copy_(position_ids)
 
 
 class _Replay(torch.autograd.Function):
@@ -257,7 +264,8 @@ class TrainingGraphs:
             self._entries.clear()  # a moved parameter or a changed forward path: every graph reads stale memory
             self._signature = signature
         ids, mask, positions = pad_to_bucket(input_ids, attention_mask, completion_width, self.pad_token_id)
-        shape = (input_ids.shape[0], ids.shape[1] - bucket(completion_width), bucket(completion_width), compute_entropy)
+        window = bucket(completion_width)
+        shape = (input_ids.shape[0], ids.shape[1] - window, window, compute_entropy)
         entry = self._entries.get(shape)
         if entry is None:
             try:
@@ -267,9 +275,7 @@ class TrainingGraphs:
                 return None
         else:
             self._entries.move_to_end(shape)
-            entry.input_ids.copy_(ids)
-            entry.attention_mask.copy_(mask)
-            entry.position_ids.copy_(positions)
+            entry.load(ids, mask, positions)
         logps, entropy = _Replay.apply(self._anchor, self, entry)
         keep = slice(0, completion_width)
         return logps[:, keep], (entropy[:, keep] if entropy is not None else None)
@@ -294,9 +300,7 @@ class TrainingGraphs:
                     return score(ids, mask, positions, window)
             else:
                 self._scoring.move_to_end(key)
-                entry.input_ids.copy_(ids)
-                entry.attention_mask.copy_(mask)
-                entry.position_ids.copy_(positions)
+                entry.load(ids, mask, positions)
             entry.replay_forward()
             return entry.logps.clone(), (entry.entropy.clone() if entry.entropy is not None else None)
 
@@ -365,8 +369,16 @@ class TrainingGraphs:
         self.recorder.set_random_state(self._rng_before_capture)
         self._rng_before_capture = None
 
+    def _kept(self, table: OrderedDict, key: tuple, entry: _Bucket) -> _Bucket:
+        """A captured ``entry`` counted and kept in ``table``, whose oldest is dropped beyond ``MAX_BUCKETS``."""
+        table[key] = entry
+        self.captures += 1
+        while len(table) > MAX_BUCKETS:
+            table.popitem(last=False)
+        return entry
+
     def _capture_scoring(self, score: Callable, ids, mask, positions, window: int, key: tuple) -> _Bucket:
-        entry = _Bucket(ids.clone(), mask.clone(), positions.clone())
+        entry = _Bucket(ids, mask, positions)
         if self._pool is None:
             self._pool = self.recorder.new_pool()
         passes = self.warmup_passes[1 if "score" in self._warmed else 0]
@@ -377,11 +389,7 @@ class TrainingGraphs:
                     score(entry.input_ids, entry.attention_mask, entry.position_ids, window)
             entry.replay_forward, (entry.logps, entry.entropy) = self.recorder.record(
                 lambda: score(entry.input_ids, entry.attention_mask, entry.position_ids, window), self._pool)
-        self._scoring[key] = entry
-        self.captures += 1
-        while len(self._scoring) > MAX_BUCKETS:
-            self._scoring.popitem(last=False)
-        return entry
+        return self._kept(self._scoring, key, entry)
 
     def _capture(self, score: Callable, ids, mask, positions, shape) -> _Bucket:
         recorder = self.recorder
@@ -389,7 +397,7 @@ class TrainingGraphs:
             self.grad_buffers = [torch.zeros_like(p) for p in self.params]
         if self._pool is None:
             self._pool = recorder.new_pool()
-        entry = _Bucket(ids.clone(), mask.clone(), positions.clone())
+        entry = _Bucket(ids, mask, positions)
         window = shape[2]
         held = [p.grad for p in self.params]  # the step's gradients so far: the warm-up must not add to them
         scored = {}  # the forward's outputs with their autograd graph, which the backward's capture runs through
@@ -416,8 +424,4 @@ class TrainingGraphs:
                     param.grad = grad
         entry.logps = entry.logps.detach()
         entry.entropy = entry.entropy.detach() if entry.entropy is not None else None
-        self._entries[shape] = entry
-        self.captures += 1
-        while len(self._entries) > MAX_BUCKETS:
-            self._entries.popitem(last=False)
-        return entry
+        return self._kept(self._entries, shape, entry)
