@@ -113,17 +113,22 @@ def test_the_captured_gradient_buffers_keep_what_was_accumulated():
     assert weight.grad is graphs.grad_buffers[0] and (weight.grad == 3).all()
 
 
-def test_a_cpu_run_says_why_no_graphs(tmp_path, caplog):
+def tiny_cpu_trainer(tmp_path, **config):
+    """A GRPO trainer on the CPU, built as a user builds one, for the choice made at train begin."""
     import hf_grpo
     from datasets import Dataset
 
     tokenizer = build_char_tokenizer()
     config = hf_grpo.GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, max_steps=1,
                                 per_device_train_batch_size=2, num_generations=2, max_completion_length=4,
-                                generation_backend="hf", training_cuda_graphs="auto")
-    trainer = hf_grpo.GRPOTrainer(model=build_tiny_model(tokenizer), args=config, processing_class=tokenizer,
-                                  reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                                  train_dataset=Dataset.from_dict({"prompt": ["ab>", "c>"]}))
+                                generation_backend="hf", **config)
+    return hf_grpo.GRPOTrainer(model=build_tiny_model(tokenizer), args=config, processing_class=tokenizer,
+                               reward_funcs=lambda completions, **kw: [0.0] * len(completions),
+                               train_dataset=Dataset.from_dict({"prompt": ["ab>", "c>"]}))
+
+
+def test_a_cpu_run_says_why_no_graphs(tmp_path, caplog):
+    trainer = tiny_cpu_trainer(tmp_path, training_cuda_graphs="auto")
     graphs, reason = training_graphs.choose(trainer)
     assert graphs is None and reason == "CUDA graphs need a CUDA device (device cpu)"
     assert "not applied" not in caplog.text  # "auto" falls back quietly
@@ -136,18 +141,9 @@ def test_a_cpu_run_says_why_no_graphs(tmp_path, caplog):
 
 def test_auto_leaves_runs_without_activation_checkpointing_eager(tmp_path, monkeypatch, caplog):
     # Their graphs' pool would hold a whole micro-batch's activations through the rollout; "on" replays anyway.
-    import hf_grpo
-    from datasets import Dataset
-
     monkeypatch.setattr(training_graphs, "unavailable_reason", lambda trainer: None)  # as on one GPU
-    tokenizer = build_char_tokenizer()
-    config = hf_grpo.GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, max_steps=1,
-                                per_device_train_batch_size=2, num_generations=2, max_completion_length=4,
-                                generation_backend="hf", activation_checkpointing=False)
-    assert config.training_cuda_graphs == "auto"
-    trainer = hf_grpo.GRPOTrainer(model=build_tiny_model(tokenizer), args=config, processing_class=tokenizer,
-                                  reward_funcs=lambda completions, **kw: [0.0] * len(completions),
-                                  train_dataset=Dataset.from_dict({"prompt": ["ab>", "c>"]}))
+    trainer = tiny_cpu_trainer(tmp_path, activation_checkpointing=False)
+    assert trainer.args.training_cuda_graphs == "auto"
     graphs, reason = training_graphs.choose(trainer)
     assert graphs is None and reason.startswith("activation checkpointing is off")
     with caplog.at_level("INFO", logger="hf_grpo"):
