@@ -100,7 +100,7 @@ def install_chunked_lm_head(
     # `logits_to_keep` there its prefill would build logits for every prompt token.
     @functools.wraps(type(model).forward)
     def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
-                scored_window=None, **kwargs):
+                scored_window=None, packed_rows=None, window_index=None, **kwargs):
         if not fused_lm_head:
             return previous_forward(
                 *args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, **kwargs
@@ -117,12 +117,17 @@ def install_chunked_lm_head(
             packed = packed if packed is not None and padding_free.packable(self, packed) else None
         if scored_window is not None:
             # Static shapes, for a CUDA graph (hf_grpo.training_graphs): every position of the last
-            # ``scored_window`` label columns is scored, the unscored ones zeroed below.
-            backbone_outputs = backbone(*args, **kwargs)
-            hidden = backbone_outputs.last_hidden_state[:, -scored_window - 1:-1]
-            targets = labels[:, -scored_window:]
+            # ``scored_window`` label columns is scored, the unscored ones zeroed below. Packed (``packed_rows``),
+            # ``labels`` are that window's and ``window_index`` the packed place of the state predicting each.
+            if packed_rows is not None:
+                hidden = padding_free.packed_hidden_states(self, backbone, packed_rows, **kwargs)[0]  # [T, H]
+                scored, targets = hidden[window_index.reshape(-1)], labels
+            else:
+                backbone_outputs = backbone(*args, **kwargs)
+                hidden = backbone_outputs.last_hidden_state[:, -scored_window - 1:-1]
+                targets = labels[:, -scored_window:]
+                scored = hidden.reshape(-1, hidden.shape[-1])
             mask = targets != -100  # [B, window]
-            scored = hidden.reshape(-1, hidden.shape[-1])
             scored_targets = targets.clamp(min=0).reshape(-1)
         elif packed is not None:
             hidden = padding_free.packed_hidden_states(self, backbone, packed, **kwargs)[0]  # [T, H]
@@ -171,7 +176,7 @@ def install_chunked_lm_head(
                 result = head_logprobs(chunk_rows)
         logps, entropy = result if return_entropy else (result, None)
         if scored_window is not None:  # back to TRL's [B, L - 1] layout, zeros where nothing is scored
-            left = labels.shape[1] - 1 - scored_window
+            left = 0 if packed_rows is not None else labels.shape[1] - 1 - scored_window
             log_probs = torch.nn.functional.pad(torch.where(mask, logps.view(mask.shape), 0), (left, 0))
             if entropy is not None:
                 entropy = torch.nn.functional.pad(torch.where(mask, entropy.view(mask.shape), 0), (left, 0))

@@ -122,7 +122,12 @@ def _attend(query, key, value, cu_seq_lens, ends: list[int], scale: float):
     """Causal attention within each packed row: query ``[1, Hq, T, D]``, key/value ``[1, Hkv, T, D]`` ->
     ``[1, T, Hq, D]``, as transformers' attention functions return it."""
     if _varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
-        return _varlen_attention(query, key, value, cu_seq_lens, max(b - a for a, b in zip(ends, ends[1:])), scale)
+        # The packed length bounds every row from above (flash attention's blocks past a row's end return at
+        # once): nothing read on the host, so a CUDA graph replays it with other row bounds (training_graphs).
+        return _varlen_attention(query, key, value, cu_seq_lens, query.shape[2], scale)
+    if query.is_cuda and torch.cuda.is_current_stream_capturing():  # the graph would keep this batch's bounds
+        raise RuntimeError("packed attention is captured in a CUDA graph only through variable-length flash "
+                           f"attention (fp16/bf16 on CUDA, torch >= 2.9); here dtype {query.dtype}")
     grouped = query.shape[1] != key.shape[1]
     pieces = [
         F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
@@ -146,8 +151,8 @@ def _varlen_attention(query, key, value, cu_seq_lens, longest: int, scale: float
     return out.unsqueeze(0)
 
 
-# One opaque op to torch.compile (hf_grpo.training_compile): the row bounds are read on the host inside it, so
-# they never enter a graph as constants, and no graph breaks around it (a break inside activation
+# One opaque op to torch.compile (hf_grpo.training_compile): the row bounds are read on the host inside it (off
+# CUDA), so they never enter a graph as constants, and no graph breaks around it (a break inside activation
 # checkpointing's recompute is not allowed). Its backward recomputes the attention: it saves only q, k, v.
 @torch.library.custom_op("hf_grpo::packed_attention", mutates_args=())
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,

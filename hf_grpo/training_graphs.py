@@ -8,17 +8,16 @@ compiled, 44 ms compiled and replayed. A capture costs a fraction of a second, n
 
 How (``training_cuda_graphs``, "auto" by default):
 
-* A micro-batch is padded to a bucket: the prompt part on the left and the completion part on the right, each
-  to ``bucket(width)`` (eight sizes an octave), with masked tokens; ``position_ids`` keep every real token at the
-  position it has unpadded, so a bucket's log-probs are the unpadded ones. Each (rows, prompt bucket, completion
-  bucket) gets one forward graph and one backward graph, captured at its first micro-batch on a side stream
-  (after an eager warm-up pass for the run's first capture, and for every bucket's with compiled layers:
+* A micro-batch is brought to a static shape (``graph_inputs``): padded to a bucket, or with ``padding_free`` its
+  rows packed into one sequence of a bucketed length, with the row bounds in a device tensor. Each (rows, layout,
+  completion bucket) gets one forward graph and one backward graph, captured at its first micro-batch on a side
+  stream (after an eager warm-up pass for the run's first capture, and for every bucket's with compiled layers:
   ``WARMUP_PASSES``), with the random stream restored after.
 * The forward graph computes the completion's log-probs (and entropies) through the model's chunked head in its
   static-shape form (``scored_window``: every position of the completion window is scored, unscored ones are
   zeroed), since selecting scored tokens by mask has a data-dependent size that a graph cannot hold.
 * The rollout's scoring without gradients (reference, old policy) is replayed from forward-only graphs
-  (``scorer``) in the same padded shapes and head (``padded_scoring``): bf16 rounds differently in other shapes,
+  (``scorer``) in the same static shapes and head (``chunked_scoring``): bf16 rounds differently in other shapes,
   and at equal weights its log-probs must be the training replay's (no KL at the first step).
 * The backward graph accumulates straight into the parameters' ``.grad`` tensors it was captured with
   (``grad_buffers``, allocated once); before each replay those are made the parameters' gradients again
@@ -45,6 +44,7 @@ from contextlib import contextmanager
 
 import torch
 
+from . import graph_inputs, padding_free
 from .cuda_graph_recorder import CudaGraphRecorder
 from .generation.static_cache import weights_signature
 
@@ -65,35 +65,16 @@ def validate_setting(value: str) -> None:
         raise ValueError(f"training_cuda_graphs must be one of {list(SETTINGS)}, got {value!r}")
 
 
-def bucket(width: int) -> int:
-    """``width`` rounded up to a multiple of 64, or above 512 of an eighth of the power of two below it (less than
-    12.5% padding, eight buckets an octave)."""
-    if width < 1:
-        raise ValueError(f"a width to bucket must be at least 1, got {width}")
-    step = max(64, (1 << (width.bit_length() - 1)) // 8)
-    return -(-width // step) * step
-
-
-def pad_to_bucket(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int, pad_token_id: int):
-    """``(input_ids, attention_mask, position_ids)`` with the prompt part padded on the left and the last
-    ``completion_width`` columns on the right, each to its ``bucket``; every real token keeps the position it has
-    unpadded (transformers counts positions from the first column), so its log-prob is the unpadded one."""
-    prompt_width = input_ids.shape[1] - completion_width
-    left = (bucket(prompt_width) if prompt_width else 0) - prompt_width
-    right = bucket(completion_width) - completion_width
-    ids = torch.nn.functional.pad(input_ids, (left, right), value=pad_token_id)
-    mask = torch.nn.functional.pad(attention_mask, (left, right), value=0)
-    positions = (torch.arange(ids.shape[1], device=ids.device) - left).clamp(min=0).expand(ids.shape[0], -1)
-    return ids, mask, positions
-
-
-def padded_scoring(score: Callable, input_ids, attention_mask, completion_width: int, rows: int, pad_token_id: int):
-    """``score`` (see ``replay``) over the batch padded to its bucket, ``rows`` rows at a time; ``(logps,
-    entropies or None)`` of the unpadded completion's columns."""
-    ids, mask, positions = pad_to_bucket(input_ids, attention_mask, completion_width, pad_token_id)
-    window = bucket(completion_width)
-    chunks = [score(ids[start:start + rows], mask[start:start + rows], positions[start:start + rows], window)
-              for start in range(0, ids.shape[0], rows)]
+def chunked_scoring(score: Callable, static_inputs: Callable, input_ids, attention_mask, completion_width: int,
+                    rows: int):
+    """``score`` (see ``replay``) over the batch ``rows`` rows at a time, each chunk in its static form
+    (``static_inputs``, as ``TrainingGraphs.static_inputs``); ``(logps, entropies or None)`` of the completion's
+    ``completion_width`` columns."""
+    chunks = []
+    for start in range(0, input_ids.shape[0], rows):
+        _, inputs, window = static_inputs(input_ids[start:start + rows], attention_mask[start:start + rows],
+                                          completion_width)
+        chunks.append(score(inputs, window))
     logps = torch.cat([chunk[0] for chunk in chunks])[:, :completion_width]
     entropies = None if chunks[0][1] is None else torch.cat([chunk[1] for chunk in chunks])[:, :completion_width]
     return logps, entropies
@@ -110,8 +91,6 @@ def unavailable_reason(trainer) -> str | None:
         return "several processes: the backward's gradient reductions run inside it"
     if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
         return "DeepSpeed or FSDP manages the gradients"
-    if args.padding_free:
-        return "padding_free packs each micro-batch into a sequence of its own length"
     if args.max_tokens_per_micro_batch is not None:
         return "max_tokens_per_micro_batch splits micro-batches into passes of varying rows"
     config = trainer.model.config
@@ -144,16 +123,18 @@ def choose(trainer) -> tuple[TrainingGraphs | None, str | None]:
     pad = getattr(getattr(trainer, "_tokenizer", None), "pad_token_id", None)  # TRL's (pads are masked: any id does)
     # compiled layers (ours, or the Trainer's torch_compile) may compile again for a new shape: warm every bucket up
     compiled = getattr(trainer, "_train_layers", None) is not None or bool(getattr(trainer.args, "torch_compile", 0))
+    # packed rows, as the eager padding_free forward packs them, where the model's attention packs
+    packed = trainer.args.padding_free and padding_free.unsupported_reason(trainer.model) is None
     return TrainingGraphs(trainer.model, pad if pad is not None else 0, eager_on_failure=setting == "auto",
-                          compiled_layers=compiled), None
+                          compiled_layers=compiled, packed=packed), None
 
 
 def start(trainer) -> TrainingGraphs | None:
     """The run's graphs at train begin (``choose``), the choice logged beside the compile's."""
     graphs, reason = choose(trainer)
     if trainer.accelerator.is_main_process:
-        logger.info("training micro-batches: %s",
-                    "replayed from CUDA graphs" if graphs is not None else f"eager launches ({reason})")
+        how = f"replayed from CUDA graphs ({'packed' if graphs.packed else 'padded'} rows)" if graphs else None
+        logger.info("training micro-batches: %s", how or f"eager launches ({reason})")
     return graphs
 
 
@@ -169,19 +150,16 @@ def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size
         return None
     autocast, before = trainer.accelerator.autocast, graphs.captures
 
-    def score(ids, mask, positions, window):  # TRL's labels: only the completion window is scored
-        labels = ids.masked_fill(mask == 0, -100)
-        labels[:, :-window] = -100
+    def score(inputs, window):  # TRL's labels: only the completion window is scored
         with autocast():
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels,
-                        fused_lm_head=True, scored_window=window)
+            out = model(**graph_inputs.model_kwargs(inputs, window))
         return out.log_probs[:, -window:], (out.entropy[:, -window:] if compute_entropy else None)
 
     if batch_size is not None and not torch.is_grad_enabled():
         # The rollout's scoring (reference, old policy): forward-only graphs, padded to the training graphs'
         # buckets and through the same head, so that at equal weights its log-probs are the replayed ones, to the bit.
-        scored = padded_scoring(graphs.scorer(score, model, compute_entropy), input_ids, attention_mask,
-                                logits_to_keep, batch_size, graphs.pad_token_id)
+        scored = chunked_scoring(graphs.scorer(score, model, compute_entropy), graphs.static_inputs, input_ids,
+                                 attention_mask, logits_to_keep, batch_size)
         trainer.perf.add("train_graph_captures", float(graphs.captures - before))
         return (*scored, None)
     if batch_size is not None or model is not graphs.model or not torch.is_grad_enabled() or not model.training:
@@ -192,19 +170,17 @@ def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size
 
 
 class _Bucket:
-    """The static inputs and outputs, and the two replays, of one (rows, prompt width, completion width)."""
+    """The static inputs and outputs, and the two replays, of one shape (rows, layout, completion window)."""
 
-    def __init__(self, input_ids, attention_mask, position_ids):
-        self.input_ids, self.attention_mask = input_ids.clone(), attention_mask.clone()
-        self.position_ids = position_ids.clone()
+    def __init__(self, inputs: dict[str, torch.Tensor]):
+        self.inputs = {name: value.clone() for name, value in inputs.items()}  # (graph_inputs)
         self.replay_forward = self.replay_backward = None
         self.logps = self.entropy = self.grad_logps = None
 
-    def load(self, input_ids, attention_mask, position_ids) -> None:
+    def load(self, inputs: dict[str, torch.Tensor]) -> None:
         """A micro-batch of this bucket into the static inputs the graphs read."""
-        self.input_ids.copy_(input_ids)
-        self.attention_mask.copy_(attention_mask)
-        self.position_ids.copy_(position_ids)
+        for name, value in inputs.items():
+            self.inputs[name].copy_(value)
 
 
 class _Replay(torch.autograd.Function):
@@ -235,8 +211,10 @@ class TrainingGraphs:
     """Captured buckets of one model's training forward/backward; ``logps`` runs a micro-batch through them."""
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eager_on_failure: bool = True,
-                 recorder: CudaGraphRecorder | None = None, compiled_layers: bool = False):
+                 recorder: CudaGraphRecorder | None = None, compiled_layers: bool = False, packed: bool = False):
         self.model = model
+        self.packed = packed  # rows packed into one sequence where they allow it (padding_free), else padded
+        self._longest_packed_row = padding_free.sliding_window(model.config.get_text_config()) if packed else None
         self.warmup_passes = WARMUP_PASSES["compiled" if compiled_layers else "eager"]
         self.eager_on_failure = eager_on_failure
         self.recorder = recorder or CudaGraphRecorder()
@@ -263,22 +241,30 @@ class TrainingGraphs:
         if signature != self._signature:
             self._entries.clear()  # a moved parameter or a changed forward path: every graph reads stale memory
             self._signature = signature
-        ids, mask, positions = pad_to_bucket(input_ids, attention_mask, completion_width, self.pad_token_id)
-        window = bucket(completion_width)
-        shape = (input_ids.shape[0], ids.shape[1] - window, window, compute_entropy)
+        layout, inputs, window = self.static_inputs(input_ids, attention_mask, completion_width)
+        shape = (input_ids.shape[0], *layout, window, compute_entropy)
         entry = self._entries.get(shape)
         if entry is None:
             try:
-                entry = self._capture(score, ids, mask, positions, shape)
+                entry = self._capture(score, inputs, window, shape)
             except Exception as err:  # noqa: BLE001 - any capture failure: eager for the rest of the run ("auto")
                 self._failed(err)
                 return None
         else:
             self._entries.move_to_end(shape)
-            entry.load(ids, mask, positions)
+            entry.load(inputs)
         logps, entropy = _Replay.apply(self._anchor, self, entry)
         keep = slice(0, completion_width)
         return logps[:, keep], (entropy[:, keep] if entropy is not None else None)
+
+    def static_inputs(self, input_ids, attention_mask, completion_width: int):
+        """A micro-batch's ``(key, inputs, window)`` in the run's layout (``graph_inputs``)."""
+        if self.packed:
+            packed = graph_inputs.packed(input_ids, attention_mask, completion_width, self.pad_token_id,
+                                         self._longest_packed_row)
+            if packed is not None:
+                return packed
+        return graph_inputs.padded(input_ids, attention_mask, completion_width, self.pad_token_id)
 
     def scorer(self, score: Callable, model: torch.nn.Module, compute_entropy: bool) -> Callable:
         """``score`` for ``padded_scoring`` without gradients (the rollout's reference and old-policy scoring),
@@ -287,20 +273,20 @@ class TrainingGraphs:
         ``score`` itself."""
         signature = weights_signature(model)  # the reference model, or the policy with its adapters as they are
 
-        def replayed(ids, mask, positions, window):
+        def replayed(inputs, window):
             if self.failure is not None:
-                return score(ids, mask, positions, window)
-            key = (signature, tuple(ids.shape), window, compute_entropy)
+                return score(inputs, window)
+            key = (signature, tuple((name, *value.shape) for name, value in inputs.items()), window, compute_entropy)
             entry = self._scoring.get(key)
             if entry is None:
                 try:
-                    entry = self._capture_scoring(score, ids, mask, positions, window, key)
+                    entry = self._capture_scoring(score, inputs, window, key)
                 except Exception as err:  # noqa: BLE001 - as a training capture's failure
                     self._failed(err)
-                    return score(ids, mask, positions, window)
+                    return score(inputs, window)
             else:
                 self._scoring.move_to_end(key)
-                entry.load(ids, mask, positions)
+                entry.load(inputs)
             entry.replay_forward()
             return entry.logps.clone(), (entry.entropy.clone() if entry.entropy is not None else None)
 
@@ -351,7 +337,7 @@ class TrainingGraphs:
         self._warmed.add("train")
         early = next((p for p in self.params if p.numel() <= 1 << 24), self.params[-1])
         for _ in range(self.warmup_passes[0 if first else 1]):
-            logps, _ = score(entry.input_ids, entry.attention_mask, entry.position_ids, window)
+            logps, _ = score(entry.inputs, window)
             if first:
                 for param in self.params:
                     param.grad = None
@@ -377,8 +363,8 @@ class TrainingGraphs:
             table.popitem(last=False)
         return entry
 
-    def _capture_scoring(self, score: Callable, ids, mask, positions, window: int, key: tuple) -> _Bucket:
-        entry = _Bucket(ids, mask, positions)
+    def _capture_scoring(self, score: Callable, inputs: dict, window: int, key: tuple) -> _Bucket:
+        entry = _Bucket(inputs)
         if self._pool is None:
             self._pool = self.recorder.new_pool()
         passes = self.warmup_passes[1 if "score" in self._warmed else 0]
@@ -386,24 +372,23 @@ class TrainingGraphs:
         with self._random_stream_kept():
             with self.recorder.side_stream():
                 for _ in range(passes):
-                    score(entry.input_ids, entry.attention_mask, entry.position_ids, window)
+                    score(entry.inputs, window)
             entry.replay_forward, (entry.logps, entry.entropy) = self.recorder.record(
-                lambda: score(entry.input_ids, entry.attention_mask, entry.position_ids, window), self._pool)
+                lambda: score(entry.inputs, window), self._pool)
         return self._kept(self._scoring, key, entry)
 
-    def _capture(self, score: Callable, ids, mask, positions, shape) -> _Bucket:
+    def _capture(self, score: Callable, inputs: dict, window: int, shape: tuple) -> _Bucket:
         recorder = self.recorder
         if self.grad_buffers is None:
             self.grad_buffers = [torch.zeros_like(p) for p in self.params]
         if self._pool is None:
             self._pool = recorder.new_pool()
-        entry = _Bucket(ids, mask, positions)
-        window = shape[2]
+        entry = _Bucket(inputs)
         held = [p.grad for p in self.params]  # the step's gradients so far: the warm-up must not add to them
         scored = {}  # the forward's outputs with their autograd graph, which the backward's capture runs through
 
         def forward():
-            scored["outputs"] = score(entry.input_ids, entry.attention_mask, entry.position_ids, window)
+            scored["outputs"] = score(entry.inputs, window)
             return scored["outputs"]
 
         def backward():

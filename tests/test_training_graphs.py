@@ -7,7 +7,7 @@ import contextlib
 import pytest
 import torch
 
-from hf_grpo import training_graphs
+from hf_grpo import graph_inputs, training_graphs
 from hf_grpo.config import set_checkpointing
 from hf_grpo.logprob_head import install_chunked_lm_head
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
@@ -18,13 +18,13 @@ from test_training_compile import batch
 @pytest.mark.parametrize("width, expected", [(1, 64), (64, 64), (65, 128), (300, 320), (512, 512), (513, 576),
                                              (1000, 1024), (1025, 1152), (4000, 4096)])
 def test_bucket_pads_less_than_an_eighth_above_512_and_to_64_below(width, expected):
-    assert training_graphs.bucket(width) == expected
+    assert graph_inputs.bucket(width) == expected
     assert expected - width < max(64, width / 8)
 
 
 def test_bucket_names_a_bad_width():
     with pytest.raises(ValueError, match="at least 1, got 0"):
-        training_graphs.bucket(0)
+        graph_inputs.bucket(0)
 
 
 def test_bad_setting_is_named(make_config):
@@ -85,7 +85,7 @@ def test_a_micro_batch_padded_to_its_bucket_keeps_every_log_prob_and_gradient():
     model = checkpointed_model()
     ids, mask, labels = batch(3, prompt=11, completion=6, seed=1)
     expected = logps_and_grads(model, ids, mask, labels)
-    padded_ids, padded_mask, positions = training_graphs.pad_to_bucket(ids, mask, completion_width=6, pad_token_id=0)
+    padded_ids, padded_mask, positions = graph_inputs.pad_to_bucket(ids, mask, completion_width=6, pad_token_id=0)
     assert padded_ids.shape == (3, 128) and positions.shape == (3, 128)
     padded_labels = padded_ids.masked_fill(padded_mask == 0, -100)
     padded_labels[:, :-64] = -100
@@ -95,6 +95,38 @@ def test_a_micro_batch_padded_to_its_bucket_keeps_every_log_prob_and_gradient():
     assert (got[0][:, :63] == 0).all() and (got[0][:, 69:] == 0).all()
     for name, grad in expected[2].items():
         torch.testing.assert_close(got[2][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_packed_micro_batch_keeps_every_log_prob_and_gradient():
+    # padding_free: the rows' real tokens in one sequence of a bucketed length, the completion window's states
+    # gathered from their packed places; the log-probs come back in the padded window's layout.
+    model = checkpointed_model()
+    ids, mask, labels = batch(5, prompt=11, completion=7, seed=2)
+    expected = logps_and_grads(model, ids, mask, labels)
+    key, inputs, window = graph_inputs.packed(ids, mask, completion_width=7, pad_token_id=0)
+    tokens = int(mask.sum())
+    assert key == ("packed", graph_inputs.bucket(tokens + 1)) and window == 64
+    assert inputs["input_ids"].shape == (1, key[1]) and inputs["window_index"].shape == (5, 64)
+    assert inputs["cu_seq_lens"].tolist() == inputs["cu_seq_lens_host"].tolist()  # 5 rows, then the padding row
+    assert inputs["cu_seq_lens"].tolist()[-2:] == [tokens, key[1]]
+    model.zero_grad()
+    out = model(**graph_inputs.model_kwargs(inputs, window))
+    weights = torch.arange(1.0, 6.0).unsqueeze(1)
+    (out.log_probs * weights).sum().backward()
+    assert out.log_probs.shape == (5, 64) and (out.log_probs[:, 7:] == 0).all()
+    torch.testing.assert_close(out.log_probs[:, :7], expected[0][:, -7:], rtol=1e-5, atol=1e-6)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[2][name], rtol=1e-5, atol=1e-5, msg=name)  # summed in another order
+
+
+def test_rows_that_cannot_be_packed_go_padded():
+    # A row whose tokens are not one run (a hole in its mask) cannot be packed; nor a row beyond a sliding window.
+    ids, mask, _ = batch(3, prompt=11, completion=7, seed=2)
+    assert graph_inputs.packed(ids, mask, 7, pad_token_id=0, longest_row=int(mask.sum(1).max()) - 1) is None
+    mask[0, -7:] = torch.tensor([1, 0, 1, 0, 0, 0, 0])
+    assert graph_inputs.packed(ids, mask, 7, pad_token_id=0) is None
+    graphs = training_graphs.TrainingGraphs(checkpointed_model(), pad_token_id=0, packed=True)
+    assert graphs.static_inputs(ids, mask, 7)[0][0] == "padded"
 
 
 def test_the_captured_gradient_buffers_keep_what_was_accumulated():
@@ -227,8 +259,7 @@ def test_a_failed_capture_mid_step_keeps_the_steps_gradients_and_lets_go_of_the_
     for param, grad in zip(graphs.params, accumulated):
         torch.testing.assert_close(param.grad, grad)  # the step's gradients so far, kept
     # the micro-batch goes on eagerly (TRL's path) and adds to them
-    ids, mask, positions = training_graphs.pad_to_bucket(second[0], second[1], 9, pad_token_id=0)
-    loss = score(ids, mask, positions, training_graphs.bucket(9))[0].sum()
+    loss = score(*graph_inputs.padded(second[0], second[1], 9, pad_token_id=0)[1:])[0].sum()
     eager = torch.autograd.grad(loss, graphs.params, retain_graph=True, allow_unused=True)
     loss.backward()
     for param, grad, added in zip(graphs.params, accumulated, eager):
@@ -247,15 +278,16 @@ def test_the_diffusion_trainer_says_it_scores_its_own_way():
         "the diffusion trainer scores completions with its own estimator")
 
 
-def grpo_run(tmp_path, checkpoint, graphs: str, lora: bool = False, use_cpu: bool = False, num_iterations: int = 1):
+def grpo_run(tmp_path, checkpoint, graphs: str, lora: bool = False, use_cpu: bool = False, num_iterations: int = 1,
+             padding_free: bool = False):
     import hf_grpo
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
     config = hf_grpo.GRPOConfig(
-        output_dir=str(tmp_path / f"{graphs}{lora}{num_iterations}"), report_to=[], bf16=False, max_steps=3, seed=0,
-        use_cpu=use_cpu, num_iterations=num_iterations,
+        output_dir=str(tmp_path / f"{graphs}{lora}{num_iterations}{padding_free}"), report_to=[], bf16=False,
+        max_steps=3, seed=0, use_cpu=use_cpu, num_iterations=num_iterations, padding_free=padding_free,
         per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4, max_completion_length=6,
         learning_rate=0.01, optim="sgd", max_grad_norm=1.0, logging_steps=1, save_strategy="no", disable_tqdm=True,
         generation_backend="hf", beta=0.04, activation_checkpointing=True, temperature=0.7,
@@ -276,10 +308,14 @@ def grpo_run(tmp_path, checkpoint, graphs: str, lora: bool = False, use_cpu: boo
     return params, trainer
 
 
+RUNS = {"full": (False, 1, False), "lora": (True, 1, False), "num_iterations_2": (False, 2, False),
+        "packed_lora_num_iterations_2": (True, 2, True)}  # lora, num_iterations, padding_free
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("lora, num_iterations", [(False, 1), (True, 1), (False, 2)],
-                         ids=["full", "lora", "num_iterations_2"])
-def test_a_grpo_run_through_the_replay_path_updates_as_eager_on_a_cpu(tmp_path, monkeypatch, lora, num_iterations):
+@pytest.mark.parametrize("lora, num_iterations, padding_free", RUNS.values(), ids=RUNS.keys())
+def test_a_grpo_run_through_the_replay_path_updates_as_eager_on_a_cpu(tmp_path, monkeypatch, lora, num_iterations,
+                                                                      padding_free):
     # Everything but the capture: buckets, positions, the static head, the autograd node, the gradient buffers
     # adopted across micro-batches and optimizer steps (the Trainer sets gradients to None), the perf counter.
     from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
@@ -287,13 +323,16 @@ def test_a_grpo_run_through_the_replay_path_updates_as_eager_on_a_cpu(tmp_path, 
     monkeypatch.setattr(training_graphs, "unavailable_reason", lambda trainer: None)
     monkeypatch.setattr(training_graphs, "CudaGraphRecorder", EagerRecorder)
     checkpoint = save_tiny_checkpoint(tmp_path / "checkpoint")
-    eager_params, eager = grpo_run(tmp_path, checkpoint, "off", lora, use_cpu=True, num_iterations=num_iterations)
+    run = dict(use_cpu=True, num_iterations=num_iterations, padding_free=padding_free)
+    eager_params, eager = grpo_run(tmp_path, checkpoint, "off", lora, **run)
     replayed = []
     replay = training_graphs._Replay.apply
     monkeypatch.setattr(training_graphs._Replay, "apply", lambda *a: replayed.append(1) or replay(*a))
-    graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", lora, use_cpu=True, num_iterations=num_iterations)
+    graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", lora, **run)
     graphs = trainer._train_graphs
     assert eager._train_graphs is None and graphs is not None and graphs.failure is None
+    assert graphs.packed == padding_free
+    assert all(key[1] == ("packed" if padding_free else "padded") for key in graphs._entries)
     assert len(replayed) == 6  # 3 steps x 2 micro-batches, every one through the replay path
     # and the reference (LoRA: the policy without its adapters), with num_iterations 2 the old policy too, through
     # forward-only graphs
@@ -308,29 +347,27 @@ def test_a_grpo_run_through_the_replay_path_updates_as_eager_on_a_cpu(tmp_path, 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("lora, num_iterations", [(False, 1), (True, 1), (False, 2)],
-                         ids=["full", "lora", "num_iterations_2"])
-def test_a_grpo_run_with_training_graphs_updates_as_eager(tmp_path, lora, num_iterations):
+@pytest.mark.parametrize("lora, num_iterations, padding_free", RUNS.values(), ids=RUNS.keys())
+def test_a_grpo_run_with_training_graphs_updates_as_eager(tmp_path, lora, num_iterations, padding_free):
     # From a saved checkpoint, with a reference model (or LoRA's disabled adapters), activation checkpointing,
     # prompts of varied length and two micro-batches a step: the replayed steps give the eager updates.
     from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
 
     checkpoint = save_tiny_checkpoint(tmp_path / "checkpoint")
-    eager_params, eager = grpo_run(tmp_path, checkpoint, "off", lora, num_iterations=num_iterations)
-    graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", lora, num_iterations=num_iterations)
+    run = dict(num_iterations=num_iterations, padding_free=padding_free)
+    eager_params, eager = grpo_run(tmp_path, checkpoint, "off", lora, **run)
+    graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", lora, **run)
     assert eager._train_graphs is None
     assert trainer._train_graphs is not None and trainer._train_graphs.failure is None
+    assert all(key[1] == ("packed" if padding_free else "padded") for key in trainer._train_graphs._entries)
     assert trainer.get_performance_stats()["train_graph_captures"] > 0
     torch.testing.assert_close(graphed_params, eager_params, rtol=1e-4, atol=1e-5)
 
 
 def windowed_score(model):
     """``score`` as ``training_graphs.replay`` builds it: TRL's labels, the completion window scored statically."""
-    def score(ids, mask, positions, window):
-        labels = ids.masked_fill(mask == 0, -100)
-        labels[:, :-window] = -100
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, labels=labels, fused_lm_head=True,
-                    scored_window=window)
+    def score(inputs, window):
+        out = model(**graph_inputs.model_kwargs(inputs, window))
         return out.log_probs[:, -window:], None
     return score
 
@@ -348,9 +385,8 @@ def test_later_buckets_replay_the_eager_gradients_and_keep_no_memory_of_their_ow
     for prompt in (13, 80, 150, 200):  # buckets 64, 128, 192, 256
         ids, mask, _ = (t.cuda() for t in batch(4, prompt=prompt, completion=9, seed=prompt))
         weights = torch.arange(1.0, 5.0, device="cuda").unsqueeze(1)
-        padded = training_graphs.pad_to_bucket(ids, mask, 9, pad_token_id=0)
         model.zero_grad(set_to_none=True)
-        expected = score(*padded, training_graphs.bucket(9))[0][:, :9]
+        expected = score(*graph_inputs.padded(ids, mask, 9, pad_token_id=0)[1:])[0][:, :9]
         (expected * weights).sum().backward()
         # (the eager graph goes before the capture: its gradient accumulators belong to the default stream)
         expected, expected_grads = expected.detach(), [p.grad.clone() for p in graphs.params]
@@ -373,8 +409,8 @@ def test_a_failed_capture_leaves_auto_eager_and_the_random_stream_usable():
     # which a capture broken half-way would otherwise stop); "on" raises the error.
     model = torch.nn.Linear(4, 4).cuda()
 
-    def syncing_score(ids, mask, positions, window):
-        out = model(ids.float().unsqueeze(-1).expand(-1, -1, 4)).sum(-1)[:, -window:]
+    def syncing_score(inputs, window):
+        out = model(inputs["input_ids"].float().unsqueeze(-1).expand(-1, -1, 4)).sum(-1)[:, -window:]
         if out.sum() > 1e9:  # a host sync
             out = out * 2
         return out, None
@@ -402,10 +438,10 @@ def test_the_rollouts_scoring_is_done_in_the_replayed_shapes_so_bf16_gives_the_s
 
     graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, recorder=EagerRecorder())
     with torch.no_grad():
-        reference, _ = training_graphs.padded_scoring(score, ids, mask, 9, rows=8, pad_token_id=0)
+        reference, _ = training_graphs.chunked_scoring(score, graphs.static_inputs, ids, mask, 9, rows=8)
         # as the trainer scores the rollout: through a forward-only graph of the same bucket
-        replayed_reference, _ = training_graphs.padded_scoring(graphs.scorer(score, model, False), ids, mask, 9,
-                                                               rows=8, pad_token_id=0)
+        replayed_reference, _ = training_graphs.chunked_scoring(graphs.scorer(score, model, False),
+                                                                graphs.static_inputs, ids, mask, 9, rows=8)
     assert torch.equal(replayed_reference, reference)
     for start in (0, 4):  # two training micro-batches of 4 rows
         replayed, _ = graphs.logps(score, ids[start:start + 4], mask[start:start + 4], 9, compute_entropy=False)
