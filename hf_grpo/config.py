@@ -82,11 +82,12 @@ class GRPOConfig(trl.GRPOConfig):
         release_generation_memory (`bool`, *optional*, defaults to `True`):
             Free the generation backend's KV cache and captured graph after each rollout (the
             decode step's compile is kept), so they do not sit in memory through the backward.
-        padding_free (`bool`, *optional*, defaults to `False`):
+        padding_free (`bool`, *optional*, defaults to `None`):
             Score micro-batches with their rows packed into one sequence (each row keeps its own
             positions and attends only to itself), so no layer computes over padding. Applies to the
             reference, old-policy and training forwards; models it cannot serve exactly keep padding.
-            Off by default: measured slower where the step is bound by the host (small models).
+            ``None``: packed where the micro-batches replay from CUDA graphs (``training_cuda_graphs``),
+            padded where they run eagerly, where packing measured slower at small models (host-bound).
         cudnn_attention (`bool`, *optional*, defaults to `False`):
             Let PyTorch's SDPA use cuDNN's attention kernel during ``train()``. Off by default: cuDNN builds
             a kernel for each new sequence shape (0.07 to 1.2 s each on an H100), and varied prompt lengths
@@ -175,14 +176,15 @@ class GRPOConfig(trl.GRPOConfig):
             "them between rollouts (no capture per rollout; perf stats report their size as generation_cache_gib)."
         },
     )
-    padding_free: bool = field(
-        default=False,
+    padding_free: bool | None = field(
+        default=None,
         metadata={
             "help": "Score each micro-batch (reference, old and policy log-probs, and the training forward) with its "
-            "rows packed into one sequence, so no layer runs over padding (hf_grpo.padding_free). Off by default: at "
-            "0.5B on an H200 the step is bound by the host, and packing made it slower (docs/performance.md). Models "
-            "it cannot serve exactly (no rotary positions, soft-capped or non-causal attention, vision inputs) keep "
-            "the padded path with a warning."
+            "rows packed into one sequence, so no layer runs over padding (hf_grpo.padding_free). None (default): "
+            "packed where the micro-batches replay from CUDA graphs (training_cuda_graphs), padded where they run "
+            "eagerly: there, at 0.5B on an H200, the step is bound by the host and packing made it slower "
+            "(docs/performance.md). Models it cannot serve exactly (no rotary positions, soft-capped or non-causal "
+            "attention, vision inputs) keep the padded path, with a warning where it was asked for."
         },
     )
     cudnn_attention: bool = field(
@@ -232,8 +234,8 @@ class GRPOConfig(trl.GRPOConfig):
         default="auto",
         metadata={
             "help": "off, auto or on. 'on' replays each training micro-batch's forward and backward from CUDA graphs "
-            "captured per shape bucket (one CUDA process, no DeepSpeed/FSDP, padding_free or token budget; dense "
-            "models, sdpa or eager attention); 'auto' does so where the run allows and activation checkpointing is "
+            "captured per shape bucket, rows packed unless padding_free=False (one CUDA process, no DeepSpeed/FSDP "
+            "or token budget; dense models, sdpa or eager attention); 'auto' does so where the run allows and activation checkpointing is "
             "on, eagerly after a failed capture. See hf_grpo.training_graphs."
         },
     )

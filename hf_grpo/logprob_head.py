@@ -76,14 +76,15 @@ def install_chunked_lm_head(
     chunk_rows: int | None | SizeKnob,
     return_entropy: bool,
     cast_lm_head_to_fp32: bool = False,
-    padding_free_rows: bool = False,
+    padding_free_rows: bool | None = False,
 ) -> bool:
     """Patch ``model.forward`` (the base model, after TRL's ``add_fused_lm_head``). Returns False if skipped.
 
     ``chunk_rows`` as a ``SizeKnob`` is read at every call and halved on every rank after an out-of-memory
     in the head (``hf_grpo.memory.oom``); the backbone's forward has run by then, so the retry redoes the head only.
     With ``padding_free_rows`` the backbone runs the micro-batch's rows packed into one sequence
-    (``hf_grpo.padding_free``) where the model and the batch allow it.
+    (``hf_grpo.padding_free``) where the model and the batch allow it (None, the config's default, packs only the
+    static-shape form a CUDA graph replays, ``packed_rows``).
     """
     reason = unsupported_reason(model)
     if reason is not None:

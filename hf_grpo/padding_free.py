@@ -36,13 +36,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 ROUTED = ("sdpa", "flash_attention_2", "flash_attention_3")
 
 try:  # flash attention over variable-length rows (torch >= 2.9, CUDA)
-    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+    from torch.nn.attention.varlen import varlen_attn
 
     # Its keywords grew over releases: causal masking was `is_causal` before `window_size`, and grouped key/value
     # heads (`enable_gqa`) came later; without them the heads are repeated and causality is asked the old way.
-    _VARLEN_KEYWORDS = set(inspect.signature(_varlen_attn).parameters)
+    _VARLEN_KEYWORDS = set(inspect.signature(varlen_attn).parameters)
 except ImportError:  # pragma: no cover - older torch
-    _varlen_attn, _VARLEN_KEYWORDS = None, set()
+    varlen_attn, _VARLEN_KEYWORDS = None, set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +121,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
 def _attend(query, key, value, cu_seq_lens, ends: list[int], scale: float):
     """Causal attention within each packed row: query ``[1, Hq, T, D]``, key/value ``[1, Hkv, T, D]`` ->
     ``[1, T, Hq, D]``, as transformers' attention functions return it."""
-    if _varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
+    if varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
         # The packed length bounds every row from above (flash attention's blocks past a row's end return at
         # once): nothing read on the host, so a CUDA graph replays it with other row bounds (training_graphs).
         return _varlen_attention(query, key, value, cu_seq_lens, query.shape[2], scale)
@@ -146,7 +146,7 @@ def _varlen_attention(query, key, value, cu_seq_lens, longest: int, scale: float
         keywords["enable_gqa"] = True
     elif groups > 1:
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
-    out = _varlen_attn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+    out = varlen_attn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
                        cu_seq_lens, cu_seq_lens, longest, longest, **keywords)  # [T, Hq, D]
     return out.unsqueeze(0)
 

@@ -123,18 +123,34 @@ def choose(trainer) -> tuple[TrainingGraphs | None, str | None]:
     pad = getattr(getattr(trainer, "_tokenizer", None), "pad_token_id", None)  # TRL's (pads are masked: any id does)
     # compiled layers (ours, or the Trainer's torch_compile) may compile again for a new shape: warm every bucket up
     compiled = getattr(trainer, "_train_layers", None) is not None or bool(getattr(trainer.args, "torch_compile", 0))
-    # packed rows, as the eager padding_free forward packs them, where the model's attention packs
-    packed = trainer.args.padding_free and padding_free.unsupported_reason(trainer.model) is None
     return TrainingGraphs(trainer.model, pad if pad is not None else 0, eager_on_failure=setting == "auto",
-                          compiled_layers=compiled, packed=packed), None
+                          compiled_layers=compiled, packed=unpacked_reason(trainer) is None), None
+
+
+def unpacked_reason(trainer) -> str | None:
+    """Why the graphs replay this run's micro-batches padded rather than packed (``padding_free``); None: packed."""
+    if trainer.args.padding_free is False:
+        return "padding_free=False"
+    reason = padding_free.unsupported_reason(trainer.model)
+    if reason is not None:
+        return reason
+    args = trainer.args
+    half = args.bf16 or args.fp16 or getattr(trainer.model, "dtype", None) in (torch.float16, torch.bfloat16)
+    if padding_free.varlen_attn is None or not half:
+        # the other packed attention, a call per row, reads the row bounds on the host: a graph would keep them
+        return "packed rows replay only through variable-length flash attention (fp16/bf16, torch >= 2.9)"
+    return None
 
 
 def start(trainer) -> TrainingGraphs | None:
     """The run's graphs at train begin (``choose``), the choice logged beside the compile's."""
     graphs, reason = choose(trainer)
     if trainer.accelerator.is_main_process:
-        how = f"replayed from CUDA graphs ({'packed' if graphs.packed else 'padded'} rows)" if graphs else None
-        logger.info("training micro-batches: %s", how or f"eager launches ({reason})")
+        how = f"eager launches ({reason})"
+        if graphs is not None:
+            how = "replayed from CUDA graphs, " + ("rows packed" if graphs.packed else
+                                                   f"rows padded ({unpacked_reason(trainer)})")
+        logger.info("training micro-batches: %s", how)
     return graphs
 
 

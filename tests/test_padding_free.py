@@ -154,7 +154,7 @@ def test_sliding_window_longer_than_every_row_packs():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_packed_scoring_equals_padded_in_bf16_on_cuda():
     # On CUDA the packed rows take the variable-length flash kernel: the same figures within bf16 rounding.
-    assert padding_free._varlen_attn is not None, "torch has no torch.nn.attention.varlen: the per-row path runs"
+    assert padding_free.varlen_attn is not None, "torch has no torch.nn.attention.varlen: the per-row path runs"
     with torch.device("cuda"):
         padded = build("qwen2", "sdpa").to(torch.bfloat16)
     packed = copy.deepcopy(padded)
