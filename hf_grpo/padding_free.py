@@ -215,6 +215,12 @@ def _route_packed(original):
         if packed_rows is None:
             return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        device = query.device.type
+        if torch.is_autocast_enabled(device):
+            # As autocast casts SDPA's inputs: fp32 weights leave q and k fp32 after the rotary embedding and v in
+            # the autocast dtype, and the op's backward (outside autocast) would meet the mixed dtypes.
+            dtype = torch.get_autocast_dtype(device)
+            query, key, value = (t.to(dtype) for t in (query, key, value))
         return packed_attention(query, key, value, packed_rows.cu_seq_lens, packed_rows.cu_seq_lens_host,
                                 scale), None
 

@@ -89,6 +89,26 @@ def test_packed_scoring_equals_padded(family, checkpointing):
         torch.testing.assert_close(grads_packed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_fp32_weights_under_bf16_autocast_pack_as_sdpa_would():
+    # fp32 weights leave q and k fp32 after the rotary embedding and v in bf16: autocast casts SDPA's inputs, and
+    # the packed attention must too, or its backward (outside autocast) fails on the mixed dtypes.
+    padded = build("qwen2", "sdpa")
+    packed = copy.deepcopy(padded)
+    head = dict(temperature=1.0, chunk_rows=8, return_entropy=True)
+    install_chunked_lm_head(padded, padding_free_rows=False, **head)
+    install_chunked_lm_head(packed, padding_free_rows=True, **head)
+    batch = padded_batch(padded.config.vocab_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_padded, grads_padded = score(padded, batch)
+        out_packed, grads_packed = score(packed, batch)
+    mask = out_padded.label_mask
+    torch.testing.assert_close(out_packed.log_probs[mask], out_padded.log_probs[mask], rtol=2e-2, atol=2e-2)
+    assert grads_packed.keys() == grads_padded.keys()
+    for name, grad in grads_padded.items():
+        relative = ((grads_packed[name] - grad).norm() / grad.norm().clamp(min=1e-12)).item()
+        assert relative < 3e-2, f"{name}: gradients differ by {relative:.2e} (relative)"
+
+
 def test_mask_with_a_hole_is_scored_padded():
     ids, mask, labels = padded_batch(40)
     mask[0, -1] = 1  # row 0's completion resumes after padding: not one contiguous run
