@@ -121,9 +121,9 @@ class GRPOConfig(trl.GRPOConfig):
             unless set), so that rollouts of any length share one compiled variant.
         training_cuda_graphs (`str`, *optional*, defaults to `"auto"`):
             ``"on"``: each training micro-batch's forward and backward are replayed from CUDA graphs captured per
-            shape bucket (``hf_grpo.training_graphs``; prompts and completions padded to a few widths an octave,
-            positions kept), on one CUDA process without DeepSpeed, FSDP, padding-free rows or a token budget, for
-            dense models with sdpa or eager attention; ``"auto"``: so where the run allows it and activation
+            shape bucket (``hf_grpo.training_graphs``; rows packed into one sequence, ``padding_free``, or padded,
+            to a few lengths an octave, positions kept), on one CUDA process without DeepSpeed, FSDP or a token
+            budget, for dense models with sdpa or eager attention; ``"auto"``: so where the run allows it and activation
             checkpointing is on (without it the graphs' pool would keep a micro-batch's activations through the
             rollout), going on eagerly with a warning if a capture fails; ``"off"``: eager launches. The graphs'
             memory pool and the parameters' gradients stay allocated between steps (through the rollout; see
