@@ -48,7 +48,8 @@ def padded(input_ids, attention_mask, completion_width: int, pad_token_id: int):
     """The micro-batch padded to its bucket: ``(key, inputs, window)``."""
     ids, mask, positions = pad_to_bucket(input_ids, attention_mask, completion_width, pad_token_id)
     window = bucket(completion_width)
-    return ("padded", ids.shape[1] - window), {"input_ids": ids, "attention_mask": mask, "position_ids": positions}, window
+    inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+    return ("padded", ids.shape[1] - window), inputs, window
 
 
 def packed(input_ids, attention_mask, completion_width: int, pad_token_id: int, longest_row: int | None = None):

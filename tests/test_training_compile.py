@@ -319,3 +319,32 @@ def test_grpo_run_with_compiled_layers_updates_as_eager(tmp_path, monkeypatch):
     assert (trainer.pad_to_multiple_of, eager.pad_to_multiple_of) == (8, None)
     assert routed_during_generation and not any(routed_during_generation)
     torch.testing.assert_close(compiled_params, eager_params, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_layers_serve_the_packed_rows_a_training_graph_replays():
+    # The packed static form (training graphs with padding_free): row bounds and window index are tensors, so one
+    # dynamic compile serves every packed length; each equals the eager static form.
+    from hf_grpo import graph_inputs
+
+    eager, compiled_model = checkpointed_pair()
+    layers = training_compile.CompiledTrainingLayers(backend="aot_eager_decomp_partition")
+
+    def logps_and_grads(model, inputs, window):
+        model.zero_grad()
+        out = model(**graph_inputs.model_kwargs(inputs, window))
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+        return out.log_probs.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    compiles = []
+    for seed, shape in enumerate([(4, 6, 5), (3, 30, 4), (5, 4, 7), (4, 6, 5)]):
+        ids, mask, _ = batch(*shape, seed=seed)
+        _, inputs, window = graph_inputs.packed(ids, mask, shape[2], pad_token_id=0)
+        expected_logps, expected_grads = logps_and_grads(eager, inputs, window)
+        with layers.route(compiled_model):
+            logps, grads = logps_and_grads(compiled_model, inputs, window)
+        torch.testing.assert_close(logps, expected_logps, rtol=1e-5, atol=1e-6)
+        assert grads.keys() == expected_grads.keys()
+        for name, grad in expected_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+        compiles.append(layers.compiles)
+    assert compiles[0] > 0 and compiles[-1] <= compiles[0] + 3, compiles
