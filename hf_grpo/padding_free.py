@@ -6,7 +6,9 @@ padding, and every layer's projections and MLP run over them. Here the real toke
 concatenated into one sequence ``[1, T]``: each row keeps its own positions (0, 1, ... from its first real
 token, as ``model.generate`` numbers them) and attends only to itself, causally. On CUDA that is one
 variable-length flash-attention call per layer (``torch.nn.attention.varlen``); elsewhere, or where that op
-is missing, one SDPA call per row.
+is missing, one SDPA call per row. The training graphs replay the same attention over a packed sequence of a
+bucketed length (``hf_grpo.graph_inputs``), which only the flash-attention call allows: it reads the row bounds
+from the device.
 
 How the layers find it: transformers' registry entries for ``sdpa`` and flash attention are wrapped once
 (``_route_packed``) so that a call carrying ``packed_rows`` runs the packed attention and every other call runs
