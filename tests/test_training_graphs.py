@@ -298,7 +298,7 @@ def test_the_diffusion_trainer_says_it_scores_its_own_way():
 
 
 def grpo_run(tmp_path, checkpoint, graphs: str, lora: bool = False, use_cpu: bool = False, num_iterations: int = 1,
-             padding_free: bool = False, bf16: bool = False):
+             padding_free: bool = False, bf16: bool = False, compile_training: str = "off"):
     """``(trainable parameters before, after, trainer)`` of 3 GRPO steps from ``checkpoint``."""
     import hf_grpo
     from datasets import Dataset
@@ -306,12 +306,13 @@ def grpo_run(tmp_path, checkpoint, graphs: str, lora: bool = False, use_cpu: boo
 
     torch.manual_seed(0)
     config = hf_grpo.GRPOConfig(
-        output_dir=str(tmp_path / f"{graphs}{lora}{num_iterations}{padding_free}"), report_to=[], bf16=bf16,
+        output_dir=str(tmp_path / f"{graphs}{lora}{num_iterations}{padding_free}{compile_training}"), report_to=[],
+        bf16=bf16,
         max_steps=3, seed=0, use_cpu=use_cpu, num_iterations=num_iterations, padding_free=padding_free,
         per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4, max_completion_length=6,
         learning_rate=0.01, optim="sgd", max_grad_norm=1.0, logging_steps=1, save_strategy="no", disable_tqdm=True,
         generation_backend="hf", beta=0.04, activation_checkpointing=True, temperature=0.7,
-        training_cuda_graphs=graphs, compile_training="off")
+        training_cuda_graphs=graphs, compile_training=compile_training)
     peft_config = None
     if lora:
         from peft import LoraConfig
@@ -367,6 +368,32 @@ def test_a_grpo_run_through_the_replay_path_updates_as_eager_on_a_cpu(tmp_path, 
     # the reference is scored in the training graphs' shapes: at step 1, where the policy is the reference, no KL
     kl = [[log["kl"] for log in run.state.log_history if "kl" in log] for run in (eager, trainer)]
     assert kl[1][0] == kl[0][0] == 0.0, kl
+
+
+@pytest.mark.slow
+def test_compiled_layers_and_packed_graphs_update_as_eager_on_a_cpu(tmp_path, monkeypatch):
+    # What "auto" picks on one GPU for runs of 50 steps or more: compiled layers (here torch.compile's
+    # aot_eager_decomp_partition backend, which partitions as inductor does), packed rows, replayed micro-batches,
+    # every bucket warmed up first (a compiled layer may compile again for a new shape).
+    import functools
+
+    from hf_grpo import training_compile
+    from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
+
+    monkeypatch.setattr(training_graphs, "unavailable_reason", lambda trainer: None)
+    monkeypatch.setattr(training_graphs, "unpacked_reason", lambda trainer: None)
+    monkeypatch.setattr(training_graphs, "CudaGraphRecorder", EagerRecorder)
+    monkeypatch.setattr(training_compile, "CompiledTrainingLayers", functools.partial(
+        training_compile.CompiledTrainingLayers, backend="aot_eager_decomp_partition"))
+    checkpoint = save_tiny_checkpoint(tmp_path / "checkpoint")
+    _, eager_params, _ = grpo_run(tmp_path, checkpoint, "off", use_cpu=True, padding_free=True)
+    _, graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", use_cpu=True, padding_free=True,
+                                          compile_training="on")
+    graphs = trainer._train_graphs
+    assert trainer._train_layers is not None and trainer._train_layers.compiles > 0
+    assert graphs.failure is None and graphs.warmup_passes == training_graphs.WARMUP_PASSES["compiled"]
+    assert graphs._entries and all(key[1] == "packed" for key in graphs._entries)
+    torch.testing.assert_close(graphed_params, eager_params, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu
