@@ -12,6 +12,13 @@ from hf_grpo.logprob_head import install_chunked_lm_head
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 
+@pytest.fixture(autouse=True)
+def fresh_compile_cache():
+    """torch.compile's cache is kept per function, whatever the backend: each test compiles (and counts, or fails
+    to compile) on its own, whichever tests ran before it."""
+    torch._dynamo.reset()
+
+
 def batch(rows: int, prompt: int, completion: int, seed: int):
     """Left-padded prompts and right-padded completions of varied length, with TRL's labels."""
     gen = torch.Generator().manual_seed(seed)

@@ -386,6 +386,7 @@ def test_compiled_layers_and_packed_graphs_update_as_eager_on_a_cpu(tmp_path, mo
     monkeypatch.setattr(training_compile, "CompiledTrainingLayers", functools.partial(
         training_compile.CompiledTrainingLayers, backend="aot_eager_decomp_partition"))
     checkpoint = save_tiny_checkpoint(tmp_path / "checkpoint")
+    torch._dynamo.reset()  # the compile counted below is this test's own
     _, eager_params, _ = grpo_run(tmp_path, checkpoint, "off", use_cpu=True, padding_free=True)
     _, graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", use_cpu=True, padding_free=True,
                                           compile_training="on")
