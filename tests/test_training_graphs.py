@@ -115,8 +115,8 @@ def test_a_packed_micro_batch_keeps_every_log_prob_and_gradient():
     (out.log_probs * weights).sum().backward()
     assert out.log_probs.shape == (5, 64) and (out.log_probs[:, 7:] == 0).all()
     torch.testing.assert_close(out.log_probs[:, :7], expected[0][:, -7:], rtol=1e-5, atol=1e-6)
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(param.grad, expected[2][name], rtol=1e-5, atol=1e-5, msg=name)  # summed in another order
+    for name, param in model.named_parameters():  # (summed in another order than the padded batch's)
+        torch.testing.assert_close(param.grad, expected[2][name], rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_rows_that_cannot_be_packed_go_padded():
@@ -307,8 +307,7 @@ def grpo_run(tmp_path, checkpoint, graphs: str, lora: bool = False, use_cpu: boo
     torch.manual_seed(0)
     config = hf_grpo.GRPOConfig(
         output_dir=str(tmp_path / f"{graphs}{lora}{num_iterations}{padding_free}{compile_training}"), report_to=[],
-        bf16=bf16,
-        max_steps=3, seed=0, use_cpu=use_cpu, num_iterations=num_iterations, padding_free=padding_free,
+        bf16=bf16, max_steps=3, seed=0, use_cpu=use_cpu, num_iterations=num_iterations, padding_free=padding_free,
         per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4, max_completion_length=6,
         learning_rate=0.01, optim="sgd", max_grad_norm=1.0, logging_steps=1, save_strategy="no", disable_tqdm=True,
         generation_backend="hf", beta=0.04, activation_checkpointing=True, temperature=0.7,
@@ -324,7 +323,10 @@ def grpo_run(tmp_path, checkpoint, graphs: str, lora: bool = False, use_cpu: boo
         processing_class=AutoTokenizer.from_pretrained(checkpoint, padding_side="left"),
         reward_funcs=lambda completions, **kw: [float(sum(map(ord, c)) % 7) for c in completions],
         train_dataset=Dataset.from_dict({"prompt": prompts * 2}), peft_config=peft_config)
-    trainable = lambda: torch.cat([p.detach().flatten() for p in trainer.model.parameters() if p.requires_grad])  # noqa: E731
+
+    def trainable():
+        return torch.cat([p.detach().flatten() for p in trainer.model.parameters() if p.requires_grad])
+
     before = trainable().clone()
     trainer.train()
     return before, trainable(), trainer
