@@ -54,9 +54,10 @@ def main() -> int:
     training_graphs.CudaGraphRecorder.record = measured("record", training_graphs.CudaGraphRecorder.record)
     capture = graphs._capture
 
-    def named_capture(self, score, ids, mask, positions, shape):
-        ROWS.append(dict(what="bucket", shape=list(shape[:3])))  # rows, prompt bucket, completion bucket
-        return capture(self, score, ids, mask, positions, shape)
+    def named_capture(self, score, inputs, window, shape):
+        # rows, then the layout's key: ("padded", prompt bucket) or ("packed", packed length); the completion window
+        ROWS.append(dict(what="bucket", shape=[str(part) for part in shape[:-1]]))
+        return capture(self, score, inputs, window, shape)
 
     graphs._capture = named_capture
     try:
