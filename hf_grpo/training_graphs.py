@@ -286,7 +286,7 @@ class TrainingGraphs:
         return graph_inputs.padded(input_ids, attention_mask, completion_width, self.pad_token_id)
 
     def scorer(self, score: Callable, model: torch.nn.Module, compute_entropy: bool) -> Callable:
-        """``score`` for ``padded_scoring`` without gradients (the rollout's reference and old-policy scoring),
+        """``score`` for ``chunked_scoring`` without gradients (the rollout's reference and old-policy scoring),
         replayed from a forward-only graph per model state and chunk shape, in the training graphs' pool (the
         scoring runs between steps, never between a micro-batch's forward and backward); after a failed capture,
         ``score`` itself."""
