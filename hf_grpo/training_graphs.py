@@ -252,8 +252,8 @@ class TrainingGraphs:
 
     def logps(self, score: Callable, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int,
               compute_entropy: bool):
-        """``(logps, entropies)`` of the completion's ``completion_width`` columns, as ``score(input_ids,
-        attention_mask, position_ids, window)`` computes them eagerly; None after a failed capture."""
+        """``(logps, entropies)`` of the completion's ``completion_width`` columns, as ``score(inputs, window)``
+        computes them eagerly from the micro-batch's static form (``static_inputs``); None after a failed capture."""
         if self.failure is not None:
             return None
         signature = weights_signature(self.model)
