@@ -52,12 +52,12 @@ def padded(input_ids, attention_mask, completion_width: int, pad_token_id: int):
     return ("padded", ids.shape[1] - window), inputs, window
 
 
-def packed(input_ids, attention_mask, completion_width: int, pad_token_id: int, longest_row: int | None = None):
+def packed(model: torch.nn.Module, input_ids, attention_mask, completion_width: int, pad_token_id: int):
     """The micro-batch's rows packed into one sequence of a bucketed length: ``(key, inputs, window)``; None where
-    the rows cannot be packed (a row's tokens not one run, an empty row, a row longer than ``longest_row``: the
-    model's attention window), which then go padded. One device-to-host copy (the row lengths)."""
+    the rows cannot be packed for ``model`` (a row's tokens not one run, an empty row, a row longer than the model's
+    attention window: ``padding_free.packable``), which then go padded. One device-to-host copy (the row lengths)."""
     rows = padding_free.pack_rows(input_ids, attention_mask)
-    if rows is None or (longest_row is not None and rows.longest > longest_row):
+    if rows is None or not padding_free.packable(model, rows):
         return None
     tokens, window = rows.tokens, bucket(completion_width)
     length = bucket(tokens + 1)  # at least one padding token: the padding row is never empty

@@ -175,8 +175,8 @@ def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size
         return out.log_probs[:, -window:], (out.entropy[:, -window:] if compute_entropy else None)
 
     if batch_size is not None and not torch.is_grad_enabled():
-        # The rollout's scoring (reference, old policy): forward-only graphs, padded to the training graphs'
-        # buckets and through the same head, so that at equal weights its log-probs are the replayed ones, to the bit.
+        # The rollout's scoring (reference, old policy): forward-only graphs, in the training graphs' static form
+        # and through the same head, so that at equal weights its log-probs are the replayed ones, to the bit.
         scored = chunked_scoring(graphs.scorer(score, model, compute_entropy), graphs.static_inputs, input_ids,
                                  attention_mask, logits_to_keep, batch_size)
         trainer.perf.add("train_graph_captures", float(graphs.captures - before))
@@ -233,7 +233,6 @@ class TrainingGraphs:
                  recorder: CudaGraphRecorder | None = None, compiled_layers: bool = False, packed: bool = False):
         self.model = model
         self.packed = packed  # rows packed into one sequence where they allow it (padding_free), else padded
-        self._longest_packed_row = padding_free.sliding_window(model.config.get_text_config()) if packed else None
         self.warmup_passes = WARMUP_PASSES["compiled" if compiled_layers else "eager"]
         self.eager_on_failure = eager_on_failure
         self.recorder = recorder or CudaGraphRecorder()
@@ -279,8 +278,7 @@ class TrainingGraphs:
     def static_inputs(self, input_ids, attention_mask, completion_width: int):
         """A micro-batch's ``(key, inputs, window)`` in the run's layout (``graph_inputs``)."""
         if self.packed:
-            packed = graph_inputs.packed(input_ids, attention_mask, completion_width, self.pad_token_id,
-                                         self._longest_packed_row)
+            packed = graph_inputs.packed(self.model, input_ids, attention_mask, completion_width, self.pad_token_id)
             if packed is not None:
                 return packed
         return graph_inputs.padded(input_ids, attention_mask, completion_width, self.pad_token_id)

@@ -103,7 +103,7 @@ def test_a_packed_micro_batch_keeps_every_log_prob_and_gradient():
     model = checkpointed_model()
     ids, mask, labels = batch(5, prompt=11, completion=7, seed=2)
     expected = logps_and_grads(model, ids, mask, labels)
-    key, inputs, window = graph_inputs.packed(ids, mask, completion_width=7, pad_token_id=0)
+    key, inputs, window = graph_inputs.packed(model, ids, mask, completion_width=7, pad_token_id=0)
     tokens = int(mask.sum())
     assert key == ("packed", graph_inputs.bucket(tokens + 1)) and window == 64
     assert inputs["input_ids"].shape == (1, key[1]) and inputs["window_index"].shape == (5, 64)
@@ -122,10 +122,16 @@ def test_a_packed_micro_batch_keeps_every_log_prob_and_gradient():
 def test_rows_that_cannot_be_packed_go_padded():
     # A row whose tokens are not one run (a hole in its mask) cannot be packed; nor a row beyond a sliding window.
     ids, mask, _ = batch(3, prompt=11, completion=7, seed=2)
-    assert graph_inputs.packed(ids, mask, 7, pad_token_id=0, longest_row=int(mask.sum(1).max()) - 1) is None
+    longest = int(mask.sum(1).max())
+    windowed = build_tiny_model(build_char_tokenizer(), use_sliding_window=True, sliding_window=longest - 1,
+                                layer_types=["sliding_attention", "full_attention"])
+    assert graph_inputs.packed(windowed, ids, mask, 7, pad_token_id=0) is None
+    windowed.config.sliding_window = longest
+    assert graph_inputs.packed(windowed, ids, mask, 7, pad_token_id=0) is not None
+    model = checkpointed_model()
     mask[0, -7:] = torch.tensor([1, 0, 1, 0, 0, 0, 0])
-    assert graph_inputs.packed(ids, mask, 7, pad_token_id=0) is None
-    graphs = training_graphs.TrainingGraphs(checkpointed_model(), pad_token_id=0, packed=True)
+    assert graph_inputs.packed(model, ids, mask, 7, pad_token_id=0) is None
+    graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, packed=True)
     assert graphs.static_inputs(ids, mask, 7)[0][0] == "padded"
 
 
