@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import grpo_realistic  # noqa: E402
 from provenance import with_provenance  # noqa: E402
 
-from hf_grpo import training_graphs  # noqa: E402
+from hf_grpo.training import graphs as training_graphs  # noqa: E402
 
 ROWS = []
 GIB = 2**30

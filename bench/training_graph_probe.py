@@ -1,6 +1,6 @@
 """One training micro-batch (forward + backward with activation checkpointing) eager, compiled, and replayed from
 CUDA graphs captured by hand: median time, setup (compile or capture) time, peak memory and the gradients' largest
-difference from eager's. The measurement behind ``hf_grpo.training_graphs``. Prints ``PROBE {json}`` lines.
+difference from eager's. The measurement behind ``hf_grpo.training.graphs``. Prints ``PROBE {json}`` lines.
 
     python3 bench/training_graph_probe.py --variants eager,graphed,compiled,compiled_graphed
 """
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: proven
 from provenance import with_provenance  # noqa: E402
 
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
-from hf_grpo.training_compile import CompiledTrainingLayers  # noqa: E402
+from hf_grpo.training.compiled_layers import CompiledTrainingLayers  # noqa: E402
 
 
 def make_batch(rows, width, keep, vocab, device, seed=0):

@@ -33,8 +33,8 @@ from .generation import BACKEND_NAMES
 from .generation.dense_mirror import validate_setting as validate_mirror_setting
 from .memory.token_budget import check_config as check_token_budget
 from .plan import BatchPlan
-from .training_compile import validate_setting as validate_compile_setting
-from .training_graphs import validate_setting as validate_graphs_setting
+from .training.compiled_layers import validate_setting as validate_compile_setting
+from .training.graphs import validate_setting as validate_graphs_setting
 
 logger = logging.getLogger("hf_grpo")
 
@@ -91,7 +91,7 @@ class GRPOConfig(trl.GRPOConfig):
         cudnn_attention (`bool`, *optional*, defaults to `False`):
             Let PyTorch's SDPA use cuDNN's attention kernel during ``train()``. Off by default: cuDNN builds
             a kernel for each new sequence shape (0.07 to 1.2 s each on an H100), and varied prompt lengths
-            bring new shapes all run long; the memory-efficient kernel is used instead (``hf_grpo.training_attention``).
+            bring new shapes all run long; the memory-efficient kernel is used instead (``hf_grpo.training.cudnn_attention``).
         zero3_generation_mirror (`str`, *optional*, defaults to `"auto"`):
             Under DeepSpeed ZeRO-3: ``"on"`` decodes from a dense copy of the weights, refreshed in place
             layer by layer each rollout, so the ``cuda_graph`` backend can serve ZeRO-3 (cost: one model copy
@@ -121,7 +121,7 @@ class GRPOConfig(trl.GRPOConfig):
             unless set), so that rollouts of any length share one compiled variant.
         training_cuda_graphs (`str`, *optional*, defaults to `"auto"`):
             ``"on"``: each training micro-batch's forward and backward are replayed from CUDA graphs captured per
-            shape bucket (``hf_grpo.training_graphs``; rows packed into one sequence, ``padding_free``, or padded,
+            shape bucket (``hf_grpo.training.graphs``; rows packed into one sequence, ``padding_free``, or padded,
             to a few lengths an octave, positions kept), on one CUDA process without DeepSpeed, FSDP or a token
             budget, for dense models with sdpa or eager attention; ``"auto"``: so where the run allows it and
             activation checkpointing is on (without it the graphs' pool would keep a micro-batch's activations
@@ -180,7 +180,7 @@ class GRPOConfig(trl.GRPOConfig):
         default=None,
         metadata={
             "help": "Score each micro-batch (reference, old and policy log-probs, and the training forward) with its "
-            "rows packed into one sequence, so no layer runs over padding (hf_grpo.padding_free). None (default): "
+            "rows packed into one sequence, so no layer runs over padding (hf_grpo.training.padding_free). None (default): "
             "packed where the micro-batches replay from CUDA graphs (training_cuda_graphs), padded where they run "
             "eagerly: there, at 0.5B on an H200, the step is bound by the host and packing made it slower "
             "(docs/performance.md). Models it cannot serve exactly (no rotary positions, soft-capped or non-causal "
@@ -191,7 +191,7 @@ class GRPOConfig(trl.GRPOConfig):
         default=False,
         metadata={
             "help": "Let SDPA use cuDNN's attention during train(). Off by default: cuDNN builds a kernel per new "
-            "sequence shape (0.07-1.2 s on H100), which varied prompt lengths pay all run long (hf_grpo.training_attention)."
+            "sequence shape (0.07-1.2 s on H100), which varied prompt lengths pay all run long (hf_grpo.training.cudnn_attention)."
         },
     )
     zero3_generation_mirror: str = field(
@@ -227,7 +227,7 @@ class GRPOConfig(trl.GRPOConfig):
             "compiles a few graphs (perf/train_compiles); 'auto' does so on CUDA outside ZeRO-3 and FSDP for runs "
             "of 50 optimizer steps or more, where the compile (20-30 s once) pays for itself; 'cpp_wrapper' compiles "
             "as 'on' with the launch code in C++ (about a quarter off a host-bound training half; the first compile "
-            "takes more than a minute longer from a cold cache). See hf_grpo.training_compile."
+            "takes more than a minute longer from a cold cache). See hf_grpo.training.compiled_layers."
         },
     )
     training_cuda_graphs: str = field(
@@ -236,7 +236,7 @@ class GRPOConfig(trl.GRPOConfig):
             "help": "off, auto or on. 'on' replays each training micro-batch's forward and backward from CUDA graphs "
             "captured per shape bucket, rows packed unless padding_free=False (one CUDA process, no DeepSpeed/FSDP "
             "or token budget; dense models, sdpa or eager attention); 'auto' does so where the run allows and "
-            "activation checkpointing is on, eagerly after a failed capture. See hf_grpo.training_graphs."
+            "activation checkpointing is on, eagerly after a failed capture. See hf_grpo.training.graphs."
         },
     )
     overwrite_output_dir: bool = field(

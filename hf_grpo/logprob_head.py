@@ -26,7 +26,7 @@ import transformers
 from packaging.version import Version
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
-from . import padding_free
+from .training import padding_free
 from .memory.oom import SizeKnob
 from .ops import chunked_logprobs
 
@@ -83,7 +83,7 @@ def install_chunked_lm_head(
     ``chunk_rows`` as a ``SizeKnob`` is read at every call and halved on every rank after an out-of-memory
     in the head (``hf_grpo.memory.oom``); the backbone's forward has run by then, so the retry redoes the head only.
     With ``padding_free_rows`` the backbone runs the micro-batch's rows packed into one sequence
-    (``hf_grpo.padding_free``) where the model and the batch allow it (None, the config's default, packs only the
+    (``hf_grpo.training.padding_free``) where the model and the batch allow it (None, the config's default, packs only the
     static-shape form a CUDA graph replays, ``packed_rows``).
     """
     reason = unsupported_reason(model)
@@ -117,7 +117,7 @@ def install_chunked_lm_head(
             packed = padding_free.pack_rows(kwargs["input_ids"], kwargs["attention_mask"])
             packed = packed if packed is not None and padding_free.packable(self, packed) else None
         if scored_window is not None:
-            # Static shapes, for a CUDA graph (hf_grpo.training_graphs): every position of the last
+            # Static shapes, for a CUDA graph (hf_grpo.training.graphs): every position of the last
             # ``scored_window`` label columns is scored, the unscored ones zeroed below. Packed (``packed_rows``),
             # ``labels`` are that window's and ``window_index`` the packed place of the state predicting each.
             if packed_rows is not None:

@@ -23,7 +23,7 @@ Also: ``_prepare_inputs`` (TRL's, calls it and counts the micro-batch's tokens),
 ``_tokenize_prompts`` called once over the training prompts to size the ``cuda_graph`` cache for the
 run (``_longest_prompt``; not with ``environment_factory``, whose prompts only batches can tokenize), and the public
 ``training_step`` (time accounting; with ``compile_training`` the decoder layers run compiled inside it,
-``hf_grpo.training_compile``, lifted again around generation) and ``log`` (``perf/`` figures), transformers'
+``hf_grpo.training.compiled_layers``, lifted again around generation) and ``log`` (``perf/`` figures), transformers'
 ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules: ``hf_grpo.distributed.zero3_leaves``), and ``train``
 (settles "auto" sizes
 first: ``hf_grpo.memory.autosize``; refuses a token budget the longest prompt cannot fit, a fresh run into another run's
@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
-from . import training_compile, training_graphs
+from .training import compiled_layers as training_compile, graphs as training_graphs
 from .checks import inputs as checks
 from .checks import output_dirs
 from .config import GRPOConfig
@@ -59,7 +59,7 @@ from .logprob_head import install_chunked_lm_head
 from .memory import autosize, token_budget, train_backoff
 from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
 from .memory.stats import PerformanceStats
-from .training_attention import cudnn_attention
+from .training.cudnn_attention import cudnn_attention
 
 logger = logging.getLogger("hf_grpo")
 # Prompts from which the one scan of the training set (tokenized as TRL does) shows a progress bar.
@@ -196,7 +196,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # another run's checkpoints in output_dir: refused unless resuming or overwriting (hf_grpo.checks.output_dirs)
         output_dirs.check_fresh_run(self.args, resume_from_checkpoint, self.accelerator)
-        # no per-shape cuDNN kernel builds (hf_grpo.training_attention), in the "auto" probes as in training
+        # no per-shape cuDNN kernel builds (hf_grpo.training.cudnn_attention), in the "auto" probes as in training
         with cudnn_attention(self.args.cudnn_attention):
             token_budget.check_longest_row(self.args, self._longest_prompt)  # before any probe or step
             # "auto" sizes are settled before TRL and transformers size the dataloader and the accumulation

@@ -1,4 +1,4 @@
-"""Padding-free scoring (hf_grpo.padding_free): rows packed into one sequence score exactly as padded rows.
+"""Padding-free scoring (hf_grpo.training.padding_free): rows packed into one sequence score exactly as padded rows.
 
 The chunked head is installed twice on copies of one tiny model, once packed and once padded, and both
 score the same left-padded prompts + right-padded completions of varied lengths (fp32 on CPU): log-probs,
@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_grpo import padding_free
+from hf_grpo.training import padding_free
 from hf_grpo.logprob_head import install_chunked_lm_head
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 

@@ -142,3 +142,17 @@ def test_no_shipped_file_cites_a_file_the_project_does_not_ship():
     citing = sorted(str(p.relative_to(ROOT)) for p in shipped
                     if p.name != "test_shipped_files.py" and pattern.search(p.read_text(errors="ignore")))
     assert not citing, citing
+
+
+def test_the_package_keeps_its_shape():
+    """The house rules a newcomer relies on to find things (docs/testing.md): the top of ``hf_grpo`` holds the
+    core, at most 10 modules, and every other module sits in a folder with one job; no module passes 450 lines."""
+    package = ROOT / "hf_grpo"
+    top = sorted(p.name for p in package.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 10, f"{len(top)} top-level modules (at most 10): {top}"
+    long = {str(p.relative_to(ROOT)): n for p in package.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 450}
+    assert not long, f"modules over 450 lines: {long}"
+    for folder in (p for p in package.iterdir() if p.is_dir() and p.name != "__pycache__"):
+        init = folder / "__init__.py"
+        assert init.exists() and init.read_text().lstrip().startswith('"""'), f"{folder.name}/ says not its job"

@@ -1,4 +1,4 @@
-"""Compiled training layers (hf_grpo.training_compile): the same log-probs and gradients as eager, activation
+"""Compiled training layers (hf_grpo.training.compiled_layers): the same log-probs and gradients as eager, activation
 checkpointing's recompute included, and a bounded number of compiles over micro-batches of changing shape."""
 
 import copy
@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from hf_grpo import training_compile
+from hf_grpo.training import compiled_layers as training_compile
 from hf_grpo.logprob_head import install_chunked_lm_head
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
@@ -331,7 +331,7 @@ def test_grpo_run_with_compiled_layers_updates_as_eager(tmp_path, monkeypatch):
 def test_compiled_layers_serve_the_packed_rows_a_training_graph_replays():
     # The packed static form (training graphs with padding_free): row bounds and window index are tensors, so one
     # dynamic compile serves every packed length; each equals the eager static form.
-    from hf_grpo import graph_inputs
+    from hf_grpo.training import graph_inputs
 
     eager, compiled_model = checkpointed_pair()
     layers = training_compile.CompiledTrainingLayers(backend="aot_eager_decomp_partition")

@@ -1,4 +1,4 @@
-"""Training micro-batches replayed from CUDA graphs (hf_grpo.training_graphs): the static-shape head and the bucket
+"""Training micro-batches replayed from CUDA graphs (hf_grpo.training.graphs): the static-shape head and the bucket
 padding give the eager log-probs and gradients; the captured gradient buffers keep what was accumulated; a whole run
 through the replay path updates as one without (on a CPU with the capture stood in by an eager replay; on a GPU)."""
 
@@ -7,7 +7,8 @@ import contextlib
 import pytest
 import torch
 
-from hf_grpo import graph_inputs, training_graphs
+from hf_grpo.training import graph_inputs
+from hf_grpo.training import graphs as training_graphs
 from hf_grpo.config import set_checkpointing
 from hf_grpo.logprob_head import install_chunked_lm_head
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
@@ -385,7 +386,7 @@ def test_compiled_layers_and_packed_graphs_update_as_eager_on_a_cpu(tmp_path, mo
     # every bucket warmed up first (a compiled layer may compile again for a new shape).
     import functools
 
-    from hf_grpo import training_compile
+    from hf_grpo.training import compiled_layers as training_compile
     from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
 
     monkeypatch.setattr(training_graphs, "unavailable_reason", lambda trainer: None)

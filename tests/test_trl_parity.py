@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 import hf_grpo
 import hf_grpo.logprob_head
-import hf_grpo.padding_free
+import hf_grpo.training.padding_free
 from hf_grpo.config import CHECKPOINTING
 from hf_grpo.generation import HFGenerateBackend
 from hf_grpo.ops import chunked_logprobs
@@ -232,9 +232,9 @@ def test_padding_free_two_steps_equal_trls_padded(tmp_path, monkeypatch, checkpo
         packed.append(rows.tokens)
         return real_packed(model, backbone, rows, **kwargs)
 
-    real_packed = hf_grpo.padding_free.packed_hidden_states
+    real_packed = hf_grpo.training.padding_free.packed_hidden_states
     calls = spy_on_chunked_head(monkeypatch)
-    monkeypatch.setattr(hf_grpo.padding_free, "packed_hidden_states", packed_spy)
+    monkeypatch.setattr(hf_grpo.training.padding_free, "packed_hidden_states", packed_spy)
     ours_logs, ours_updates = run(checkpoint, tmp_path / "ours", ours=True, **fields)
     monkeypatch.undo()
     assert packed and len(packed) == len(calls), "not every forward ran its rows packed"

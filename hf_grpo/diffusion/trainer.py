@@ -102,7 +102,7 @@ def _loads_as_causal_lm(config) -> bool:
 class DiffuGRPOTrainer(GRPOTrainer):
     """GRPO for masked-diffusion LMs; use it as ``hf_grpo.GRPOTrainer`` with ``args=DiffuGRPOConfig(...)``."""
 
-    # its forwards score masked completions with its own estimator, not a causal head (hf_grpo.training_graphs)
+    # its forwards score masked completions with its own estimator, not a causal head (hf_grpo.training.graphs)
     training_graphs_unavailable = "the diffusion trainer scores completions with its own estimator"
 
     def __init__(self, model, reward_funcs=None, args: DiffuGRPOConfig | None = None, **kwargs: Any):

@@ -341,7 +341,7 @@ def _validate(hidden, weight, targets, bias, chunk_rows, temperature) -> int:
         raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
     if n_rows and not (targets.is_cuda and torch.cuda.is_current_stream_capturing()):
         # One small reduction and one host sync: an out-of-range index would otherwise be a silent CUDA gather error.
-        # (Not inside a CUDA graph's capture, which cannot wait on the host: hf_grpo.training_graphs clamps them.)
+        # (Not inside a CUDA graph's capture, which cannot wait on the host: hf_grpo.training.graphs clamps them.)
         lo, hi = torch.aminmax(targets)
         lo, hi = int(lo), int(hi)
         if lo < 0 or hi >= vocab:

@@ -11,7 +11,7 @@ activation checkpointing's recompute). Compiled, each layer is a handful of fuse
 * Layers are routed through the compiled forward only inside ``route`` - the trainer's ``training_step``
   (scoring, forward and backward) - and lifted again around generation (``suspended``), whose decoders
   compile or capture the layers their own way.
-* The packed attention of ``hf_grpo.padding_free`` is one custom op inside the graph: its row bounds are read
+* The packed attention of ``hf_grpo.training.padding_free`` is one custom op inside the graph: its row bounds are read
   on the host within it, so they neither specialize the graph nor break it.
 * Where transformers would checkpoint a layer (training, with gradients), the compiler does the activation
   checkpointing: the layer's own forward is compiled with the partitioner's memory budget at 0, so the graph
@@ -36,7 +36,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .generation.regional_compile import CompiledLayers, decoder_layers
+from ..generation.regional_compile import CompiledLayers, decoder_layers
 
 logger = logging.getLogger(__name__)
 

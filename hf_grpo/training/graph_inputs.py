@@ -1,11 +1,11 @@
-"""A micro-batch as the static-shape inputs a CUDA graph replays (``hf_grpo.training_graphs``).
+"""A micro-batch as the static-shape inputs a CUDA graph replays (``hf_grpo.training.graphs``).
 
 A graph replays fixed shapes, so a micro-batch is brought to one of few bucketed shapes:
 
 * **padded**: the prompt part padded on the left and the completion part on the right, each to ``bucket(width)``;
   ``position_ids`` keep every real token at the position it has unpadded (transformers counts positions from the
   first column), so a bucket's log-probs are the unpadded ones.
-* **packed** (``padding_free``): the real tokens of every row in one sequence (``hf_grpo.padding_free``), padded at
+* **packed** (``padding_free``): the real tokens of every row in one sequence (``hf_grpo.training.padding_free``), padded at
   its end to ``bucket(tokens + 1)`` by one more row of padding tokens, so only a few percent of the tokens the
   layers run over are padding where the padded form may have half. The row bounds live in a device tensor the
   graph reads at replay, the completion window's states are gathered from their packed places by an index of

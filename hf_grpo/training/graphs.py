@@ -44,9 +44,9 @@ from contextlib import contextmanager
 
 import torch
 
+from ..generation.static_cache import weights_signature
 from . import graph_inputs, padding_free
 from .cuda_graph_recorder import CudaGraphRecorder
-from .generation.static_cache import weights_signature
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""What capturing the training step asks of the device (``hf_grpo.training_graphs``): record a function once
+"""What capturing the training step asks of the device (``hf_grpo.training.graphs``): record a function once
 as a CUDA graph and replay it, on one stream, and get torch's generator back after a capture that failed."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 import torch
 
-logger = logging.getLogger("hf_grpo.training_graphs")
+logger = logging.getLogger("hf_grpo.training.graphs")
 
 
 def end_broken_capture() -> None:

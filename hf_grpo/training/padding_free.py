@@ -7,7 +7,7 @@ concatenated into one sequence ``[1, T]``: each row keeps its own positions (0, 
 token, as ``model.generate`` numbers them) and attends only to itself, causally. On CUDA that is one
 variable-length flash-attention call per layer (``torch.nn.attention.varlen``); elsewhere, or where that op
 is missing, one SDPA call per row. The training graphs replay the same attention over a packed sequence of a
-bucketed length (``hf_grpo.graph_inputs``), which only the flash-attention call allows: it reads the row bounds
+bucketed length (``hf_grpo.training.graph_inputs``), which only the flash-attention call allows: it reads the row bounds
 from the device.
 
 How the layers find it: transformers' registry entries for ``sdpa`` and flash attention are wrapped once
@@ -125,7 +125,7 @@ def _attend(query, key, value, cu_seq_lens, ends: list[int], scale: float):
     ``[1, T, Hq, D]``, as transformers' attention functions return it."""
     if varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
         # The packed length bounds every row from above (flash attention's blocks past a row's end return at
-        # once): nothing read on the host, so a CUDA graph replays it with other row bounds (training_graphs).
+        # once): nothing read on the host, so a CUDA graph replays it with other row bounds (graphs).
         return _varlen_attention(query, key, value, cu_seq_lens, query.shape[2], scale)
     if query.is_cuda and torch.cuda.is_current_stream_capturing():  # the graph would keep this batch's bounds
         raise RuntimeError("packed attention is captured in a CUDA graph only through variable-length flash "
@@ -153,7 +153,7 @@ def _varlen_attention(query, key, value, cu_seq_lens, longest: int, scale: float
     return out.unsqueeze(0)
 
 
-# One opaque op to torch.compile (hf_grpo.training_compile): the row bounds are read on the host inside it (off
+# One opaque op to torch.compile (hf_grpo.training.compiled_layers): the row bounds are read on the host inside it (off
 # CUDA), so they never enter a graph as constants, and no graph breaks around it (a break inside activation
 # checkpointing's recompute is not allowed). Its backward recomputes the attention: it saves only q, k, v.
 @torch.library.custom_op("hf_grpo::packed_attention", mutates_args=())
