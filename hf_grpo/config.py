@@ -91,7 +91,8 @@ class GRPOConfig(trl.GRPOConfig):
         cudnn_attention (`bool`, *optional*, defaults to `False`):
             Let PyTorch's SDPA use cuDNN's attention kernel during ``train()``. Off by default: cuDNN builds
             a kernel for each new sequence shape (0.07 to 1.2 s each on an H100), and varied prompt lengths
-            bring new shapes all run long; the memory-efficient kernel is used instead (``hf_grpo.training.cudnn_attention``).
+            bring new shapes all run long; the memory-efficient kernel is used instead
+            (``hf_grpo.training.cudnn_attention``).
         zero3_generation_mirror (`str`, *optional*, defaults to `"auto"`):
             Under DeepSpeed ZeRO-3: ``"on"`` decodes from a dense copy of the weights, refreshed in place
             layer by layer each rollout, so the ``cuda_graph`` backend can serve ZeRO-3 (cost: one model copy
@@ -180,7 +181,8 @@ class GRPOConfig(trl.GRPOConfig):
         default=None,
         metadata={
             "help": "Score each micro-batch (reference, old and policy log-probs, and the training forward) with its "
-            "rows packed into one sequence, so no layer runs over padding (hf_grpo.training.padding_free). None (default): "
+            "rows packed into one sequence, so no layer runs over padding (hf_grpo.training.padding_free). "
+            "None (default): "
             "packed where the micro-batches replay from CUDA graphs (training_cuda_graphs), padded where they run "
             "eagerly: there, at 0.5B on an H200, the step is bound by the host and packing made it slower "
             "(docs/performance.md). Models it cannot serve exactly (no rotary positions, soft-capped or non-causal "
@@ -191,7 +193,8 @@ class GRPOConfig(trl.GRPOConfig):
         default=False,
         metadata={
             "help": "Let SDPA use cuDNN's attention during train(). Off by default: cuDNN builds a kernel per new "
-            "sequence shape (0.07-1.2 s on H100), which varied prompt lengths pay all run long (hf_grpo.training.cudnn_attention)."
+            "sequence shape (0.07-1.2 s on H100), which varied prompt lengths pay all run long "
+            "(hf_grpo.training.cudnn_attention)."
         },
     )
     zero3_generation_mirror: str = field(

@@ -83,8 +83,8 @@ def install_chunked_lm_head(
     ``chunk_rows`` as a ``SizeKnob`` is read at every call and halved on every rank after an out-of-memory
     in the head (``hf_grpo.memory.oom``); the backbone's forward has run by then, so the retry redoes the head only.
     With ``padding_free_rows`` the backbone runs the micro-batch's rows packed into one sequence
-    (``hf_grpo.training.padding_free``) where the model and the batch allow it (None, the config's default, packs only the
-    static-shape form a CUDA graph replays, ``packed_rows``).
+    (``hf_grpo.training.padding_free``) where the model and the batch allow it (None, the config's default, packs
+    only the static-shape form a CUDA graph replays, ``packed_rows``).
     """
     reason = unsupported_reason(model)
     if reason is not None:

@@ -345,7 +345,7 @@ def test_compiled_layers_serve_the_packed_rows_a_training_graph_replays():
     compiles = []
     for seed, shape in enumerate([(4, 6, 5), (3, 30, 4), (5, 4, 7), (4, 6, 5)]):
         ids, mask, _ = batch(*shape, seed=seed)
-        _, inputs, window = graph_inputs.packed(eager, ids, mask, shape[2], pad_token_id=0)
+        _, inputs, window, _ = graph_inputs.packed(eager, ids, mask, shape[2], pad_token_id=0)
         expected_logps, expected_grads = logps_and_grads(eager, inputs, window)
         with layers.route(compiled_model):
             logps, grads = logps_and_grads(compiled_model, inputs, window)

@@ -3,16 +3,18 @@ padding give the eager log-probs and gradients; the captured gradient buffers ke
 through the replay path updates as one without (on a CPU with the capture stood in by an eager replay; on a GPU)."""
 
 import contextlib
+import json
 
 import pytest
 import torch
 
-from hf_grpo.training import graph_inputs
-from hf_grpo.training import graphs as training_graphs
 from hf_grpo.config import set_checkpointing
 from hf_grpo.logprob_head import install_chunked_lm_head
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo.training import graph_inputs
+from hf_grpo.training import graphs as training_graphs
 
+from project_files import load_bench
 from test_training_compile import batch
 
 
@@ -21,6 +23,13 @@ from test_training_compile import batch
 def test_bucket_pads_less_than_an_eighth_above_512_and_to_64_below(width, expected):
     assert graph_inputs.bucket(width) == expected
     assert expected - width < max(64, width / 8)
+
+
+@pytest.mark.parametrize("width, expected", [(1, 64), (300, 320), (513, 640), (1025, 1280), (2500, 2560),
+                                             (4097, 5120)])
+def test_a_packed_length_takes_four_buckets_an_octave(width, expected):
+    assert graph_inputs.bucket(width, graph_inputs.PACKED_BUCKETS_PER_OCTAVE) == expected
+    assert expected - width < max(64, width / 4)
 
 
 def test_bucket_names_a_bad_width():
@@ -99,25 +108,63 @@ def test_a_micro_batch_padded_to_its_bucket_keeps_every_log_prob_and_gradient():
 
 
 def test_a_packed_micro_batch_keeps_every_log_prob_and_gradient():
-    # padding_free: the rows' real tokens in one sequence of a bucketed length, the completion window's states
-    # gathered from their packed places; the log-probs come back in the padded window's layout.
+    # padding_free: the rows' real tokens in one sequence of a bucketed length; only the scored completion tokens
+    # reach the head, gathered from their packed places; spread puts their log-probs back in TRL's layout.
     model = checkpointed_model()
     ids, mask, labels = batch(5, prompt=11, completion=7, seed=2)
     expected = logps_and_grads(model, ids, mask, labels)
-    key, inputs, window = graph_inputs.packed(model, ids, mask, completion_width=7, pad_token_id=0)
-    tokens = int(mask.sum())
-    assert key == ("packed", graph_inputs.bucket(tokens + 1)) and window == 64
-    assert inputs["input_ids"].shape == (1, key[1]) and inputs["window_index"].shape == (5, 64)
+    key, inputs, window, spread = graph_inputs.packed(model, ids, mask, completion_width=7, pad_token_id=0)
+    tokens, scored = int(mask.sum()), int((labels != -100).sum())
+    assert key == ("packed", graph_inputs.bucket(tokens + 1, per_octave=4)) and window == 64 and scored < 64
+    assert inputs["input_ids"].shape == (1, key[1]) and inputs["window_index"].shape == (1, 64)
     assert inputs["cu_seq_lens"].tolist() == inputs["cu_seq_lens_host"].tolist()  # 5 rows, then the padding row
     assert inputs["cu_seq_lens"].tolist()[-2:] == [tokens, key[1]]
+    assert (inputs["labels"][0, scored:] == -100).all() and (inputs["labels"][0, :scored] >= 0).all()
     model.zero_grad()
     out = model(**graph_inputs.model_kwargs(inputs, window))
+    assert out.log_probs.shape == (1, 64) and (out.log_probs[0, scored:] == 0).all()
+    logps = spread(out.log_probs)
     weights = torch.arange(1.0, 6.0).unsqueeze(1)
-    (out.log_probs * weights).sum().backward()
-    assert out.log_probs.shape == (5, 64) and (out.log_probs[:, 7:] == 0).all()
-    torch.testing.assert_close(out.log_probs[:, :7], expected[0][:, -7:], rtol=1e-5, atol=1e-6)
+    (logps * weights).sum().backward()
+    torch.testing.assert_close(logps, expected[0][:, -7:], rtol=1e-5, atol=1e-6)  # zeros where TRL's are
     for name, param in model.named_parameters():  # (summed in another order than the padded batch's)
         torch.testing.assert_close(param.grad, expected[2][name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_packed_shape_does_not_follow_the_rollouts_longest_completion():
+    # The completion width is the rollout's longest completion, new at every rollout; packed, the graphs' shape
+    # is set by the micro-batch's own tokens, so a micro-batch of another rollout with the same tokens replays.
+    model = checkpointed_model()
+    ids, mask, _ = batch(4, prompt=11, completion=7, seed=3)
+    wider_ids = torch.nn.functional.pad(ids, (0, 70), value=0)
+    wider_mask = torch.nn.functional.pad(mask, (0, 70), value=0)
+    narrow = graph_inputs.packed(model, ids, mask, 7, pad_token_id=0)
+    wide = graph_inputs.packed(model, wider_ids, wider_mask, 77, pad_token_id=0)
+    assert (narrow.key, narrow.window) == (wide.key, wide.window)
+    for name, value in narrow.inputs.items():
+        assert torch.equal(value, wide.inputs[name]), name
+    values = torch.arange(1.0, 65.0).unsqueeze(0)
+    assert torch.equal(wide.spread(values)[:, :7], narrow.spread(values))
+    assert (wide.spread(values)[:, 7:] == 0).all()
+    padded = graph_inputs.padded(ids, mask, 7, pad_token_id=0), graph_inputs.padded(wider_ids, wider_mask, 77, 0)
+    assert padded[0].window != padded[1].window  # padded, the window is the completion width's bucket
+
+
+def test_over_real_rollout_lengths_packed_micro_batches_meet_fewer_shapes_and_score_fewer_positions(capsys):
+    # bench/graph_shapes.py runs the trainer's own static_inputs over six rollouts of the 1.5B benchmark's lengths
+    # (prompts of 64-1024 tokens): against the layout before (eight length buckets an octave, the rollout's
+    # completion window scored whole), fewer shapes to capture, and a head that scores fewer positions.
+    load_bench("graph_shapes").main(["--shapes", "1.5b", "--steps", "6"])
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sum(row["current"]["captures_by_step"]) == row["current"]["shapes"]
+    assert row["current"]["shapes"] < row["before"]["shapes"]
+    head = row["head_positions_mean"]
+    assert head["scored_tokens"] <= head["current"] < head["before"]
+
+
+@pytest.mark.parametrize(("scored", "width"), [(0, 64), (1, 64), (64, 64), (65, 128), (700, 1024), (1024, 1024)])
+def test_the_scored_width_is_a_power_of_two_of_at_least_64(scored, width):
+    assert graph_inputs.scored_width(scored) == width
 
 
 def test_rows_that_cannot_be_packed_go_padded():
@@ -133,7 +180,7 @@ def test_rows_that_cannot_be_packed_go_padded():
     mask[0, -7:] = torch.tensor([1, 0, 1, 0, 0, 0, 0])
     assert graph_inputs.packed(model, ids, mask, 7, pad_token_id=0) is None
     graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, packed=True)
-    assert graphs.static_inputs(ids, mask, 7)[0][0] == "padded"
+    assert graphs.static_inputs(ids, mask, 7).key[0] == "padded"
 
 
 def test_the_captured_gradient_buffers_keep_what_was_accumulated():
@@ -285,7 +332,7 @@ def test_a_failed_capture_mid_step_keeps_the_steps_gradients_and_lets_go_of_the_
     for param, grad in zip(graphs.params, accumulated):
         torch.testing.assert_close(param.grad, grad)  # the step's gradients so far, kept
     # the micro-batch goes on eagerly (TRL's path) and adds to them
-    loss = score(*graph_inputs.padded(second[0], second[1], 9, pad_token_id=0)[1:])[0].sum()
+    loss = score(*graph_inputs.padded(second[0], second[1], 9, pad_token_id=0)[1:3])[0].sum()
     eager = torch.autograd.grad(loss, graphs.params, retain_graph=True, allow_unused=True)
     loss.backward()
     for param, grad, added in zip(graphs.params, accumulated, eager):
@@ -453,7 +500,7 @@ def test_later_buckets_replay_the_eager_gradients_and_keep_no_memory_of_their_ow
         ids, mask, _ = (t.cuda() for t in batch(4, prompt=prompt, completion=9, seed=prompt))
         weights = torch.arange(1.0, 5.0, device="cuda").unsqueeze(1)
         model.zero_grad(set_to_none=True)
-        expected = score(*graph_inputs.padded(ids, mask, 9, pad_token_id=0)[1:])[0][:, :9]
+        expected = score(*graph_inputs.padded(ids, mask, 9, pad_token_id=0)[1:3])[0][:, :9]
         (expected * weights).sum().backward()
         # (the eager graph goes before the capture: its gradient accumulators belong to the default stream)
         expected, expected_grads = expected.detach(), [p.grad.clone() for p in graphs.params]

@@ -4,30 +4,48 @@ A graph replays fixed shapes, so a micro-batch is brought to one of few bucketed
 
 * **padded**: the prompt part padded on the left and the completion part on the right, each to ``bucket(width)``;
   ``position_ids`` keep every real token at the position it has unpadded (transformers counts positions from the
-  first column), so a bucket's log-probs are the unpadded ones.
-* **packed** (``padding_free``): the real tokens of every row in one sequence (``hf_grpo.training.padding_free``), padded at
-  its end to ``bucket(tokens + 1)`` by one more row of padding tokens, so only a few percent of the tokens the
-  layers run over are padding where the padded form may have half. The row bounds live in a device tensor the
-  graph reads at replay, the completion window's states are gathered from their packed places by an index of
-  static shape (``[rows, bucket(completion width)]``), and the log-probs come back in the padded window's layout.
+  first column), so a bucket's log-probs are the unpadded ones. Every position of the completion window is scored.
+* **packed** (``padding_free``): the real tokens of every row in one sequence (``hf_grpo.training.padding_free``),
+  padded at its end to a bucket of ``tokens + 1`` (four an octave) by one more row of padding tokens, so about a
+  tenth of the tokens the layers run over are padding where the padded form may have half. The row bounds live in
+  a device tensor the graph reads at replay. Only the completion tokens TRL scores reach the LM head: their states
+  are gathered from their packed places by an index of ``scored_width`` (a power of two), so the shape does not
+  follow the rollout's longest completion, which changes every rollout, and the head does no work on padding.
 
-Both give ``(key, inputs, window)``: the shape key of the graphs that replay them, the tensors the graphs read (a
-bucket copies a later micro-batch of the same key into its own), and the completion window scored.
+Both give a ``StaticBatch``: the shape key of the graphs that replay it, the tensors the graphs read (a bucket
+copies a later micro-batch of the same key into its own), the width of the scored positions, and ``spread``,
+which puts the graph's log-probs (or entropies) back in TRL's ``[rows, completion width]`` layout.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
 from . import padding_free
 
 
-def bucket(width: int) -> int:
-    """``width`` rounded up to a multiple of 64, or above 512 of an eighth of the power of two below it (less than
-    12.5% padding, eight buckets an octave)."""
+class StaticBatch(NamedTuple):
+    key: tuple  # the layout's shape key (with the rows and the window, the key of the graphs that replay it)
+    inputs: dict[str, torch.Tensor]  # what the graphs read
+    window: int  # the scored positions' width: the graph's log-probs are [n, window]
+    spread: Callable[[torch.Tensor], torch.Tensor]  # [n, window] -> [rows, completion width], zeros where unscored
+
+
+# A packed micro-batch's length in four buckets an octave (less than 25% padding), not eight as a padded width: its
+# length is the sum of its rows', which varies more than a rollout's longest row. Simulated over the benchmark's
+# rollouts (bench/graph_shapes.py), that halves the shapes a short run captures at prompts of 64-1024 tokens.
+PACKED_BUCKETS_PER_OCTAVE = 4
+
+
+def bucket(width: int, per_octave: int = 8) -> int:
+    """``width`` rounded up to a multiple of 64, or above ``64 * per_octave`` of a ``per_octave``-th of the power of
+    two below it (``per_octave`` buckets an octave: less than 12.5% padding at eight)."""
     if width < 1:
         raise ValueError(f"a width to bucket must be at least 1, got {width}")
-    step = max(64, (1 << (width.bit_length() - 1)) // 8)
+    step = max(64, (1 << (width.bit_length() - 1)) // per_octave)
     return -(-width // step) * step
 
 
@@ -44,23 +62,30 @@ def pad_to_bucket(input_ids: torch.Tensor, attention_mask: torch.Tensor, complet
     return ids, mask, positions
 
 
-def padded(input_ids, attention_mask, completion_width: int, pad_token_id: int):
-    """The micro-batch padded to its bucket: ``(key, inputs, window)``."""
+def padded(input_ids, attention_mask, completion_width: int, pad_token_id: int) -> StaticBatch:
+    """The micro-batch padded to its bucket."""
     ids, mask, positions = pad_to_bucket(input_ids, attention_mask, completion_width, pad_token_id)
     window = bucket(completion_width)
     inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
-    return ("padded", ids.shape[1] - window), inputs, window
+    return StaticBatch(("padded", ids.shape[1] - window), inputs, window, lambda values: values[:, :completion_width])
 
 
-def packed(model: torch.nn.Module, input_ids, attention_mask, completion_width: int, pad_token_id: int):
-    """The micro-batch's rows packed into one sequence of a bucketed length: ``(key, inputs, window)``; None where
-    the rows cannot be packed for ``model`` (a row's tokens not one run, an empty row, a row longer than the model's
-    attention window: ``padding_free.packable``), which then go padded. One device-to-host copy (the row lengths)."""
+def scored_width(scored: int) -> int:
+    """The static width of a packed micro-batch's ``scored`` tokens: the power of two at or above, at least 64."""
+    return max(64, 1 << max(scored - 1, 0).bit_length())
+
+
+def packed(model: torch.nn.Module, input_ids, attention_mask, completion_width: int,
+           pad_token_id: int) -> StaticBatch | None:
+    """The micro-batch's rows packed into one sequence of a bucketed length; None where the rows cannot be packed
+    for ``model`` (a row's tokens not one run, an empty row, a row longer than the model's attention window:
+    ``padding_free.packable``), which then go padded. Two device-to-host copies: the row lengths, the number of
+    scored tokens."""
     rows = padding_free.pack_rows(input_ids, attention_mask)
     if rows is None or not padding_free.packable(model, rows):
         return None
-    tokens, window = rows.tokens, bucket(completion_width)
-    length = bucket(tokens + 1)  # at least one padding token: the padding row is never empty
+    tokens = rows.tokens
+    length = bucket(tokens + 1, PACKED_BUCKETS_PER_OCTAVE)  # at least one padding token: a padding row, never empty
     ids = torch.nn.functional.pad(rows.input_ids, (0, length - tokens), value=pad_token_id)
     positions = torch.cat([rows.position_ids[0], torch.arange(length - tokens, device=ids.device)]).unsqueeze(0)
     ends = torch.tensor([length], dtype=torch.int32)
@@ -72,16 +97,25 @@ def packed(model: torch.nn.Module, input_ids, attention_mask, completion_width: 
         before, labels[:, 0] = before.clamp(min=0), -100
     else:  # nor where the token before is padding (a row without a prompt token)
         labels = labels.masked_fill(attention_mask[:, before] == 0, -100)
-    index = rows.index[:, before].clamp(min=0)
+    row_of, column_of = (labels != -100).nonzero(as_tuple=True)
+    scored = row_of.numel()
+    window = scored_width(scored)
+    # (the slots past the scored tokens read packed position 0 and are not scored: label -100)
+    places = torch.nn.functional.pad(rows.index[row_of, before[column_of]], (0, window - scored))
     inputs = {
         "input_ids": ids,
         "position_ids": positions,
         "cu_seq_lens": torch.cat([rows.cu_seq_lens, ends.to(ids.device)]),
         "cu_seq_lens_host": torch.cat([rows.cu_seq_lens_host, ends]),
-        "window_index": torch.nn.functional.pad(index, (0, window - completion_width)),
-        "labels": torch.nn.functional.pad(labels, (0, window - completion_width), value=-100),
+        "window_index": places.unsqueeze(0),
+        "labels": torch.nn.functional.pad(labels[row_of, column_of], (0, window - scored), value=-100).unsqueeze(0),
     }
-    return ("packed", length), inputs, window
+
+    def spread(values: torch.Tensor) -> torch.Tensor:
+        return values.new_zeros(input_ids.shape[0], completion_width).index_put((row_of, column_of),
+                                                                                values[0, :scored])
+
+    return StaticBatch(("packed", length), inputs, window, spread)
 
 
 def model_kwargs(inputs: dict[str, torch.Tensor], window: int) -> dict:

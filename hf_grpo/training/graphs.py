@@ -10,12 +10,13 @@ How (``training_cuda_graphs``, "auto" by default):
 
 * A micro-batch is brought to a static shape (``graph_inputs``): padded to a bucket, or with ``padding_free`` its
   rows packed into one sequence of a bucketed length, with the row bounds in a device tensor. Each (rows, layout,
-  completion bucket) gets one forward graph and one backward graph, captured at its first micro-batch on a side
+  scored width) gets one forward graph and one backward graph, captured at its first micro-batch on a side
   stream (after an eager warm-up pass for the run's first capture, and for every bucket's with compiled layers:
   ``WARMUP_PASSES``), with the random stream restored after.
 * The forward graph computes the completion's log-probs (and entropies) through the model's chunked head in its
-  static-shape form (``scored_window``: every position of the completion window is scored, unscored ones are
-  zeroed), since selecting scored tokens by mask has a data-dependent size that a graph cannot hold.
+  static-shape form (``scored_window``: a fixed number of positions, unscored ones zeroed), since selecting scored
+  tokens by mask has a data-dependent size that a graph cannot hold. Padded, that is the completion window; packed,
+  the scored tokens gathered in a power-of-two width. Outside the graph they go back to TRL's layout (``spread``).
 * The rollout's scoring without gradients (reference, old policy) is replayed from forward-only graphs
   (``scorer``) in the same static shapes and head (``chunked_scoring``): bf16 rounds differently in other shapes,
   and at equal weights its log-probs must be the training replay's (no KL at the first step).
@@ -73,14 +74,13 @@ def chunked_scoring(score: Callable, static_inputs: Callable, input_ids, attenti
     """``score`` (see ``replay``) over the batch ``rows`` rows at a time, each chunk in its static form
     (``static_inputs``, as ``TrainingGraphs.static_inputs``); ``(logps, entropies or None)`` of the completion's
     ``completion_width`` columns."""
-    chunks = []
+    logps, entropies = [], []
     for start in range(0, input_ids.shape[0], rows):
-        _, inputs, window = static_inputs(input_ids[start:start + rows], attention_mask[start:start + rows],
-                                          completion_width)
-        chunks.append(score(inputs, window))
-    logps = torch.cat([chunk[0] for chunk in chunks])[:, :completion_width]
-    entropies = None if chunks[0][1] is None else torch.cat([chunk[1] for chunk in chunks])[:, :completion_width]
-    return logps, entropies
+        batch = static_inputs(input_ids[start:start + rows], attention_mask[start:start + rows], completion_width)
+        chunk_logps, chunk_entropies = score(batch.inputs, batch.window)
+        logps.append(batch.spread(chunk_logps))
+        entropies.append(None if chunk_entropies is None else batch.spread(chunk_entropies))
+    return torch.cat(logps), (None if entropies[0] is None else torch.cat(entropies))
 
 
 def unavailable_reason(trainer) -> str | None:
@@ -169,7 +169,7 @@ def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size
         return None
     autocast, before = trainer.accelerator.autocast, graphs.captures
 
-    def score(inputs, window):  # TRL's labels: only the completion window is scored
+    def score(inputs, window):  # TRL's labels: only the scored positions (graph_inputs) reach the head
         with autocast():
             out = model(**graph_inputs.model_kwargs(inputs, window))
         return out.log_probs[:, -window:], (out.entropy[:, -window:] if compute_entropy else None)
@@ -189,7 +189,7 @@ def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size
 
 
 class _Bucket:
-    """The static inputs and outputs, and the two replays, of one shape (rows, layout, completion window)."""
+    """The static inputs and outputs, and the two replays, of one shape (rows, layout, scored width)."""
 
     def __init__(self, inputs: dict[str, torch.Tensor]):
         self.inputs = {name: value.clone() for name, value in inputs.items()}  # (graph_inputs)
@@ -259,24 +259,23 @@ class TrainingGraphs:
         if signature != self._signature:
             self._entries.clear()  # a moved parameter or a changed forward path: every graph reads stale memory
             self._signature = signature
-        layout, inputs, window = self.static_inputs(input_ids, attention_mask, completion_width)
-        shape = (input_ids.shape[0], *layout, window, compute_entropy)
+        batch = self.static_inputs(input_ids, attention_mask, completion_width)
+        shape = (input_ids.shape[0], *batch.key, batch.window, compute_entropy)
         entry = self._entries.get(shape)
         if entry is None:
             try:
-                entry = self._capture(score, inputs, window, shape)
+                entry = self._capture(score, batch.inputs, batch.window, shape)
             except Exception as err:  # noqa: BLE001 - any capture failure: eager for the rest of the run ("auto")
                 self._failed(err)
                 return None
         else:
             self._entries.move_to_end(shape)
-            entry.load(inputs)
+            entry.load(batch.inputs)
         logps, entropy = _Replay.apply(self._anchor, self, entry)
-        keep = slice(0, completion_width)
-        return logps[:, keep], (entropy[:, keep] if entropy is not None else None)
+        return batch.spread(logps), (batch.spread(entropy) if entropy is not None else None)
 
-    def static_inputs(self, input_ids, attention_mask, completion_width: int):
-        """A micro-batch's ``(key, inputs, window)`` in the run's layout (``graph_inputs``)."""
+    def static_inputs(self, input_ids, attention_mask, completion_width: int) -> graph_inputs.StaticBatch:
+        """A micro-batch in the run's static layout (``graph_inputs``)."""
         if self.packed:
             packed = graph_inputs.packed(self.model, input_ids, attention_mask, completion_width, self.pad_token_id)
             if packed is not None:

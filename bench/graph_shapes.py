@@ -1,0 +1,127 @@
+"""How many CUDA-graph shapes a run meets, and how much LM-head work each micro-batch does: a simulation.
+
+A training graph is captured once per shape and replayed after, so the number of shapes a run meets, and how
+early, sets how much of it goes to captures (a capture costs about one eager micro-batch: docs/performance.md).
+This draws the rollouts of ``grpo_realistic.py`` (prompts uniform in a range, 8 completions a prompt ending on
+EOS with probability ``--eos_prob`` a token, capped) and runs TRL's batching (32 rows a rollout, shuffled into
+4 training micro-batches of 8; the reference scored 16 rows at a time, unshuffled) through the trainer's own
+``TrainingGraphs.static_inputs``. No GPU and no model run: only shapes are counted.
+
+For each micro-batch it records the packed layout's key as the graphs use it (packed length in four buckets an
+octave, scored width) and, for comparison, the key the packed layout had before (packed length in eight buckets an
+octave, the bucket of the rollout's longest completion, whose every position the head scored), with the tokens
+the layers and the head run over in each.
+
+    python bench/graph_shapes.py --steps 500 --out bench/results/raw/graph_shapes.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from provenance import with_provenance  # noqa: E402
+
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+from hf_grpo.training.graph_inputs import bucket  # noqa: E402
+from hf_grpo.training.graphs import TrainingGraphs  # noqa: E402
+
+SHAPES = {  # grpo_realistic.py's two shapes: prompt token range, max_completion_length
+    "0.5b": ((32, 384), 256),
+    "1.5b": ((64, 1024), 512),
+}
+
+
+def rollout(rng: random.Random, prompts: tuple[int, int], cap: int, eos_prob: float, num_prompts: int = 4,
+            generations: int = 8):
+    """One rollout's padded ``(input_ids, attention_mask, completion_width)``, rows grouped by prompt."""
+    prompt_lens = [rng.randint(*prompts) for _ in range(num_prompts)]
+    rows = []
+    for prompt in prompt_lens:
+        for _ in range(generations):
+            completion = 1
+            while completion < cap and rng.random() >= eos_prob:
+                completion += 1
+            rows.append((prompt, completion))
+    width_p, width_c = max(p for p, _ in rows), max(c for _, c in rows)
+    mask = torch.zeros(len(rows), width_p + width_c, dtype=torch.long)
+    for i, (prompt, completion) in enumerate(rows):
+        mask[i, width_p - prompt:width_p + completion] = 1
+    return torch.where(mask.bool(), 5, 0), mask, width_c
+
+
+def simulate(shape: str, steps: int, eos_prob: float, seed: int, per_step_rows: int = 32, micro_rows: int = 8,
+             scoring_rows: int = 16):
+    rng = random.Random(seed)
+    model = build_tiny_model(build_char_tokenizer())  # only its config is read (no sliding window)
+    graphs = TrainingGraphs(model, pad_token_id=0, packed=True)
+    prompts, cap = SHAPES[shape]
+    seen = {"current": set(), "before": set()}
+    new_per_step = {name: [] for name in seen}
+    head = {"current": [], "before": [], "scored_tokens": []}
+    layers = {"current": [], "before": [], "real_tokens": []}
+    for _ in range(steps):
+        ids, mask, width = rollout(rng, prompts, cap, eos_prob, num_prompts=per_step_rows // 8)
+        order = list(range(ids.shape[0]))
+        rng.shuffle(order)
+        batches = [("score", ids[s:s + scoring_rows], mask[s:s + scoring_rows])
+                   for s in range(0, ids.shape[0], scoring_rows)]
+        batches += [("train", ids[order[s:s + micro_rows]], mask[order[s:s + micro_rows]])
+                    for s in range(0, ids.shape[0], micro_rows)]
+        before = {name: len(keys) for name, keys in seen.items()}
+        for table, rows_ids, rows_mask in batches:
+            batch = graphs.static_inputs(rows_ids, rows_mask, width)
+            rows = rows_ids.shape[0]
+            tokens = int(rows_mask.sum())
+            seen["current"].add((table, rows, *batch.key, batch.window))
+            seen["before"].add((table, rows, "packed", bucket(tokens + 1), bucket(width)))
+            if table == "train":
+                head["current"].append(batch.window)
+                head["before"].append(rows * bucket(width))
+                head["scored_tokens"].append(int(batch.inputs["labels"].ne(-100).sum()))
+                layers["current"].append(batch.key[1])
+                layers["before"].append(bucket(tokens + 1))
+                layers["real_tokens"].append(tokens)
+        for name in seen:
+            new_per_step[name].append(len(seen[name]) - before[name])
+    micro_batches = steps * per_step_rows // micro_rows
+    row = {"bench": "graph_shapes", "gpu": "none (a simulation of shapes, no model run)", "shape": shape,
+           "prompt_range": list(prompts), "max_completion_length": cap, "eos_prob": eos_prob, "seed": seed,
+           "steps": steps, "training_micro_batches": micro_batches,
+           "scoring_chunks": steps * -(-per_step_rows // scoring_rows),
+           "layer_tokens_mean": {name: round(statistics.mean(v), 1) for name, v in layers.items()},
+           "head_positions_mean": {name: round(statistics.mean(v), 1) for name, v in head.items()}}
+    for name, news in new_per_step.items():
+        row[name] = {"shapes": len(seen[name]), "captures_by_step": news[:20],
+                     "shapes_after": {n: sum(news[:n]) for n in (6, 20, 100, 500) if n <= steps}}
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--eos_prob", type=float, default=0.01)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=pathlib.Path)
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    for shape in args.shapes:
+        row = with_provenance(simulate(shape, args.steps, args.eos_prob, args.seed))
+        print(json.dumps(row))
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            with args.out.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
