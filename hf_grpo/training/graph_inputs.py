@@ -36,7 +36,8 @@ class StaticBatch(NamedTuple):
 
 # A packed micro-batch's length in four buckets an octave (less than 25% padding), not eight as a padded width: its
 # length is the sum of its rows', which varies more than a rollout's longest row. Simulated over the benchmark's
-# rollouts (bench/graph_shapes.py), that halves the shapes a short run captures at prompts of 64-1024 tokens.
+# rollouts at prompts of 64-1024 tokens (bench/graph_shapes.py), eight an octave met half again as many shapes
+# (47 against 31 in 20 steps) for 5% fewer tokens through the layers.
 PACKED_BUCKETS_PER_OCTAVE = 4
 
 
