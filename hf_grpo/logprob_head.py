@@ -119,7 +119,8 @@ def install_chunked_lm_head(
         if scored_window is not None:
             # Static shapes, for a CUDA graph (hf_grpo.training.graphs): every position of the last
             # ``scored_window`` label columns is scored, the unscored ones zeroed below. Packed (``packed_rows``),
-            # ``labels`` are that window's and ``window_index`` the packed place of the state predicting each.
+            # ``labels`` are ``[1, scored_window]``, the scored tokens gathered (graph_inputs.packed), and
+            # ``window_index`` the packed place of the state predicting each.
             if packed_rows is not None:
                 hidden = padding_free.packed_hidden_states(self, backbone, packed_rows, **kwargs)[0]  # [T, H]
                 scored, targets = hidden[window_index.reshape(-1)], labels
@@ -176,7 +177,8 @@ def install_chunked_lm_head(
             else:
                 result = head_logprobs(chunk_rows)
         logps, entropy = result if return_entropy else (result, None)
-        if scored_window is not None:  # back to TRL's [B, L - 1] layout, zeros where nothing is scored
+        if scored_window is not None:  # padded: back to TRL's [B, L - 1] layout, zeros where nothing is scored
+            # (packed: [1, scored_window], which graph_inputs' spread puts in TRL's layout outside the graph)
             left = 0 if packed_rows is not None else labels.shape[1] - 1 - scored_window
             log_probs = torch.nn.functional.pad(torch.where(mask, logps.view(mask.shape), 0), (left, 0))
             if entropy is not None:
