@@ -40,12 +40,22 @@ def _version(module_name: str) -> str:
 
 @functools.lru_cache(maxsize=None)
 def provenance() -> dict[str, str]:
-    """commit, gpu (the CUDA device's name, or "cpu"), torch, transformers and trl versions."""
+    """commit, gpu (the CUDA device's name, or "cpu"), torch, transformers and trl versions, and ``bytecode``."""
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     return {"commit": current_commit(), "gpu": gpu, "torch": torch.__version__,
-            "transformers": _version("transformers"), "trl": _version("trl")}
+            "transformers": _version("transformers"), "trl": _version("trl"), "bytecode": bytecode()}
+
+
+def bytecode() -> str:
+    """How this process's imports find compiled bytecode: a cold start that compiles torch's sources at every
+    import (PYTHONDONTWRITEBYTECODE and no cached bytecode) pays seconds a pip-installed machine does not."""
+    import sys
+
+    if sys.pycache_prefix:
+        return f"cached under {sys.pycache_prefix}"
+    return "not written (PYTHONDONTWRITEBYTECODE)" if sys.flags.dont_write_bytecode else "written beside the sources"
 
 
 def with_provenance(record: dict) -> dict:

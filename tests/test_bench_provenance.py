@@ -3,6 +3,7 @@
 import pathlib
 import shutil
 import subprocess
+import sys
 
 import torch
 import trl
@@ -23,9 +24,21 @@ def test_a_row_gets_the_checkouts_commit_and_versions_and_keeps_its_own_fields(m
     expected_commit = head.stdout.strip() if head.returncode == 0 else "unknown"
     row = provenance.with_provenance({"gpu": "the script's own name for it", "seconds": 1.5})
     assert row == {"gpu": "the script's own name for it", "seconds": 1.5, "commit": expected_commit,
-                   "torch": torch.__version__, "transformers": row["transformers"], "trl": trl.__version__}
+                   "torch": torch.__version__, "transformers": row["transformers"], "trl": trl.__version__,
+                   "bytecode": row["bytecode"]}
     assert provenance.with_provenance({})["gpu"] == (torch.cuda.get_device_name(0) if torch.cuda.is_available()
                                                      else "cpu")
+
+
+def test_a_row_says_whether_imports_compiled_sources_so_cold_starts_compare(monkeypatch):
+    """A machine that writes no bytecode compiles torch's sources in every process: seconds of a first step."""
+    provenance = _fresh_provenance(BENCH, "bench_provenance_bytecode")
+    monkeypatch.setattr(sys, "pycache_prefix", "/tmp/pyc")
+    assert provenance.bytecode() == "cached under /tmp/pyc"
+    monkeypatch.setattr(sys, "pycache_prefix", None)
+    expected = ("not written (PYTHONDONTWRITEBYTECODE)" if sys.flags.dont_write_bytecode
+                else "written beside the sources")
+    assert provenance.bytecode() == expected
 
 
 def test_outside_git_the_commit_is_the_environments_or_unknown_never_a_guess(tmp_path, monkeypatch):
