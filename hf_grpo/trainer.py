@@ -53,7 +53,7 @@ from .checks import inputs as checks
 from .checks import output_dirs
 from .config import GRPOConfig
 from .distributed import before_deepspeed_starts, zero3_leaves, zero_resume
-from .generation import GenerationBackend, dense_mirror, resolve_backend
+from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, resolve_backend
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
 from .memory import autosize, token_budget, train_backoff
@@ -64,11 +64,6 @@ from .training.cudnn_attention import cudnn_attention
 logger = logging.getLogger("hf_grpo")
 # Prompts from which the one scan of the training set (tokenized as TRL does) shows a progress bar.
 SCAN_PROGRESS_FROM = 20_000
-
-
-def backend_counts(backend: GenerationBackend) -> dict[str, int]:
-    """The cuda_graph backend's compile and capture counters (zeros for backends without them)."""
-    return {"decode_compiles": getattr(backend, "num_compiles", 0), "graph_captures": getattr(backend, "num_captures", 0)}
 
 
 class _RunCallbacks(TrainerCallback):
@@ -127,6 +122,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         if getattr(config, "_batch_fields_changed", False):
             config.revalidate()  # fields written through config.optimization (the guide's API) are re-checked here
         self._check_inputs(*args, **kwargs)
+        # inductor's compile workers boot while TRL sets up (reference, accelerator, data), not at the first rollout
+        compile_workers.start_early(config.generation_backend, config.use_vllm, config.use_cpu)
         super().__init__(*args, **kwargs)
         checks.check_reward_outputs(self)
         token_budget.check_trainer(self)

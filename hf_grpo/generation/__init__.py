@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import GenerationBackend, cut_after_eos, iter_chunks, left_pad, model_device, padded_length
+from .base import GenerationBackend, backend_counts, cut_after_eos, iter_chunks, left_pad, model_device, padded_length
 from .hf import HFGenerateBackend
 
 BACKEND_NAMES = ("auto", "hf", "cuda_graph", "vllm")
@@ -37,6 +37,7 @@ def resolve_backend(name: str, model: torch.nn.Module) -> tuple[GenerationBacken
 __all__ = [
     "BACKEND_NAMES",
     "GenerationBackend",
+    "backend_counts",
     "HFGenerateBackend",
     "cut_after_eos",
     "iter_chunks",

@@ -109,3 +109,9 @@ def cut_after_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) ->
     # Position of the first EOS per row, or T when the row has none.
     first_eos = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), torch.full_like(ids[:, 0], ids.size(1)))
     return [row[: end + 1] for row, end in zip(ids.tolist(), first_eos.tolist())]
+
+
+def backend_counts(backend: GenerationBackend) -> dict[str, int]:
+    """The cuda_graph backend's compile and capture counters (zeros for backends without them)."""
+    return {"decode_compiles": getattr(backend, "num_compiles", 0),
+            "graph_captures": getattr(backend, "num_captures", 0)}
