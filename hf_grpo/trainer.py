@@ -123,7 +123,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             config.revalidate()  # fields written through config.optimization (the guide's API) are re-checked here
         self._check_inputs(*args, **kwargs)
         # inductor's compile workers boot while TRL sets up (reference, accelerator, data), not at the first rollout
-        compile_workers.start_early(config.generation_backend, config.use_vllm, config.use_cpu)
+        compile_workers.start_early(config, kwargs.get("model", args[0] if args else None))
         super().__init__(*args, **kwargs)
         checks.check_reward_outputs(self)
         token_budget.check_trainer(self)

@@ -18,17 +18,25 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def will_compile(generation_backend: str, use_vllm: bool, use_cpu: bool) -> bool:
-    """Whether a run with these settings compiles a decode step: the cuda_graph backend ("auto" picks it on CUDA),
-    on a machine with a CUDA device."""
-    if use_vllm or use_cpu or generation_backend not in ("auto", "cuda_graph"):
+def will_compile(config, model: torch.nn.Module | str | None = None) -> bool:
+    """Whether a run with ``config`` (a ``GRPOConfig``) compiles a decode step: the cuda_graph backend ("auto" picks
+    it on CUDA), on a machine with a CUDA device, for a model of a family it serves (a model given by its path is
+    assumed to be one: its config is not read before TRL loads it)."""
+    if config.use_vllm or config.use_cpu or config.generation_backend not in ("auto", "cuda_graph"):
         return False
-    return torch.cuda.is_available()
+    if not torch.cuda.is_available():
+        return False
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type is not None:
+        from .cuda_graph import SUPPORTED_MODEL_TYPES
+
+        return model_type in SUPPORTED_MODEL_TYPES  # others decode through "hf": idle workers would cost memory
+    return True
 
 
-def start_early(generation_backend: str, use_vllm: bool, use_cpu: bool) -> bool:
+def start_early(config, model: torch.nn.Module | str | None = None) -> bool:
     """Start inductor's compile workers now if the run will compile; True if they were asked to start."""
-    if not will_compile(generation_backend, use_vllm, use_cpu):
+    if not will_compile(config, model):
         return False
     try:
         from torch._inductor.async_compile import maybe_warm_pool

@@ -1,5 +1,7 @@
 """inductor's compile workers start while the trainer is built, only for runs that will compile a decode step."""
 
+import types
+
 import pytest
 import torch
 from datasets import Dataset
@@ -8,6 +10,16 @@ from torch._inductor import async_compile
 from hf_grpo import GRPOConfig, GRPOTrainer
 from hf_grpo.generation import compile_workers
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
+
+TOKENIZER = build_char_tokenizer()
+
+
+def settings(generation_backend="auto", use_vllm=False, use_cpu=False):
+    return types.SimpleNamespace(generation_backend=generation_backend, use_vllm=use_vllm, use_cpu=use_cpu)
+
+
+def model_of_type(model_type):
+    return types.SimpleNamespace(config=types.SimpleNamespace(model_type=model_type))
 
 
 @pytest.fixture
@@ -19,34 +31,31 @@ def started(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["auto", "cuda_graph"])
-def test_a_run_that_will_compile_on_a_gpu_starts_the_workers_once(monkeypatch, started, backend):
+@pytest.mark.parametrize("model", [None, "path/to/a/checkpoint", model_of_type("qwen2")])
+def test_a_run_that_will_compile_on_a_gpu_starts_the_workers_once(monkeypatch, started, backend, model):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert compile_workers.start_early(backend, use_vllm=False, use_cpu=False)
+    assert compile_workers.start_early(settings(backend), model)
     assert started == ["warm"]
 
 
 @pytest.mark.parametrize(
-    "backend, use_vllm, use_cpu, cuda",
-    [("hf", False, False, True), ("auto", True, False, True), ("vllm", True, False, True),
-     ("auto", False, True, True), ("auto", False, False, False), ("cuda_graph", False, False, False)],
+    "config, cuda, model",
+    [(settings("hf"), True, None), (settings(use_vllm=True), True, None), (settings("vllm", use_vllm=True), True, None),
+     (settings(use_cpu=True), True, None), (settings(), False, None), (settings("cuda_graph"), False, None),
+     (settings(), True, model_of_type("gpt2"))],  # a family the cuda_graph backend does not serve
 )
-def test_a_run_that_will_not_compile_starts_no_process(monkeypatch, started, backend, use_vllm, use_cpu, cuda):
+def test_a_run_that_will_not_compile_starts_no_process(monkeypatch, started, config, cuda, model):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    assert not compile_workers.start_early(backend, use_vllm=use_vllm, use_cpu=use_cpu)
+    assert not compile_workers.start_early(config, model)
     assert started == []
 
 
-def test_the_trainer_asks_for_them_with_its_own_settings_before_trl_sets_up(monkeypatch, tmp_path):
+def test_the_trainer_asks_with_its_config_and_model_before_trl_sets_up(monkeypatch, tmp_path):
     asked = []
-
-    def record(*settings):
-        asked.append(settings)
-        return False
-
-    monkeypatch.setattr(compile_workers, "start_early", record)
-    tokenizer = build_char_tokenizer()
+    monkeypatch.setattr(compile_workers, "start_early", lambda config, model: asked.append((config, model)))
     args = GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1, num_generations=4,
                       per_device_train_batch_size=4, max_completion_length=4, generation_backend="cuda_graph")
-    GRPOTrainer(model=build_tiny_model(tokenizer, seed=0), reward_funcs=lambda completions, **_: [0.0] * len(completions),
-                args=args, train_dataset=Dataset.from_dict({"prompt": ["ab>"] * 8}), processing_class=tokenizer)
-    assert asked == [("cuda_graph", False, True)]
+    model = build_tiny_model(TOKENIZER, seed=0)
+    GRPOTrainer(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+                train_dataset=Dataset.from_dict({"prompt": ["ab>"] * 8}), processing_class=TOKENIZER)
+    assert asked == [(args, model)]
