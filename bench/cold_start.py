@@ -13,8 +13,8 @@ TRL's sampling settings), split by stage:
 
 Then the same call again in the same process (``second_call_s``: a capture, no compile, as after every
 ``release()``) and warm (``warm_call_s``: graph kept). ``--profile FILE`` writes a cProfile of the first call,
-the functions by cumulative time. Run it twice with the same ``TORCHINDUCTOR_CACHE_DIR`` to see a second
-run's first call (warm compile cache). Prints one JSON object; ``--out FILE`` appends it.
+the functions by cumulative time. Run it twice with the same ``--compile-cache-dir`` to see a second run's first
+call (warm compile cache). Prints one JSON object; ``--out FILE`` appends it.
 
     python bench/cold_start.py --shape 0.5b --batch 32 --min-prompt 32 --max-prompt 384 --completion-len 256
 """
@@ -85,6 +85,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-prompt", type=int, default=384)
     parser.add_argument("--completion-len", type=int, default=256)
     parser.add_argument("--compile", choices=["on", "off"], default="on")
+    parser.add_argument("--compile-cache-dir", default=None,
+                        help="torch's compile cache for this process (TORCHINDUCTOR_CACHE_DIR): a new folder is a cold "
+                             "cache, one an earlier process filled a warm one")
     parser.add_argument("--warm-pool-before", type=float, default=0.0,
                         help="start inductor's compile workers this many seconds before the first call (0: torch's "
                              "own timing, at the first compile)")
@@ -94,6 +97,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("cold_start needs a CUDA device")
+    if args.compile_cache_dir:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.compile_cache_dir  # read by inductor when it first compiles
 
     from rollout import EOS, PAD, VOCAB, build_model, build_tokenizer, trl_like_generation_config
 

@@ -397,6 +397,21 @@ def sets_a_variable_for_the_launch(doc: Documented, tmp: pathlib.Path) -> None:
     assert result.returncode == 0 and result.stdout.strip() == value, result
 
 
+def compiles_bytecode_under_the_prefix(doc: Documented, tmp: pathlib.Path) -> None:
+    """The folder the command names is the one holding torch, and ``compileall`` with ``PYTHONPYCACHEPREFIX`` set
+    writes the bytecode under the prefix (shown on a one-file folder instead of every installed package)."""
+    inner = re.search(r"python -c '([^']*)'", doc.command).group(1)
+    folder = subprocess.run([sys.executable, "-c", inner], capture_output=True, text=True, check=True).stdout.strip()
+    assert (pathlib.Path(folder) / "torch" / "__init__.py").exists(), folder
+    package = tmp / "package"
+    package.mkdir()
+    (package / "module.py").write_text("VALUE = 1\n")
+    env = {**os.environ, "PYTHONPYCACHEPREFIX": str(tmp / "pyc")}
+    command = doc.command.replace(doc.command[doc.command.index('"$('):], str(package)).split()
+    subprocess.run([sys.executable if word == "python" else word for word in command], env=env, check=True)
+    assert list((tmp / "pyc").rglob("module*.pyc")), sorted((tmp / "pyc").rglob("*"))
+
+
 # ---- the registry ----------------------------------------------------------------------------------
 
 def _verl_yaml(tmp: pathlib.Path) -> None:
@@ -557,6 +572,19 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
         "for impl in trl hf_grpo; do python bench/grpo_realistic.py --impl $impl --shape 0.5b --num_iterations 2 "
         "--max_steps 10 --phases --max_seconds 240 --label \"num_iterations 2, $impl\" "
         "--out bench/results/raw/grpo_ni2.jsonl; done":
+            GPU_BENCHMARK,
+        "export PYTHONPYCACHEPREFIX=/tmp/pyc":
+            NotRun("sets the bytecode folder of the GPU runs that follow", sets_a_variable_for_the_launch),
+        "python -m compileall -q -j 16 \"$(python -c 'import torch, os; "
+        "print(os.path.dirname(os.path.dirname(torch.__file__)))')\"":
+            NotRun("compiles every installed package's bytecode (minutes on two cores); the GPU runs did",
+                   compiles_bytecode_under_the_prefix),
+        'python bench/cold_start.py --compile-cache-dir /tmp/cold1 --label cold --out bench/results/raw/cold_start.jsonl':
+            GPU_BENCHMARK,
+        'python bench/cold_start.py --compile-cache-dir /tmp/cold1 --label warm --out bench/results/raw/cold_start.jsonl':
+            GPU_BENCHMARK,
+        'python bench/cold_start.py --compile-cache-dir /tmp/cold2 --warm-pool-before 6 --label "workers early" '
+        '--out bench/results/raw/cold_start.jsonl':
             GPU_BENCHMARK,
         'python bench/graph_shapes.py --steps 500 --out bench/results/raw/graph_shapes.jsonl':
             NotRun("a CPU simulation of 500 steps (about a minute); test_training_graphs.py runs it for 6 steps",
