@@ -39,6 +39,10 @@ for name in ("torch", "transformers", "trl", "datasets", "accelerate", "pyarrow"
         print(f"{name} {importlib.import_module(name).__version__}", end="; ")
     except Exception as err:  # noqa: BLE001
         print(f"{name} MISSING ({type(err).__name__}: {err})", end="; ")
+import sys
+if sys.flags.dont_write_bytecode and not sys.pycache_prefix:
+    print("\nnote: this Python writes no bytecode (PYTHONDONTWRITEBYTECODE): every run compiles torch's sources as it "
+          "imports them, seconds of its first step that a pip install does not pay; see bench/README.md", flush=True)
 try:
     import torch
     print("gpu:", torch.cuda.get_device_name() if torch.cuda.is_available() else None, flush=True)
