@@ -332,7 +332,8 @@ def test_a_failed_capture_mid_step_keeps_the_steps_gradients_and_lets_go_of_the_
     for param, grad in zip(graphs.params, accumulated):
         torch.testing.assert_close(param.grad, grad)  # the step's gradients so far, kept
     # the micro-batch goes on eagerly (TRL's path) and adds to them
-    loss = score(*graph_inputs.padded(second[0], second[1], 9, pad_token_id=0)[1:3])[0].sum()
+    padded = graph_inputs.padded(second[0], second[1], 9, pad_token_id=0)
+    loss = score(padded.inputs, padded.window)[0].sum()
     eager = torch.autograd.grad(loss, graphs.params, retain_graph=True, allow_unused=True)
     loss.backward()
     for param, grad, added in zip(graphs.params, accumulated, eager):
@@ -500,7 +501,8 @@ def test_later_buckets_replay_the_eager_gradients_and_keep_no_memory_of_their_ow
         ids, mask, _ = (t.cuda() for t in batch(4, prompt=prompt, completion=9, seed=prompt))
         weights = torch.arange(1.0, 5.0, device="cuda").unsqueeze(1)
         model.zero_grad(set_to_none=True)
-        expected = score(*graph_inputs.padded(ids, mask, 9, pad_token_id=0)[1:3])[0][:, :9]
+        padded = graph_inputs.padded(ids, mask, 9, pad_token_id=0)
+        expected = score(padded.inputs, padded.window)[0][:, :9]
         (expected * weights).sum().backward()
         # (the eager graph goes before the capture: its gradient accumulators belong to the default stream)
         expected, expected_grads = expected.detach(), [p.grad.clone() for p in graphs.params]
