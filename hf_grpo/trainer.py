@@ -19,18 +19,17 @@ Each is thin and calls TRL's own code wherever it can:
 - the policy's and reference's ``forward`` are patched after TRL's ``add_fused_lm_head`` so the
   log-softmax runs ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
 
-Also: ``_prepare_inputs`` (TRL's, calls it and counts the micro-batch's tokens), TRL's
-``_tokenize_prompts`` called once over the training prompts to size the ``cuda_graph`` cache for the
-run (``_longest_prompt``; not with ``environment_factory``, whose prompts only batches can tokenize), and the public
-``training_step`` (time accounting; with ``compile_training`` the decoder layers run compiled inside it,
-``hf_grpo.training.compiled_layers``, lifted again around generation) and ``log`` (``perf/`` figures), transformers'
-``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules: ``hf_grpo.distributed.zero3_leaves``), and ``train``
-(settles "auto" sizes
-first: ``hf_grpo.memory.autosize``; refuses a token budget the longest prompt cannot fit, a fresh run into another run's
-checkpoints (``hf_grpo.checks.output_dirs``) and a ZeRO checkpoint resumed in another launch shape
-(``hf_grpo.distributed.zero_resume``)). ``__init__`` checks the training set, a model path and the reward functions'
-outputs first (``hf_grpo.checks.inputs``). A generation chunk or a
-head chunk that runs out of memory is halved on every rank and retried (``hf_grpo.memory.oom``).
+Also: ``_prepare_inputs`` (TRL's, calls it and counts the micro-batch's tokens), TRL's ``_tokenize_prompts``
+called once over the training prompts to size the ``cuda_graph`` cache for the run (``_longest_prompt``; not with
+``environment_factory``, whose prompts only batches can tokenize), the public ``training_step`` (time accounting;
+with ``compile_training`` the decoder layers run compiled inside it, ``hf_grpo.training.compiled_layers``, lifted
+again around generation) and ``log`` (``perf/`` figures), transformers' ``create_accelerator_and_postprocess``
+(ZeRO-3 leaf modules: ``hf_grpo.distributed.zero3_leaves``), and ``train`` (settles
+"auto" sizes first: ``hf_grpo.memory.autosize``; refuses a token budget the longest prompt cannot fit, a fresh run
+into another run's checkpoints (``hf_grpo.checks.output_dirs``) and a ZeRO checkpoint resumed in another launch
+shape (``hf_grpo.distributed.zero_resume``)). ``__init__`` checks the training set, a model path and the reward
+functions' outputs first (``hf_grpo.checks.inputs``). A generation chunk or a head chunk that runs out of memory
+is halved on every rank and retried (``hf_grpo.memory.oom``).
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ from typing import Any
 import torch
 import trl
 from tqdm.auto import tqdm
-from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
 from .training import compiled_layers as training_compile, graphs as training_graphs
@@ -59,47 +57,12 @@ from .logprob_head import install_chunked_lm_head
 from .memory import autosize, token_budget, train_backoff
 from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
 from .memory.stats import PerformanceStats
+from .run_callbacks import RunCallbacks
 from .training.cudnn_attention import cudnn_attention
 
 logger = logging.getLogger("hf_grpo")
 # Prompts from which the one scan of the training set (tokenized as TRL does) shows a progress bar.
 SCAN_PROGRESS_FROM = 20_000
-
-
-class _RunCallbacks(TrainerCallback):
-    """Logs the batch plan at train start; times whole optimizer steps and the optimizer itself."""
-
-    def __init__(self, trainer: GRPOTrainer):
-        self.trainer = trainer
-        self._optimizer_start = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        self.trainer._train_layers = self.trainer._compiled_training_layers(state.max_steps)
-        self.trainer._align_lengths_for_compiled_layers()
-        self.trainer._train_graphs = training_graphs.start(self.trainer)
-        self.trainer._generation_mirror()  # decided on every rank before the plan is printed
-        if state.is_world_process_zero:
-            plan = self.trainer.batch_plan()
-            logger.info("hf-grpo batch plan (world size %d):\n%s", plan.world_size, plan)
-
-    def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer.perf.sync()
-        self._optimizer_start = time.perf_counter()
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        if self._optimizer_start is not None:
-            self.trainer.perf.sync()
-            self.trainer.perf.add("optimizer_s", time.perf_counter() - self._optimizer_start)
-            self._optimizer_start = None
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        self.trainer.perf.sync()
-        self._step_start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.trainer.perf.sync()
-        self.trainer.perf.add("step_s", time.perf_counter() - self._step_start)
-        self.trainer.perf.add("optimizer_steps", 1)
 
 
 class GRPOTrainer(trl.GRPOTrainer):
@@ -150,7 +113,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             install_chunked_lm_head(reference, return_entropy=False, **head)
         self._train_layers: training_compile.CompiledTrainingLayers | None = None  # decided at train begin
         self._train_graphs: training_graphs.TrainingGraphs | None = None  # likewise
-        self.add_callback(_RunCallbacks(self))
+        self.add_callback(RunCallbacks(self))
         self.add_callback(autosize.SaveSizesCallback())
 
     # ---- public ------------------------------------------------------------------------
