@@ -24,7 +24,8 @@ called once over the training prompts to size the ``cuda_graph`` cache for the r
 ``environment_factory``, whose prompts only batches can tokenize), the public ``training_step`` (time accounting;
 with ``compile_training`` the decoder layers run compiled inside it, ``hf_grpo.training.compiled_layers``, lifted
 again around generation) and ``log`` (``perf/`` figures), transformers' ``create_accelerator_and_postprocess``
-(ZeRO-3 leaf modules: ``hf_grpo.distributed.zero3_leaves``), and ``train`` (settles
+(ZeRO-3 leaf modules: ``hf_grpo.distributed.zero3_leaves``) and ``_save_rng_state`` (every rank's random state
+written before rank 0 marks a checkpoint complete: ``hf_grpo.distributed.rng_files``), and ``train`` (settles
 "auto" sizes first: ``hf_grpo.memory.autosize``; refuses a token budget the longest prompt cannot fit, a fresh run
 into another run's checkpoints (``hf_grpo.checks.output_dirs``) and a ZeRO checkpoint resumed in another launch
 shape (``hf_grpo.distributed.zero_resume``)). ``__init__`` checks the training set, a model path and the reward
@@ -50,7 +51,7 @@ from .training import compiled_layers as training_compile, graphs as training_gr
 from .checks import inputs as checks
 from .checks import output_dirs
 from .config import GRPOConfig
-from .distributed import before_deepspeed_starts, zero3_leaves, zero_resume
+from .distributed import before_deepspeed_starts, rng_files, zero3_leaves, zero_resume
 from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, resolve_backend
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
@@ -162,12 +163,17 @@ class GRPOTrainer(trl.GRPOTrainer):
             # "auto" sizes are settled before TRL and transformers size the dataloader and the accumulation
             checkpoint = autosize.checkpoint_dir(resume_from_checkpoint, self.args.output_dir)
             zero_resume.check_resume_shape(checkpoint, self.accelerator.num_processes, self.is_deepspeed_enabled)
+            rng_files.warn_if_missing(checkpoint, self.args.world_size, self.args.process_index)
             if autosize.resolve_auto_sizes(self, checkpoint):
                 self.perf = PerformanceStats(self.accelerator.device)  # the probes are not part of the run's figures
             if self._train_backoff is None and self.accelerator.is_main_process:
                 logger.info("an out-of-memory in a training micro-batch will end the run (no retry: %s)",
                             self._train_backoff_unavailable)
             return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _save_rng_state(self, output_dir):
+        super()._save_rng_state(output_dir)
+        rng_files.wait_for_every_rank(self.accelerator)  # before rank 0 marks the checkpoint complete
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         inner_before = self.perf.total("generation_s") + self.perf.total("reward_s")

@@ -34,6 +34,7 @@ RECORDED = {
                                           "spatial_shapes=None, num_tiles=None, image_sizes=None, "
                                           "token_type_ids=None, mm_token_type_ids=None, image_position_ids=None)",
     "_prepare_inputs": "(self, generation_batch)",
+    "_save_rng_state": "(self, output_dir)",  # transformers' Trainer's (transformers 5.24)
     "_tokenize_prompts": "(self, prompts)",
     "compute_loss": "(self, model, inputs, return_outputs=False, num_items_in_batch=None)",
     "create_accelerator_and_postprocess": "(self)",
