@@ -69,8 +69,8 @@ def test_the_static_window_head_scores_as_the_masked_head():
     torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(got[1], expected[1], rtol=1e-6, atol=1e-7)
     assert (got[0][labels[:, 1:] == -100] == 0).all()
-    for name, grad in expected[2].items():
-        torch.testing.assert_close(got[2][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+    for name, grad in expected[2].items():  # summed in another order: fp32 rounding, to a millionth of the largest
+        torch.testing.assert_close(got[2][name], grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()), msg=name)
 
 
 def test_the_static_window_heads_chunks_stay_small_whatever_tensor_batch_size_asks(monkeypatch):
