@@ -7,10 +7,18 @@ EOS with probability ``--eos_prob`` a token, capped) and runs TRL's batching (32
 4 training micro-batches of 8; the reference scored 16 rows at a time, unshuffled) through the trainer's own
 ``TrainingGraphs.static_inputs``. No GPU and no model run: only shapes are counted.
 
-For each micro-batch it records the packed layout's key as the graphs use it (packed length in four buckets an
-octave, scored width) and, for comparison, the key the packed layout had before (packed length in eight buckets an
-octave, the bucket of the rollout's longest completion, whose every position the head scored), with the tokens
-the layers and the head run over in each.
+For each micro-batch it records the shape the graphs replay it in, with the tokens the layers and the head run
+over, in three layouts:
+
+* ``current``: the trainer's (packed length in four buckets an octave, scored width), a new shape's first
+  micro-batches replayed in a captured larger one (``hf_grpo.training.shape_reuse``, as ``--reuse_sightings`` and
+  ``--reuse_extra_work`` set it; the LM head weighed as in Qwen2.5 of the shape's size);
+* ``no_reuse``: the same, every new shape captured at its first micro-batch;
+* ``before``: packed length in eight buckets an octave and the bucket of the rollout's longest completion, whose
+  every position the head scored (the layout until ``3ea29c3``).
+
+``captures`` counts the shapes captured; ``work_mean`` is the layers' tokens plus the head's weighed positions
+per training micro-batch (``ShapeReuse.work``), against the micro-batch's own shape's.
 
     python bench/graph_shapes.py --steps 500 --out bench/results/raw/graph_shapes.jsonl
 """
@@ -32,10 +40,11 @@ from provenance import with_provenance  # noqa: E402
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from hf_grpo.training.graph_inputs import bucket  # noqa: E402
 from hf_grpo.training.graphs import TrainingGraphs  # noqa: E402
+from hf_grpo.training.shape_reuse import MAX_EXTRA_WORK, SIGHTINGS, Shape, ShapeReuse  # noqa: E402
 
-SHAPES = {  # grpo_realistic.py's two shapes: prompt token range, max_completion_length
-    "0.5b": ((32, 384), 256),
-    "1.5b": ((64, 1024), 512),
+SHAPES = {  # grpo_realistic.py's two shapes: prompt token range, max_completion_length, and the model's head_share
+    "0.5b": ((32, 384), 256, 0.38),  # Qwen2.5-0.5B: a 896 x 151,936 head over 358M weights in its layers
+    "1.5b": ((64, 1024), 512, 0.18),  # Qwen2.5-1.5B: 1,536 x 151,936 over 1.31B
 }
 
 
@@ -58,15 +67,17 @@ def rollout(rng: random.Random, prompts: tuple[int, int], cap: int, eos_prob: fl
 
 
 def simulate(shape: str, steps: int, eos_prob: float, seed: int, per_step_rows: int = 32, micro_rows: int = 8,
-             scoring_rows: int = 16):
+             scoring_rows: int = 16, sightings: int = SIGHTINGS, extra_work: float = MAX_EXTRA_WORK):
     rng = random.Random(seed)
     model = build_tiny_model(build_char_tokenizer())  # only its config is read (no sliding window)
-    graphs = TrainingGraphs(model, pad_token_id=0, packed=True)
-    prompts, cap = SHAPES[shape]
-    seen = {"current": set(), "before": set()}
+    prompts, cap, head_share = SHAPES[shape]
+    reuse = ShapeReuse(head_share, sightings, extra_work)
+    graphs = TrainingGraphs(model, pad_token_id=0, packed=True, reuse=reuse)
+    seen = {"current": set(), "no_reuse": set(), "before": set()}
     new_per_step = {name: [] for name in seen}
-    head = {"current": [], "before": [], "scored_tokens": []}
-    layers = {"current": [], "before": [], "real_tokens": []}
+    head = {"current": [], "no_reuse": [], "before": [], "scored_tokens": []}
+    layers = {"current": [], "no_reuse": [], "before": [], "real_tokens": []}
+    work = {"current": [], "no_reuse": []}
     for _ in range(steps):
         ids, mask, width = rollout(rng, prompts, cap, eos_prob, num_prompts=per_step_rows // 8)
         order = list(range(ids.shape[0]))
@@ -77,24 +88,35 @@ def simulate(shape: str, steps: int, eos_prob: float, seed: int, per_step_rows: 
                     for s in range(0, ids.shape[0], micro_rows)]
         before = {name: len(keys) for name, keys in seen.items()}
         for table, rows_ids, rows_mask in batches:
-            batch = graphs.static_inputs(rows_ids, rows_mask, width)
             rows = rows_ids.shape[0]
+            # as the trainer replays it: its own shape, or a captured larger one of its table (TrainingGraphs._fit)
+            captured = [key[1] for key in seen["current"] if key[0] == table]
+            batch = graphs.static_inputs(rows_ids, rows_mask, width, graphs._fit(table, rows, False, lambda: captured))
+            own = graphs.static_inputs(rows_ids, rows_mask, width)
             tokens = int(rows_mask.sum())
-            seen["current"].add((table, rows, *batch.key, batch.window))
+            replayed, natural = Shape(rows, *batch.key, batch.window, False), Shape(rows, *own.key, own.window, False)
+            seen["current"].add((table, replayed))
+            seen["no_reuse"].add((table, natural))
             seen["before"].add((table, rows, "packed", bucket(tokens + 1), bucket(width)))
             if table == "train":
                 head["current"].append(batch.window)
+                head["no_reuse"].append(own.window)
                 head["before"].append(rows * bucket(width))
                 head["scored_tokens"].append(int(batch.inputs["labels"].ne(-100).sum()))
                 layers["current"].append(batch.key[1])
+                layers["no_reuse"].append(own.key[1])
                 layers["before"].append(bucket(tokens + 1))
                 layers["real_tokens"].append(tokens)
+                work["current"].append(reuse.work(replayed))
+                work["no_reuse"].append(reuse.work(natural))
         for name in seen:
             new_per_step[name].append(len(seen[name]) - before[name])
     micro_batches = steps * per_step_rows // micro_rows
     row = {"bench": "graph_shapes", "gpu": "none (a simulation of shapes, no model run)", "shape": shape,
            "prompt_range": list(prompts), "max_completion_length": cap, "eos_prob": eos_prob, "seed": seed,
-           "steps": steps, "training_micro_batches": micro_batches,
+           "head_share": head_share, "reuse_sightings": sightings, "reuse_extra_work": extra_work,
+           "steps": steps, "training_micro_batches": micro_batches, "reused": reuse.reused,
+           "work_mean": {name: round(statistics.mean(v), 1) for name, v in work.items()},
            "scoring_chunks": steps * -(-per_step_rows // scoring_rows),
            "layer_tokens_mean": {name: round(statistics.mean(v), 1) for name, v in layers.items()},
            "head_positions_mean": {name: round(statistics.mean(v), 1) for name, v in head.items()}}
@@ -110,12 +132,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--eos_prob", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reuse_sightings", type=int, default=SIGHTINGS,
+                        help="micro-batches of a new shape replayed in a captured larger one before it is captured")
+    parser.add_argument("--reuse_extra_work", type=float, default=MAX_EXTRA_WORK,
+                        help="the most extra work (a share of the micro-batch's own) a larger shape may cost")
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
+    if args.reuse_sightings < 0 or args.reuse_extra_work < 0:
+        parser.error(f"--reuse_sightings and --reuse_extra_work must be at least 0, got {args.reuse_sightings} "
+                     f"and {args.reuse_extra_work}")
     for shape in args.shapes:
-        row = with_provenance(simulate(shape, args.steps, args.eos_prob, args.seed))
+        row = with_provenance(simulate(shape, args.steps, args.eos_prob, args.seed, sightings=args.reuse_sightings,
+                                       extra_work=args.reuse_extra_work))
         print(json.dumps(row))
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)

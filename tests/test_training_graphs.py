@@ -11,7 +11,7 @@ import torch
 from hf_grpo.config import set_checkpointing
 from hf_grpo.logprob_head import install_chunked_lm_head
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
-from hf_grpo.training import graph_inputs
+from hf_grpo.training import graph_buckets, graph_inputs
 from hf_grpo.training import graphs as training_graphs
 
 from project_files import load_bench
@@ -153,11 +153,13 @@ def test_a_packed_shape_does_not_follow_the_rollouts_longest_completion():
 def test_over_real_rollout_lengths_packed_micro_batches_meet_fewer_shapes_and_score_fewer_positions(capsys):
     # bench/graph_shapes.py runs the trainer's own static_inputs over six rollouts of the 1.5B benchmark's lengths
     # (prompts of 64-1024 tokens): against the layout before (eight length buckets an octave, the rollout's
-    # completion window scored whole), fewer shapes to capture, and a head that scores fewer positions.
+    # completion window scored whole), fewer shapes to capture, and a head that scores fewer positions; fewer
+    # still where new shapes replay a captured larger one first (shape_reuse).
     load_bench("graph_shapes").main(["--shapes", "1.5b", "--steps", "6"])
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert sum(row["current"]["captures_by_step"]) == row["current"]["shapes"]
-    assert row["current"]["shapes"] < row["before"]["shapes"]
+    assert row["current"]["shapes"] < row["no_reuse"]["shapes"] < row["before"]["shapes"]
+    assert row["reused"] > 0 and row["work_mean"]["current"] > row["work_mean"]["no_reuse"]  # what reuse costs
     head = row["head_positions_mean"]
     assert head["scored_tokens"] <= head["current"] < head["before"]
 
@@ -408,8 +410,8 @@ def test_a_grpo_run_through_the_replay_path_updates_as_eager_on_a_cpu(tmp_path, 
     run = dict(use_cpu=True, num_iterations=num_iterations, padding_free=padding_free)
     _, eager_params, eager = grpo_run(tmp_path, checkpoint, "off", lora, **run)
     replayed = []
-    replay = training_graphs._Replay.apply
-    monkeypatch.setattr(training_graphs._Replay, "apply", lambda *a: replayed.append(1) or replay(*a))
+    replay = graph_buckets.Replay.apply
+    monkeypatch.setattr(graph_buckets.Replay, "apply", lambda *a: replayed.append(1) or replay(*a))
     _, graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", lora, **run)
     graphs = trainer._train_graphs
     assert eager._train_graphs is None and graphs is not None and graphs.failure is None
@@ -553,11 +555,16 @@ def test_the_rollouts_scoring_is_done_in_the_replayed_shapes_so_bf16_gives_the_s
     score = windowed_score(model)
 
     graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, recorder=EagerRecorder())
+
+    def eager(rows_ids, rows_mask, width):  # the same static form, run eagerly
+        static = graphs.static_inputs(rows_ids, rows_mask, width)
+        return static.spread(score(static.inputs, static.window)[0]), None
+
     with torch.no_grad():
-        reference, _ = training_graphs.chunked_scoring(score, graphs.static_inputs, ids, mask, 9, rows=8)
+        reference, _ = training_graphs.chunked_scoring(eager, ids, mask, 9, rows=8)
         # as the trainer scores the rollout: through a forward-only graph of the same bucket
-        replayed_reference, _ = training_graphs.chunked_scoring(graphs.scorer(score, model, False),
-                                                                graphs.static_inputs, ids, mask, 9, rows=8)
+        replayed_reference, _ = training_graphs.chunked_scoring(graphs.scorer(score, model, False), ids, mask, 9,
+                                                                rows=8)
     assert torch.equal(replayed_reference, reference)
     for start in (0, 4):  # two training micro-batches of 4 rows
         replayed, _ = graphs.logps(score, ids[start:start + 4], mask[start:start + 4], 9, compute_entropy=False)

@@ -11,7 +11,8 @@ from contextlib import contextmanager
 import torch
 
 PHASES = ("generation", "reward", "logprob", "optimizer")
-COUNTS = ("decode_compiles", "graph_captures", "train_compiles", "train_graph_captures", "oom_backoffs")
+COUNTS = ("decode_compiles", "graph_captures", "train_compiles", "train_graph_captures", "train_graph_reuses",
+          "oom_backoffs")
 
 
 def peak_memory_gib(device: torch.device | None = None) -> float:

@@ -1,8 +1,9 @@
 """The training half of a step: how a micro-batch's forward and backward run once TRL hands it over.
 
 ``padding_free`` packs a micro-batch's rows into one sequence (variable-length attention, per-row positions),
-``graph_inputs`` brings it to the static shape of a bucket, ``graphs`` replays its forward and backward (and the
-rollout's reference and old-policy scoring) from CUDA graphs through ``cuda_graph_recorder``, ``compiled_layers``
+``graph_inputs`` brings it to the static shape of a bucket (``shape_reuse``: a new shape's first micro-batches in a
+captured larger one), ``graphs`` replays its forward and backward (and the rollout's reference and old-policy
+scoring) from CUDA graphs (``graph_buckets``) through ``cuda_graph_recorder``, ``compiled_layers``
 compiles one decoder layer for every layer, ``cudnn_attention`` keeps cuDNN's attention out of training.
 
 May import: ``hf_grpo.generation`` (the compiled-layer and weight-signature helpers the decoder shares), torch,

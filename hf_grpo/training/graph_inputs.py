@@ -76,23 +76,21 @@ def scored_width(scored: int) -> int:
     return max(64, 1 << max(scored - 1, 0).bit_length())
 
 
-def packed(model: torch.nn.Module, input_ids, attention_mask, completion_width: int,
-           pad_token_id: int) -> StaticBatch | None:
+def packed(model: torch.nn.Module, input_ids, attention_mask, completion_width: int, pad_token_id: int,
+           fit: Callable[[int, int], tuple[int, int]] | None = None) -> StaticBatch | None:
     """The micro-batch's rows packed into one sequence of a bucketed length; None where the rows cannot be packed
     for ``model`` (a row's tokens not one run, an empty row, a row longer than the model's attention window:
     ``padding_free.packable``), which then go padded. Two device-to-host copies: the row lengths, the number of
-    scored tokens."""
+    scored tokens. ``fit(length, window)`` may give a larger packed length and scored width to build instead
+    (those of a captured graph: ``hf_grpo.training.shape_reuse``)."""
     rows = padding_free.pack_rows(input_ids, attention_mask)
     if rows is None or not padding_free.packable(model, rows):
         return None
     tokens = rows.tokens
     length = bucket(tokens + 1, PACKED_BUCKETS_PER_OCTAVE)  # at least one padding token: a padding row, never empty
-    ids = torch.nn.functional.pad(rows.input_ids, (0, length - tokens), value=pad_token_id)
-    positions = torch.cat([rows.position_ids[0], torch.arange(length - tokens, device=ids.device)]).unsqueeze(0)
-    ends = torch.tensor([length], dtype=torch.int32)
-    # Label column j of the completion is predicted by the state of the token before it.
     first = input_ids.shape[1] - completion_width
-    before = torch.arange(first - 1, first - 1 + completion_width, device=ids.device)
+    before = torch.arange(first - 1, first - 1 + completion_width, device=input_ids.device)
+    # Label column j of the completion is predicted by the state of the token before it.
     labels = input_ids[:, first:].masked_fill(attention_mask[:, first:] == 0, -100)
     if first == 0:  # no prompt columns: the first completion token has no state before it
         before, labels[:, 0] = before.clamp(min=0), -100
@@ -101,6 +99,15 @@ def packed(model: torch.nn.Module, input_ids, attention_mask, completion_width: 
     row_of, column_of = (labels != -100).nonzero(as_tuple=True)
     scored = row_of.numel()
     window = scored_width(scored)
+    if fit is not None:
+        natural = length, window
+        length, window = fit(length, window)
+        if length < natural[0] or window < natural[1]:
+            raise ValueError(f"a packed micro-batch of length {natural[0]} and scored width {natural[1]} cannot "
+                             f"be built at length {length} and width {window}: both must be at least its own")
+    ids = torch.nn.functional.pad(rows.input_ids, (0, length - tokens), value=pad_token_id)
+    positions = torch.cat([rows.position_ids[0], torch.arange(length - tokens, device=ids.device)]).unsqueeze(0)
+    ends = torch.tensor([length], dtype=torch.int32)
     # (the slots past the scored tokens read packed position 0 and are not scored: label -100)
     places = torch.nn.functional.pad(rows.index[row_of, before[column_of]], (0, window - scored))
     inputs = {

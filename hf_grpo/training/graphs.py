@@ -1,25 +1,24 @@
 """The training micro-batch's forward and backward replayed from CUDA graphs, one pair per shape bucket.
 
-At 0.5B on an H200 the training half of a GRPO step is bound by the host (``docs/performance.md``): most of a
-micro-batch's time is Python and kernel launches, eager or compiled. A CUDA graph launches the whole forward (or
-backward, activation checkpointing's recompute included) as one unit. Measured on one micro-batch of 8 rows x
-640 tokens with checkpointing (``bench/training_graph_probe.py``): 133-150 ms eager, 67 ms replayed; 55 ms
-compiled, 44 ms compiled and replayed. A capture costs a fraction of a second, not a compile.
+At 0.5B on an H200 the training half of a step is bound by the host (``docs/performance.md``): a CUDA graph
+launches a whole forward or backward (checkpointing's recompute included) as one unit. One micro-batch of 8 x 640
+tokens (``bench/training_graph_probe.py``): 133-150 ms eager, 67 ms replayed, 44 ms compiled and replayed.
 
 How (``training_cuda_graphs``, "auto" by default):
 
 * A micro-batch is brought to a static shape (``graph_inputs``): padded to a bucket, or with ``padding_free`` its
   rows packed into one sequence of a bucketed length, with the row bounds in a device tensor. Each (rows, layout,
-  scored width) gets one forward graph and one backward graph, captured at its first micro-batch on a side
-  stream (after an eager warm-up pass for the run's first capture, and for every bucket's with compiled layers:
-  ``WARMUP_PASSES``), with the random stream restored after.
+  length, scored width) gets one forward graph and one backward graph, captured on a side stream (after an eager
+  warm-up pass for the run's first capture, and for every bucket's with compiled layers: ``WARMUP_PASSES``), with
+  the random stream restored after: at its first micro-batch, or, packed, after its first few where a captured
+  larger shape fits them (``shape_reuse``: most shapes of a short run come once or twice).
 * The forward graph computes the completion's log-probs (and entropies) through the model's chunked head in its
   static-shape form (``scored_window``: a fixed number of positions, unscored ones zeroed), since selecting scored
   tokens by mask has a data-dependent size that a graph cannot hold. Padded, that is the completion window; packed,
   the scored tokens gathered in a power-of-two width. Outside the graph they go back to TRL's layout (``spread``).
 * The rollout's scoring without gradients (reference, old policy) is replayed from forward-only graphs
-  (``scorer``) in the same static shapes and head (``chunked_scoring``): bf16 rounds differently in other shapes,
-  and at equal weights its log-probs must be the training replay's (no KL at the first step).
+  (``scorer``) in the same static forms and head: at equal weights its log-probs must be the training replay's
+  (no KL at the first step).
 * The backward graph accumulates straight into the parameters' ``.grad`` tensors it was captured with
   (``grad_buffers``, allocated once); before each replay those are made the parameters' gradients again
   (adopting what earlier micro-batches accumulated), since the Trainer sets gradients to None after each
@@ -46,8 +45,10 @@ from contextlib import contextmanager
 import torch
 
 from ..generation.static_cache import weights_signature
-from . import graph_inputs, padding_free
+from . import graph_inputs, padding_free, shape_reuse
 from .cuda_graph_recorder import CudaGraphRecorder
+from .graph_buckets import Bucket, Replay
+from .shape_reuse import Shape
 
 logger = logging.getLogger(__name__)
 
@@ -69,17 +70,15 @@ def validate_setting(value: str) -> None:
         raise ValueError(f"training_cuda_graphs must be one of {list(SETTINGS)}, got {value!r}")
 
 
-def chunked_scoring(score: Callable, static_inputs: Callable, input_ids, attention_mask, completion_width: int,
-                    rows: int):
-    """``score`` (see ``replay``) over the batch ``rows`` rows at a time, each chunk in its static form
-    (``static_inputs``, as ``TrainingGraphs.static_inputs``); ``(logps, entropies or None)`` of the completion's
-    ``completion_width`` columns."""
+def chunked_scoring(score_rows: Callable, input_ids, attention_mask, completion_width: int, rows: int):
+    """``score_rows(input_ids, attention_mask, completion_width) -> (logps, entropies or None)`` (as
+    ``TrainingGraphs.scorer``) over the batch ``rows`` rows at a time, concatenated."""
     logps, entropies = [], []
     for start in range(0, input_ids.shape[0], rows):
-        batch = static_inputs(input_ids[start:start + rows], attention_mask[start:start + rows], completion_width)
-        chunk_logps, chunk_entropies = score(batch.inputs, batch.window)
-        logps.append(batch.spread(chunk_logps))
-        entropies.append(None if chunk_entropies is None else batch.spread(chunk_entropies))
+        chunk_logps, chunk_entropies = score_rows(input_ids[start:start + rows], attention_mask[start:start + rows],
+                                                  completion_width)
+        logps.append(chunk_logps)
+        entropies.append(chunk_entropies)
     return torch.cat(logps), (None if entropies[0] is None else torch.cat(entropies))
 
 
@@ -160,14 +159,20 @@ def start(trainer) -> TrainingGraphs | None:
 def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
            compute_aux_loss=False, **model_inputs):
     """TRL's ``_get_per_token_logps_and_entropies`` where the trainer has graphs: a training micro-batch replayed
-    (new captures counted as ``perf/train_graph_captures``), the rollout's no-grad scoring replayed alike; None where
+    (new captures counted as ``perf/train_graph_captures``, micro-batches replayed in a larger captured shape as
+    ``perf/train_graph_reuses``), the rollout's no-grad scoring replayed alike; None where
     it runs as TRL's (no graphs or a failed capture, images, the MoE auxiliary loss, a micro-batch of another model
     or outside training)."""
     graphs = trainer._train_graphs
     if (graphs is None or graphs.failure is not None or compute_aux_loss
             or any(value is not None for value in model_inputs.values())):
         return None
-    autocast, before = trainer.accelerator.autocast, graphs.captures
+    autocast, before = trainer.accelerator.autocast, (graphs.captures, graphs.reuse.reused)
+
+    def counted(result):
+        trainer.perf.add("train_graph_captures", float(graphs.captures - before[0]))
+        trainer.perf.add("train_graph_reuses", float(graphs.reuse.reused - before[1]))
+        return result
 
     def score(inputs, window):  # TRL's labels: only the scored positions (graph_inputs) reach the head
         with autocast():
@@ -177,60 +182,21 @@ def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size
     if batch_size is not None and not torch.is_grad_enabled():
         # The rollout's scoring (reference, old policy): forward-only graphs, in the training graphs' static form
         # and through the same head, so that at equal weights its log-probs are the replayed ones, to the bit.
-        scored = chunked_scoring(graphs.scorer(score, model, compute_entropy), graphs.static_inputs, input_ids,
-                                 attention_mask, logits_to_keep, batch_size)
-        trainer.perf.add("train_graph_captures", float(graphs.captures - before))
-        return (*scored, None)
+        scored = chunked_scoring(graphs.scorer(score, model, compute_entropy), input_ids, attention_mask,
+                                 logits_to_keep, batch_size)
+        return counted((*scored, None))
     if batch_size is not None or model is not graphs.model or not torch.is_grad_enabled() or not model.training:
         return None
     result = graphs.logps(score, input_ids, attention_mask, logits_to_keep, compute_entropy)
-    trainer.perf.add("train_graph_captures", float(graphs.captures - before))
-    return None if result is None else (*result, None)
-
-
-class _Bucket:
-    """The static inputs and outputs, and the two replays, of one shape (rows, layout, scored width)."""
-
-    def __init__(self, inputs: dict[str, torch.Tensor]):
-        self.inputs = {name: value.clone() for name, value in inputs.items()}  # (graph_inputs)
-        self.replay_forward = self.replay_backward = None
-        self.logps = self.entropy = self.grad_logps = None
-
-    def load(self, inputs: dict[str, torch.Tensor]) -> None:
-        """A micro-batch of this bucket into the static inputs the graphs read."""
-        for name, value in inputs.items():
-            self.inputs[name].copy_(value)
-
-
-class _Replay(torch.autograd.Function):
-    """The forward graph's log-probs as an autograd node whose backward replays the backward graph."""
-
-    @staticmethod
-    def forward(ctx, anchor, graphs, entry):
-        entry.replay_forward()
-        ctx.graphs, ctx.entry = graphs, entry
-        entropy = entry.entropy.clone() if entry.entropy is not None else None
-        if entropy is not None:
-            ctx.mark_non_differentiable(entropy)
-        return entry.logps.clone(), entropy
-
-    @staticmethod
-    def backward(ctx, grad_logps, _grad_entropy):
-        entry = ctx.entry
-        if grad_logps is None:
-            entry.grad_logps.zero_()
-        else:
-            entry.grad_logps.copy_(grad_logps)
-        ctx.graphs.adopt_gradients()
-        entry.replay_backward()
-        return None, None, None
+    return counted(None if result is None else (*result, None))
 
 
 class TrainingGraphs:
     """Captured buckets of one model's training forward/backward; ``logps`` runs a micro-batch through them."""
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eager_on_failure: bool = True,
-                 recorder: CudaGraphRecorder | None = None, compiled_layers: bool = False, packed: bool = False):
+                 recorder: CudaGraphRecorder | None = None, compiled_layers: bool = False, packed: bool = False,
+                 reuse: shape_reuse.ShapeReuse | None = None):
         self.model = model
         self.packed = packed  # rows packed into one sequence where they allow it (padding_free), else padded
         self.warmup_passes = WARMUP_PASSES["compiled" if compiled_layers else "eager"]
@@ -240,9 +206,11 @@ class TrainingGraphs:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grad_buffers: list[torch.Tensor] | None = None
         self.captures = 0  # graphs captured over the run, training buckets and scoring (perf/train_graph_captures)
+        # a new packed shape's first micro-batches replayed in a captured larger one (perf/train_graph_reuses)
+        self.reuse = reuse if reuse is not None else shape_reuse.ShapeReuse(shape_reuse.head_share(model))
         self.failure: str | None = None  # why graphs were given up, once they were
-        self._entries: OrderedDict[tuple, _Bucket] = OrderedDict()  # training micro-batches
-        self._scoring: OrderedDict[tuple, _Bucket] = OrderedDict()  # the rollout's scoring, forward only
+        self._entries: OrderedDict[tuple, Bucket] = OrderedDict()  # training micro-batches
+        self._scoring: OrderedDict[tuple, Bucket] = OrderedDict()  # the rollout's scoring, forward only
         self._warmed: set[str] = set()  # the kinds of capture ("train", "score") warmed up once already
         self._signature = None
         self._pool = None
@@ -259,8 +227,10 @@ class TrainingGraphs:
         if signature != self._signature:
             self._entries.clear()  # a moved parameter or a changed forward path: every graph reads stale memory
             self._signature = signature
-        batch = self.static_inputs(input_ids, attention_mask, completion_width)
-        shape = (input_ids.shape[0], *batch.key, batch.window, compute_entropy)
+        rows = input_ids.shape[0]
+        fit = self._fit("train", rows, compute_entropy, lambda: self._entries)
+        batch = self.static_inputs(input_ids, attention_mask, completion_width, fit)
+        shape = Shape(rows, *batch.key, batch.window, compute_entropy)
         entry = self._entries.get(shape)
         if entry is None:
             try:
@@ -271,42 +241,64 @@ class TrainingGraphs:
         else:
             self._entries.move_to_end(shape)
             entry.load(batch.inputs)
-        logps, entropy = _Replay.apply(self._anchor, self, entry)
+        logps, entropy = Replay.apply(self._anchor, self, entry)
         return batch.spread(logps), (batch.spread(entropy) if entropy is not None else None)
 
-    def static_inputs(self, input_ids, attention_mask, completion_width: int) -> graph_inputs.StaticBatch:
-        """A micro-batch in the run's static layout (``graph_inputs``)."""
+    def static_inputs(self, input_ids, attention_mask, completion_width: int,
+                      fit: Callable[[int, int], tuple[int, int]] | None = None) -> graph_inputs.StaticBatch:
+        """A micro-batch in the run's static layout (``graph_inputs``); packed, at the length and scored width
+        ``fit`` gives (see ``graph_inputs.packed``)."""
         if self.packed:
-            packed = graph_inputs.packed(self.model, input_ids, attention_mask, completion_width, self.pad_token_id)
+            packed = graph_inputs.packed(self.model, input_ids, attention_mask, completion_width, self.pad_token_id,
+                                         fit)
             if packed is not None:
                 return packed
         return graph_inputs.padded(input_ids, attention_mask, completion_width, self.pad_token_id)
 
     def scorer(self, score: Callable, model: torch.nn.Module, compute_entropy: bool) -> Callable:
-        """``score`` for ``chunked_scoring`` without gradients (the rollout's reference and old-policy scoring),
-        replayed from a forward-only graph per model state and chunk shape, in the training graphs' pool (the
-        scoring runs between steps, never between a micro-batch's forward and backward); after a failed capture,
-        ``score`` itself."""
+        """``score_rows(input_ids, attention_mask, completion_width)`` for ``chunked_scoring`` without gradients
+        (the rollout's reference and old-policy scoring): ``score`` on the rows' static form, replayed from a
+        forward-only graph per model state and shape, in the training graphs' pool (the scoring runs between steps,
+        never between a micro-batch's forward and backward); after a failed capture, ``score`` itself."""
         signature = weights_signature(model)  # the reference model, or the policy with its adapters as they are
 
-        def replayed(inputs, window):
+        def captured():
+            return (shape for owner, shape in self._scoring if owner == signature)
+
+        def logps(batch, key):
             if self.failure is not None:
-                return score(inputs, window)
-            key = (signature, tuple((name, *value.shape) for name, value in inputs.items()), window, compute_entropy)
+                return score(batch.inputs, batch.window)
             entry = self._scoring.get(key)
             if entry is None:
                 try:
-                    entry = self._capture_scoring(score, inputs, window, key)
+                    entry = self._capture_scoring(score, batch.inputs, batch.window, key)
                 except Exception as err:  # noqa: BLE001 - as a training capture's failure
                     self._failed(err)
-                    return score(inputs, window)
+                    return score(batch.inputs, batch.window)
             else:
                 self._scoring.move_to_end(key)
-                entry.load(inputs)
+                entry.load(batch.inputs)
             entry.replay_forward()
             return entry.logps.clone(), (entry.entropy.clone() if entry.entropy is not None else None)
 
-        return replayed
+        def score_rows(input_ids, attention_mask, completion_width: int):
+            rows = input_ids.shape[0]
+            fit = None if self.failure is not None else self._fit(signature, rows, compute_entropy, captured)
+            batch = self.static_inputs(input_ids, attention_mask, completion_width, fit)
+            key = (signature, Shape(rows, *batch.key, batch.window, compute_entropy))
+            chunk_logps, chunk_entropies = logps(batch, key)
+            return batch.spread(chunk_logps), (None if chunk_entropies is None else batch.spread(chunk_entropies))
+
+        return score_rows
+
+    def _fit(self, owner, rows: int, entropy: bool, captured: Callable) -> Callable[[int, int], tuple[int, int]]:
+        """``graph_inputs.packed``'s ``fit`` for a micro-batch of ``rows`` rows: the length and scored width of the
+        captured shape of ``owner`` (the training table, or a scoring model's) it replays in (``shape_reuse``)."""
+        def fit(length: int, window: int) -> tuple[int, int]:
+            chosen = self.reuse.choose(owner, Shape(rows, "packed", length, window, entropy), captured())
+            return chosen.length, chosen.window
+
+        return fit
 
     def adopt_gradients(self) -> None:
         """Make the captured gradient buffers the parameters' ``.grad`` again, keeping what they hold."""
@@ -345,7 +337,7 @@ class TrainingGraphs:
             self._rng_before_capture = None
 
     # ---- capture ---------------------------------------------------------------------------------------------
-    def _warm_up(self, score: Callable, entry: _Bucket, window: int) -> None:
+    def _warm_up(self, score: Callable, entry: Bucket, window: int) -> None:
         """Eager passes before a capture. The run's first computes every gradient (nothing is accumulated yet);
         a later one, mid-step, would need a second set of gradients beside the step's own, so its backward asks
         only for an early small parameter's (through every layer, without the weight gradients)."""
@@ -371,7 +363,7 @@ class TrainingGraphs:
         self.recorder.set_random_state(self._rng_before_capture)
         self._rng_before_capture = None
 
-    def _kept(self, table: OrderedDict, key: tuple, entry: _Bucket) -> _Bucket:
+    def _kept(self, table: OrderedDict, key: tuple, entry: Bucket) -> Bucket:
         """A captured ``entry`` counted and kept in ``table``, whose oldest is dropped beyond ``MAX_BUCKETS``."""
         table[key] = entry
         self.captures += 1
@@ -379,8 +371,8 @@ class TrainingGraphs:
             table.popitem(last=False)
         return entry
 
-    def _capture_scoring(self, score: Callable, inputs: dict, window: int, key: tuple) -> _Bucket:
-        entry = _Bucket(inputs)
+    def _capture_scoring(self, score: Callable, inputs: dict, window: int, key: tuple) -> Bucket:
+        entry = Bucket(inputs)
         if self._pool is None:
             self._pool = self.recorder.new_pool()
         passes = self.warmup_passes[1 if "score" in self._warmed else 0]
@@ -393,13 +385,13 @@ class TrainingGraphs:
                 lambda: score(entry.inputs, window), self._pool)
         return self._kept(self._scoring, key, entry)
 
-    def _capture(self, score: Callable, inputs: dict, window: int, shape: tuple) -> _Bucket:
+    def _capture(self, score: Callable, inputs: dict, window: int, shape: tuple) -> Bucket:
         recorder = self.recorder
         if self.grad_buffers is None:
             self.grad_buffers = [torch.zeros_like(p) for p in self.params]
         if self._pool is None:
             self._pool = recorder.new_pool()
-        entry = _Bucket(inputs)
+        entry = Bucket(inputs)
         held = [p.grad for p in self.params]  # the step's gradients so far: the warm-up must not add to them
         scored = {}  # the forward's outputs with their autograd graph, which the backward's capture runs through
 
