@@ -326,6 +326,9 @@ def parse_args(argv=None):
                         help="hf_grpo only: compile the training forward's decoder layers (default: the config's)")
     parser.add_argument("--training_cuda_graphs", choices=["default", "auto", "on", "off"], default="default",
                         help="hf_grpo only: replay training micro-batches from CUDA graphs (default: the config's)")
+    parser.add_argument("--shape_reuse_sightings", type=int, default=None,
+                        help="hf_grpo only: micro-batches of a new packed shape replayed in a captured larger one "
+                        "before it is captured (hf_grpo.training.shape_reuse; 0: none; default: the module's)")
     parser.add_argument("--phases", action="store_true",
                         help="time each step's phases (bench/phase_timer.py; syncs the device at every boundary)")
     parser.add_argument("--seed", type=int, default=0)
@@ -416,6 +419,10 @@ def main(argv=None) -> int:
             common["lora_generation_mirror"] = args.lora_generation_mirror
         if args.training_cuda_graphs != "default":
             common["training_cuda_graphs"] = args.training_cuda_graphs
+        if args.shape_reuse_sightings is not None:
+            from hf_grpo.training import shape_reuse
+
+            shape_reuse.SIGHTINGS = args.shape_reuse_sightings  # read when the graphs start, at train begin
     elif args.cudnn_attention != "default":
         torch.backends.cuda.enable_cudnn_sdp(args.cudnn_attention == "on")
     config = GRPOConfig(**common)
@@ -503,6 +510,8 @@ def main(argv=None) -> int:
         training_cuda_graphs=(getattr(trainer, "_train_graphs", None) is not None
                               and trainer._train_graphs.failure is None) if args.impl == "hf_grpo" else None,
         training_graphs_failure=getattr(getattr(trainer, "_train_graphs", None), "failure", None),
+        shape_reuse_sightings=getattr(getattr(getattr(trainer, "_train_graphs", None), "reuse", None), "sightings",
+                                      None),
         generation_mirror=str(getattr(trainer, "_mirror_choice", None)) if args.impl == "hf_grpo" else None,
         checkpointing=bool(getattr(trainer.args, checkpointing_field)),
         tensor_batch_size=args.tensor_batch_size if args.impl == "hf_grpo" else None,

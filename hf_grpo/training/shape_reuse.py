@@ -55,7 +55,9 @@ def head_share(model: torch.nn.Module) -> float:
 class ShapeReuse:
     """Chooses the shape a micro-batch replays in: its own, or a captured larger one while its own is new."""
 
-    def __init__(self, head_share: float, sightings: int = SIGHTINGS, max_extra_work: float = MAX_EXTRA_WORK):
+    def __init__(self, head_share: float, sightings: int | None = None, max_extra_work: float | None = None):
+        sightings = SIGHTINGS if sightings is None else sightings  # (the module's, read when the graphs start)
+        max_extra_work = MAX_EXTRA_WORK if max_extra_work is None else max_extra_work
         for name, value in (("head_share", head_share), ("sightings", sightings), ("max_extra_work", max_extra_work)):
             if value < 0:
                 raise ValueError(f"{name} must be at least 0, got {value!r}")
