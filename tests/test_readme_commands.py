@@ -562,6 +562,8 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
     "bench/README.md": {
         'STEPS=20 MAX_SECONDS=600 RUN_TIMEOUT=600 IMPLS="trl cuda_graph" bash bench/run_realistic.sh':
             GPU_BENCHMARK,
+        'STEPS=20 MAX_SECONDS=600 RUN_TIMEOUT=600 IMPLS="trl cuda_graph no_shape_reuse" bash bench/run_realistic.sh':
+            GPU_BENCHMARK,
         'python bench/grpo_realistic.py --impl hf_grpo --backend cuda_graph --profile_step 5':
             GPU_BENCHMARK,
         "for impl in trl hf_grpo; do python bench/grpo_realistic.py --impl $impl --shape 1.5b --lora_r 16 "
