@@ -24,13 +24,13 @@ called once over the training prompts to size the ``cuda_graph`` cache for the r
 ``environment_factory``, whose prompts only batches can tokenize), the public ``training_step`` (time accounting;
 with ``compile_training`` the decoder layers run compiled inside it, ``hf_grpo.training.compiled_layers``, lifted
 again around generation) and ``log`` (``perf/`` figures), transformers' ``create_accelerator_and_postprocess``
-(ZeRO-3 leaf modules: ``hf_grpo.distributed.zero3_leaves``) and ``_save_rng_state`` (every rank's random state
-written before rank 0 marks a checkpoint complete: ``hf_grpo.distributed.rng_files``), and ``train`` (settles
-"auto" sizes first: ``hf_grpo.memory.autosize``; refuses a token budget the longest prompt cannot fit, a fresh run
-into another run's checkpoints (``hf_grpo.checks.output_dirs``) and a ZeRO checkpoint resumed in another launch
-shape (``hf_grpo.distributed.zero_resume``)). ``__init__`` checks the training set, a model path and the reward
-functions' outputs first (``hf_grpo.checks.inputs``). A generation chunk or a head chunk that runs out of memory
-is halved on every rank and retried (``hf_grpo.memory.oom``).
+(ZeRO-3 leaf modules: ``hf_grpo.distributed.zero3_leaves``) and ``_save_rng_state`` (the run's sizes and every
+rank's random state written before rank 0 marks a checkpoint complete: ``hf_grpo.distributed.rng_files``), and
+``train`` (settles "auto" sizes first: ``hf_grpo.memory.autosize``; refuses a token budget the longest prompt
+cannot fit, a fresh run into another run's checkpoints (``hf_grpo.checks.output_dirs``) and a ZeRO checkpoint
+resumed in another launch shape (``hf_grpo.distributed.zero_resume``)). ``__init__`` checks the training set, a
+model path and the reward functions' outputs first (``hf_grpo.checks.inputs``). A generation chunk or a head chunk
+that runs out of memory is halved on every rank and retried (``hf_grpo.memory.oom``).
 """
 
 from __future__ import annotations
@@ -173,7 +173,11 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _save_rng_state(self, output_dir):
         super()._save_rng_state(output_dir)
-        rng_files.wait_for_every_rank(self.accelerator)  # before rank 0 marks the checkpoint complete
+        # Ours too, before rank 0 marks the checkpoint complete (trainer_state.json, written next): the sizes a
+        # resume reads (hf_grpo.memory.autosize), and every rank's random state (hf_grpo.distributed.rng_files).
+        if self.args.should_save:
+            autosize.save_sizes(self.args, output_dir)
+        rng_files.wait_for_every_rank(self.accelerator)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         inner_before = self.perf.total("generation_s") + self.perf.total("reward_s")

@@ -210,3 +210,11 @@ def test_checkpoints_hold_the_sizes_and_a_resume_reads_them_instead_of_probing(t
     assert args.tensor_batch_size == 8  # the back-off of the first run is kept
     assert resumed.state.global_step == 2
     assert json.loads((tmp_path / "out" / "checkpoint-2" / SIZES_FILE).read_text()) == saved
+
+
+def test_a_model_only_checkpoint_holds_the_sizes_too(tmp_path):
+    # save_only_model saves no random state, so the sizes come from the on_save callback instead
+    make_trainer(tmp_path, save_strategy="steps", save_steps=1, save_only_model=True).train()
+    checkpoint = tmp_path / "out" / "checkpoint-1"
+    assert not list(checkpoint.glob("rng_state*.pth"))
+    assert json.loads((checkpoint / SIZES_FILE).read_text())["tensor_batch_size"] is not None

@@ -1,5 +1,5 @@
-"""Every rank's random state is in a checkpoint before rank 0 marks it complete (hf_grpo.distributed.rng_files),
-and a resume from a checkpoint without its rank's random state says so."""
+"""Every rank's random state, and the run's sizes, are in a checkpoint before rank 0 marks it complete
+(hf_grpo.distributed.rng_files), and a resume from a checkpoint without its rank's random state says so."""
 
 import json
 import logging
@@ -7,17 +7,20 @@ import logging
 import pytest
 
 from hf_grpo.distributed.rng_files import warn_if_missing
+from hf_grpo.memory.autosize import SIZES_FILE
 
 
 @pytest.mark.slow
 def test_rank_zero_marks_a_checkpoint_complete_only_after_every_rank_saved_its_random_state(tmp_path):
     # Rank 1 takes 3 s to write its random state, as a rank being stopped might: transformers alone writes rank 0's
-    # trainer_state.json meanwhile, and a kill in that gap leaves a checkpoint that looks whole without it.
+    # trainer_state.json meanwhile, and a kill in that gap leaves a checkpoint that looks whole without it. The run's
+    # sizes (hf_grpo.memory.autosize) are in it by then too, not written after the old checkpoints' rotation.
     from test_launch import launch
 
     launch("multi_gpu", "tests/scripts/slow_rank_checkpoint.py", tmp_path)
     seen = json.loads((tmp_path / "marked_complete.json").read_text())
-    assert seen == {f"checkpoint-{step}": ["rng_state_0.pth", "rng_state_1.pth"] for step in (1, 2)}
+    files = sorted(["rng_state_0.pth", "rng_state_1.pth", SIZES_FILE])
+    assert seen == {f"checkpoint-{step}": files for step in (1, 2)}
 
 
 def test_a_resume_without_the_ranks_random_state_says_what_it_loses(tmp_path, caplog):

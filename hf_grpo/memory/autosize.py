@@ -370,8 +370,11 @@ def checkpoint_dir(resume_from_checkpoint, output_dir: str) -> str | None:
 
 
 class SaveSizesCallback(TrainerCallback):
-    """Writes the run's sizes (after "auto" and any OOM back-off) into each checkpoint, for a resume to read."""
+    """Writes the run's sizes (after "auto" and any OOM back-off) into a checkpoint saved with ``save_only_model``,
+    for a resume to read. Other checkpoints get them from the trainer's ``_save_rng_state``, before
+    ``trainer_state.json`` marks them complete (this callback runs after it, and after the old checkpoints'
+    rotation)."""
 
     def on_save(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
+        if args.save_only_model and state.is_world_process_zero:
             save_sizes(args, os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))

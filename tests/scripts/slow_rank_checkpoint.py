@@ -3,8 +3,8 @@
     accelerate launch --num_processes 2 --config_file accelerate_configs/multi_gpu.yaml --mixed_precision no \
         tests/scripts/slow_rank_checkpoint.py OUT_DIR
 
-Rank 0 writes OUT_DIR/marked_complete.json: for each checkpoint, the random-state files present when its
-``trainer_state.json`` (what marks a checkpoint complete) was written.
+Rank 0 writes OUT_DIR/marked_complete.json: for each checkpoint, the random-state files and hf-grpo's sizes file
+present when its ``trainer_state.json`` (what marks a checkpoint complete) was written.
 """
 
 import json
@@ -16,6 +16,7 @@ from datasets import Dataset
 from transformers import TrainerState
 
 from hf_grpo import GRPOConfig, GRPOTrainer, close_distributed
+from hf_grpo.memory.autosize import SIZES_FILE
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 TOKENIZER = build_char_tokenizer()
@@ -34,7 +35,8 @@ def main(out_dir):
 
     def recording_save(state, json_path):
         checkpoint = os.path.dirname(json_path)
-        seen[os.path.basename(checkpoint)] = sorted(n for n in os.listdir(checkpoint) if n.startswith("rng_state"))
+        seen[os.path.basename(checkpoint)] = sorted(n for n in os.listdir(checkpoint)
+                                                    if n.startswith("rng_state") or n == SIZES_FILE)
         save_state(state, json_path)
 
     TrainerState.save_to_json = recording_save
