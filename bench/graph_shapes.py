@@ -17,8 +17,9 @@ over, in three layouts:
 * ``before``: packed length in eight buckets an octave and the bucket of the rollout's longest completion, whose
   every position the head scored (the layout until ``3ea29c3``).
 
-``captures`` counts the shapes captured; ``work_mean`` is the layers' tokens plus the head's weighed positions
-per training micro-batch (``ShapeReuse.work``), against the micro-batch's own shape's.
+Each layout's ``shapes`` and ``captures_by_step`` count the shapes captured; ``reused`` counts the micro-batches
+replayed in a larger shape; ``work_mean`` is the layers' tokens plus the head's weighed positions per training
+micro-batch (``ShapeReuse.work``), as replayed and as the micro-batch's own shape.
 
     python bench/graph_shapes.py --steps 500 --out bench/results/raw/graph_shapes.jsonl
 """
