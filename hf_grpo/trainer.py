@@ -177,7 +177,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         # resume reads (hf_grpo.memory.autosize), and every rank's random state (hf_grpo.distributed.rng_files).
         if self.args.should_save:
             autosize.save_sizes(self.args, output_dir)
-        rng_files.wait_for_every_rank(self.accelerator)
+        self.accelerator.wait_for_everyone()  # (nothing in a one-process run)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         inner_before = self.perf.total("generation_s") + self.perf.total("reward_s")

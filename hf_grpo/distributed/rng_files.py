@@ -4,9 +4,9 @@ transformers' Trainer writes a checkpoint's weights and optimizer, then each ran
 rank 0's ``trainer_state.json``, the file that says a checkpoint was written to the end. Nothing waits between
 another rank's random-state file and rank 0's state file: a rank killed in that gap leaves a checkpoint that looks
 whole but lacks its random state, and a run resumed from it samples other rollouts on that rank than the
-interrupted run would have, with only an info line from transformers. Here every rank waits until all have
-written theirs (``wait_for_every_rank``), and a resume from a checkpoint saved before that, without its rank's
-file, says what it loses (``warn_if_missing``).
+interrupted run would have, with only an info line from transformers. The trainer's ``_save_rng_state`` ends
+with a barrier, so every rank has written its file before rank 0 marks the checkpoint complete; a resume from a
+checkpoint saved without it, lacking its rank's file, says what it loses (``warn_if_missing``).
 """
 
 from __future__ import annotations
@@ -16,12 +16,6 @@ import logging
 import os
 
 logger = logging.getLogger("hf_grpo")
-
-
-def wait_for_every_rank(accelerator) -> None:
-    """A barrier after each rank's random-state file, so that rank 0 marks the checkpoint complete after it."""
-    if accelerator.num_processes > 1:
-        accelerator.wait_for_everyone()
 
 
 def warn_if_missing(checkpoint: str | None, world_size: int, rank: int) -> bool:
