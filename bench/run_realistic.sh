@@ -7,8 +7,8 @@
 #   STEPS=10 SHAPE=0.5b IMPLS="trl hf cuda_graph hf_small" RESULTS=bench/results/raw bash bench/run_realistic.sh
 #
 # Env: STEPS (10), SHAPE (0.5b | 1.5b), IMPLS (runs, from: trl trl_nocudnn hf cuda_graph padded_graphs
-# eager_training no_shape_reuse hf_small; default trl hf cuda_graph hf_small; trl_nocudnn is TRL with cuDNN's SDPA kernel off, as
-# hf_grpo has it by default;
+# eager_training no_shape_reuse hf_small; default trl hf cuda_graph hf_small; trl_nocudnn is TRL with cuDNN's
+# SDPA kernel off, as hf_grpo has it by default;
 # padded_graphs is cuda_graph with the replayed micro-batches' rows padded, not packed (padding_free=False);
 # eager_training is cuda_graph with the training micro-batches run eagerly, training_cuda_graphs=off;
 # no_shape_reuse is cuda_graph with every new packed shape captured at its first micro-batch),
