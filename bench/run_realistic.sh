@@ -13,6 +13,8 @@
 # eager_training is cuda_graph with the training micro-batches run eagerly, training_cuda_graphs=off;
 # no_shape_reuse is cuda_graph with every new packed shape captured at its first micro-batch),
 # RESULTS (default $OUT if set, else bench/results/raw), RUN_TIMEOUT (hard limit per run, s, default 280),
+# COMPILE_CACHE (torch's compile cache for every run; default: a fresh empty one per run, so each run
+# compiles cold as a first run on a new machine does, whatever ran before it),
 # MAX_SECONDS (each run stops training after the step that passes this many seconds, default 150, so a
 # slow run still writes its record), EXTRA (more flags for every run), PYTHON (default python3).
 # A run takes about RUN_TIMEOUT at most (start-up ~30-60 s + up to MAX_SECONDS of training + the step
@@ -66,8 +68,9 @@ for run in $IMPLS; do
   esac
   echo "=== $run: $flags --shape $SHAPE --max_steps $STEPS"
   start=$(date +%s)
+  cache=${COMPILE_CACHE:-$(mktemp -d)}
   # shellcheck disable=SC2086
-  timeout -k 10 "$RUN_TIMEOUT" $PY bench/grpo_realistic.py $flags --shape "$SHAPE" --max_steps "$STEPS" \
+  TORCHINDUCTOR_CACHE_DIR=$cache timeout -k 10 "$RUN_TIMEOUT" $PY bench/grpo_realistic.py $flags --shape "$SHAPE" --max_steps "$STEPS" \
       --max_seconds "$MAX_SECONDS" --out "$JSONL" $EXTRA > >(tee "$THIS_CALL.log" | grep "^RESULT" | cut -c1-400) 2>&1
   rc=$?
   echo "=== $run: exit $rc after $(( $(date +%s) - start )) s"
