@@ -3,6 +3,7 @@ as a CUDA graph and replay it, on one stream, and get torch's generator back aft
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -10,6 +11,13 @@ from contextlib import contextmanager
 import torch
 
 logger = logging.getLogger("hf_grpo.training.graphs")
+
+# torch.cuda.graph, the usual way to capture, first waits for the device to finish all queued work and hands every
+# cached free block back to the driver (torch.cuda.empty_cache). Before each of a run's captures, mid-step, that
+# stalls the host and makes the next eager passes (the loss, the optimizer, the next rollout) allocate from the
+# driver again. The captures here need neither: their memory comes from the graphs' own pool, and nothing they
+# record runs until it is replayed. True brings torch.cuda.graph back (a benchmark's comparison).
+CAPTURE_THROUGH_TORCH_GRAPH = False
 
 
 def end_broken_capture() -> None:
@@ -53,8 +61,19 @@ class CudaGraphRecorder:
     def record(self, fn: Callable, pool) -> tuple[Callable[[], None], object]:
         """``(replay, outputs)``: ``fn`` captured once; ``replay()`` runs it again, writing into ``outputs``."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=self.stream()):
-            outputs = fn()
+        if CAPTURE_THROUGH_TORCH_GRAPH:
+            with torch.cuda.graph(graph, pool=pool, stream=self.stream()):
+                outputs = fn()
+            return graph.replay, outputs
+        with torch.cuda.stream(self.stream()):
+            graph.capture_begin(pool=pool)
+            try:
+                outputs = fn()
+            except BaseException:
+                with contextlib.suppress(Exception):  # the capture is broken; ``fn``'s error is the one to see
+                    graph.capture_end()
+                raise
+            graph.capture_end()
         return graph.replay, outputs
 
     def random_state(self):
