@@ -329,10 +329,6 @@ def parse_args(argv=None):
     parser.add_argument("--shape_reuse_sightings", type=int, default=None,
                         help="hf_grpo only: micro-batches of a new packed shape replayed in a captured larger one "
                         "before it is captured (hf_grpo.training.shape_reuse; 0: none; default: the module's)")
-    parser.add_argument("--capture_through_torch_graph", action="store_true",
-                        help="hf_grpo only: capture training graphs through torch.cuda.graph, which waits for the "
-                        "device and empties the allocator's cache before each capture (the way before the recorder "
-                        "captured directly; hf_grpo.training.cuda_graph_recorder)")
     parser.add_argument("--phases", action="store_true",
                         help="time each step's phases (bench/phase_timer.py; syncs the device at every boundary)")
     parser.add_argument("--seed", type=int, default=0)
@@ -427,10 +423,6 @@ def main(argv=None) -> int:
             from hf_grpo.training import shape_reuse
 
             shape_reuse.SIGHTINGS = args.shape_reuse_sightings  # read when the graphs start, at train begin
-        if args.capture_through_torch_graph:
-            from hf_grpo.training import cuda_graph_recorder
-
-            cuda_graph_recorder.CAPTURE_THROUGH_TORCH_GRAPH = True
     elif args.cudnn_attention != "default":
         torch.backends.cuda.enable_cudnn_sdp(args.cudnn_attention == "on")
     config = GRPOConfig(**common)
@@ -520,7 +512,6 @@ def main(argv=None) -> int:
         training_graphs_failure=getattr(getattr(trainer, "_train_graphs", None), "failure", None),
         shape_reuse_sightings=getattr(getattr(getattr(trainer, "_train_graphs", None), "reuse", None), "sightings",
                                       None),
-        capture_through_torch_graph=args.capture_through_torch_graph if args.impl == "hf_grpo" else None,
         generation_mirror=str(getattr(trainer, "_mirror_choice", None)) if args.impl == "hf_grpo" else None,
         checkpointing=bool(getattr(trainer.args, checkpointing_field)),
         tensor_batch_size=args.tensor_batch_size if args.impl == "hf_grpo" else None,

@@ -3,7 +3,6 @@ as a CUDA graph and replay it, on one stream, and get torch's generator back aft
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -11,13 +10,6 @@ from contextlib import contextmanager
 import torch
 
 logger = logging.getLogger("hf_grpo.training.graphs")
-
-# torch.cuda.graph, the usual way to capture, first waits for the device to finish all queued work and hands every
-# cached free block back to the driver (torch.cuda.empty_cache). Before each of a run's captures, mid-step, that
-# stalls the host and makes the next eager passes (the loss, the optimizer, the next rollout) allocate from the
-# driver again. The captures here need neither: their memory comes from the graphs' own pool, and nothing they
-# record runs until it is replayed. True brings torch.cuda.graph back (a benchmark's comparison).
-CAPTURE_THROUGH_TORCH_GRAPH = False
 
 
 def end_broken_capture() -> None:
@@ -60,20 +52,12 @@ class CudaGraphRecorder:
 
     def record(self, fn: Callable, pool) -> tuple[Callable[[], None], object]:
         """``(replay, outputs)``: ``fn`` captured once; ``replay()`` runs it again, writing into ``outputs``."""
+        # torch.cuda.graph waits for the device and empties the allocator's cache before each capture. Capturing
+        # without both (capture_begin/capture_end) was timed on an H200: no faster over a run, 0.5 GiB more reserved
+        # (docs/performance.md, "The capture's own cost").
         graph = torch.cuda.CUDAGraph()
-        if CAPTURE_THROUGH_TORCH_GRAPH:
-            with torch.cuda.graph(graph, pool=pool, stream=self.stream()):
-                outputs = fn()
-            return graph.replay, outputs
-        with torch.cuda.stream(self.stream()):
-            graph.capture_begin(pool=pool)
-            try:
-                outputs = fn()
-            except BaseException:
-                with contextlib.suppress(Exception):  # the capture is broken; ``fn``'s error is the one to see
-                    graph.capture_end()
-                raise
-            graph.capture_end()
+        with torch.cuda.graph(graph, pool=pool, stream=self.stream()):
+            outputs = fn()
         return graph.replay, outputs
 
     def random_state(self):
