@@ -70,8 +70,8 @@ for run in $IMPLS; do
   start=$(date +%s)
   cache=${COMPILE_CACHE:-$(mktemp -d)}
   # shellcheck disable=SC2086
-  TORCHINDUCTOR_CACHE_DIR=$cache timeout -k 10 "$RUN_TIMEOUT" $PY bench/grpo_realistic.py $flags --shape "$SHAPE" --max_steps "$STEPS" \
-      --max_seconds "$MAX_SECONDS" --out "$JSONL" $EXTRA > >(tee "$THIS_CALL.log" | grep "^RESULT" | cut -c1-400) 2>&1
+  TORCHINDUCTOR_CACHE_DIR=$cache timeout -k 10 "$RUN_TIMEOUT" $PY bench/grpo_realistic.py $flags --shape "$SHAPE" \
+      --max_steps "$STEPS" --max_seconds "$MAX_SECONDS" --out "$JSONL" $EXTRA > >(tee "$THIS_CALL.log" | grep "^RESULT" | cut -c1-400) 2>&1
   rc=$?
   echo "=== $run: exit $rc after $(( $(date +%s) - start )) s"
   sleep 1

@@ -566,13 +566,13 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
             GPU_BENCHMARK,
         'python bench/grpo_realistic.py --impl hf_grpo --backend cuda_graph --profile_step 5':
             GPU_BENCHMARK,
-        "for impl in trl hf_grpo; do TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python bench/grpo_realistic.py --impl $impl --shape 1.5b --lora_r 16 "
-        "--min_prompt 64 --max_prompt 1024 --max_completion_length 512 --max_steps 6 "
+        "for impl in trl hf_grpo; do TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python bench/grpo_realistic.py --impl $impl "
+        "--shape 1.5b --lora_r 16 --min_prompt 64 --max_prompt 1024 --max_completion_length 512 --max_steps 6 "
         "--per_device_generation_batch_size 32 --phases --max_seconds 240 --label \"1.5B LoRA r16, $impl\" "
         "--out bench/results/raw/grpo_lora.jsonl; done":
             GPU_BENCHMARK,
-        "for impl in trl hf_grpo; do TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python bench/grpo_realistic.py --impl $impl --shape 0.5b --num_iterations 2 "
-        "--max_steps 10 --phases --max_seconds 240 --label \"num_iterations 2, $impl\" "
+        "for impl in trl hf_grpo; do TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python bench/grpo_realistic.py --impl $impl "
+        "--shape 0.5b --num_iterations 2 --max_steps 10 --phases --max_seconds 240 --label \"num_iterations 2, $impl\" "
         "--out bench/results/raw/grpo_ni2.jsonl; done":
             GPU_BENCHMARK,
         "export PYTHONPYCACHEPREFIX=/tmp/pyc":
