@@ -326,6 +326,8 @@ def parse_args(argv=None):
                         help="hf_grpo only: compile the training forward's decoder layers (default: the config's)")
     parser.add_argument("--training_cuda_graphs", choices=["default", "auto", "on", "off"], default="default",
                         help="hf_grpo only: replay training micro-batches from CUDA graphs (default: the config's)")
+    parser.add_argument("--lora_fused_forward", choices=["default", "on", "off"], default="default",
+                        help="hf_grpo only: LoRA projections as base + addmm (on) or PEFT's forward (off)")
     parser.add_argument("--shape_reuse_sightings", type=int, default=None,
                         help="hf_grpo only: micro-batches of a new packed shape replayed in a captured larger one "
                         "before it is captured (hf_grpo.training.shape_reuse; 0: none; default: the module's)")
@@ -419,6 +421,8 @@ def main(argv=None) -> int:
             common["lora_generation_mirror"] = args.lora_generation_mirror
         if args.training_cuda_graphs != "default":
             common["training_cuda_graphs"] = args.training_cuda_graphs
+        if args.lora_fused_forward != "default":
+            common["lora_fused_forward"] = args.lora_fused_forward == "on"
         if args.shape_reuse_sightings is not None:
             from hf_grpo.training import shape_reuse
 
@@ -513,6 +517,7 @@ def main(argv=None) -> int:
         shape_reuse_sightings=getattr(getattr(getattr(trainer, "_train_graphs", None), "reuse", None), "sightings",
                                       None),
         generation_mirror=str(getattr(trainer, "_mirror_choice", None)) if args.impl == "hf_grpo" else None,
+        lora_fused_layers=getattr(trainer, "lora_fused_layers", None),
         checkpointing=bool(getattr(trainer.args, checkpointing_field)),
         tensor_batch_size=args.tensor_batch_size if args.impl == "hf_grpo" else None,
         per_device_generation_batch_size=(trainer.args.per_device_generation_batch_size

@@ -5,13 +5,19 @@ memory allocated before, the peak inside, allocated after, reserved after (GiB),
     python3 bench/training_graph_memory_probe.py --impl hf_grpo --shape 0.5b --max_steps 8 --phases \\
         --training_cuda_graphs on --compile_training off --out $OUT/runs.jsonl
 
+Each capture after the run's first also gets a row of the host's seconds inside the recorded function against the
+whole record (the rest is the device wait, the allocator and instantiating the graph); with ``PROBE_PROFILE=1``
+the row lists the functions that took the most of it (cProfile, which slows the host).
+
 Rows, each with its commit, GPU, torch and TRL, go to stdout (``PROBE {...}``) and to
 ``$OUT/graph_memory_probe.jsonl``. The run's own peak figures stay those of the whole run (the wrapper restores
 torch's peak counter after each part it measures).
 """
 
+import cProfile
 import json
 import os
+import pstats
 import sys
 import time
 
@@ -48,10 +54,47 @@ def measured(name, fn):
     return inner
 
 
+def top_functions(profile: cProfile.Profile, n: int = 25) -> list:
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:n]
+    return [[f"{os.path.basename(file)}:{line}:{name}", calls, round(tottime, 4), round(cumtime, 4)]
+            for (file, line, name), (calls, _, tottime, cumtime, _) in rows]
+
+
+def timed_record(record, with_profile: bool):
+    """``CudaGraphRecorder.record`` with the host's time inside the recorded function (and its top functions)."""
+    seen = [0]
+
+    def inner(self, fn, pool):
+        seen[0] += 1
+        if seen[0] <= 2:  # the run's first capture (forward, backward): warm-up effects, not a capture's cost
+            return record(self, fn, pool)
+        inside, profile = [0.0], cProfile.Profile()
+
+        def timed_fn():
+            start = time.perf_counter()
+            if with_profile:
+                profile.enable()
+            try:
+                return fn()
+            finally:
+                profile.disable()
+                inside[0] = time.perf_counter() - start
+
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = record(self, timed_fn, pool)
+        row = dict(what="record_host", s=round(time.perf_counter() - start, 4), fn_s=round(inside[0], 4))
+        ROWS.append(row | (dict(top=top_functions(profile)) if with_profile else {}))
+        return out
+    return inner
+
+
 def main() -> int:
     graphs = training_graphs.TrainingGraphs
     graphs._warm_up = measured("warm_up", graphs._warm_up)
-    training_graphs.CudaGraphRecorder.record = measured("record", training_graphs.CudaGraphRecorder.record)
+    record = timed_record(training_graphs.CudaGraphRecorder.record, os.environ.get("PROBE_PROFILE") == "1")
+    training_graphs.CudaGraphRecorder.record = measured("record", record)
     capture = graphs._capture
 
     def named_capture(self, score, inputs, window, shape):

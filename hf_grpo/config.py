@@ -222,6 +222,14 @@ class GRPOConfig(trl.GRPOConfig):
             "hf_grpo.generation.dense_mirror)."
         },
     )
+    lora_fused_forward: bool = field(
+        default=True,
+        metadata={
+            "help": "LoRA policies outside ZeRO-3 and FSDP: compute each adapted projection as base + scaling * "
+            "B(A(x)) with the add inside one addmm, without PEFT's float32 round trip of the input (same sums, "
+            "one rounding fewer). False keeps PEFT's forward. See hf_grpo.training.lora_forward."
+        },
+    )
     compile_training: str = field(
         default="auto",
         metadata={

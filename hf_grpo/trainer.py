@@ -47,7 +47,7 @@ import trl
 from tqdm.auto import tqdm
 from trl.models import unwrap_model_for_generation
 
-from .training import compiled_layers as training_compile, graphs as training_graphs
+from .training import compiled_layers as training_compile, graphs as training_graphs, lora_forward
 from .checks import inputs as checks
 from .checks import output_dirs
 from .config import GRPOConfig
@@ -107,6 +107,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         head = dict(temperature=self.temperature, chunk_rows=self._oom_knobs["tensor_batch_size"],
                     cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32, padding_free_rows=self.args.padding_free)
         self._chunked_head_installed = install_chunked_lm_head(policy, return_entropy=True, **head)
+        why_not = "lora_fused_forward=False" if not self.args.lora_fused_forward else lora_forward.sharded_reason(self)
+        self.lora_fused_layers = 0 if why_not else lora_forward.install(policy)  # LoRA layers on the fused forward
         if self.ref_model is not None:
             # TRL has already wrapped the reference (a DeepSpeed engine under ZeRO): patch the module inside,
             # whose forward the wrapper calls.
