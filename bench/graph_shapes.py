@@ -11,8 +11,8 @@ For each micro-batch it records the shape the graphs replay it in, with the toke
 over, in three layouts:
 
 * ``current``: the trainer's (packed length in four buckets an octave, scored width), a new shape's first
-  micro-batches replayed in a captured larger one (``hf_grpo.training.shape_reuse``, as ``--reuse_sightings`` and
-  ``--reuse_extra_work`` set it; the LM head weighed as in Qwen2.5 of the shape's size);
+  micro-batches replayed in a captured larger one (``hf_grpo.training.shape_reuse``, with the capture cost
+  ``--reuse_capture_cost`` sets; the LM head weighed as in Qwen2.5 of the shape's size);
 * ``no_reuse``: the same, every new shape captured at its first micro-batch;
 * ``before``: packed length in eight buckets an octave and the bucket of the rollout's longest completion, whose
   every position the head scored (the layout until ``3ea29c3``).
@@ -41,7 +41,7 @@ from provenance import with_provenance  # noqa: E402
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
 from hf_grpo.training.graph_inputs import bucket  # noqa: E402
 from hf_grpo.training.graphs import TrainingGraphs  # noqa: E402
-from hf_grpo.training.shape_reuse import MAX_EXTRA_WORK, SIGHTINGS, Shape, ShapeReuse  # noqa: E402
+from hf_grpo.training.shape_reuse import CAPTURE_COST, Shape, ShapeReuse  # noqa: E402
 
 SHAPES = {  # grpo_realistic.py's two shapes: prompt token range, max_completion_length, and the model's head_share
     "0.5b": ((32, 384), 256, 0.38),  # Qwen2.5-0.5B: a 896 x 151,936 head over 358M weights in its layers
@@ -68,11 +68,11 @@ def rollout(rng: random.Random, prompts: tuple[int, int], cap: int, eos_prob: fl
 
 
 def simulate(shape: str, steps: int, eos_prob: float, seed: int, per_step_rows: int = 32, micro_rows: int = 8,
-             scoring_rows: int = 16, sightings: int = SIGHTINGS, extra_work: float = MAX_EXTRA_WORK):
+             scoring_rows: int = 16, capture_cost: float = CAPTURE_COST):
     rng = random.Random(seed)
     model = build_tiny_model(build_char_tokenizer())  # only its config is read (no sliding window)
     prompts, cap, head_share = SHAPES[shape]
-    reuse = ShapeReuse(head_share, sightings, extra_work)
+    reuse = ShapeReuse(head_share, capture_cost)
     graphs = TrainingGraphs(model, pad_token_id=0, packed=True, reuse=reuse)
     seen = {"current": set(), "no_reuse": set(), "before": set()}
     new_per_step = {name: [] for name in seen}
@@ -115,7 +115,7 @@ def simulate(shape: str, steps: int, eos_prob: float, seed: int, per_step_rows: 
     micro_batches = steps * per_step_rows // micro_rows
     row = {"bench": "graph_shapes", "gpu": "none (a simulation of shapes, no model run)", "shape": shape,
            "prompt_range": list(prompts), "max_completion_length": cap, "eos_prob": eos_prob, "seed": seed,
-           "head_share": head_share, "reuse_sightings": sightings, "reuse_extra_work": extra_work,
+           "head_share": head_share, "reuse_capture_cost": capture_cost,
            "steps": steps, "training_micro_batches": micro_batches, "reused": reuse.reused,
            "work_mean": {name: round(statistics.mean(v), 1) for name, v in work.items()},
            "scoring_chunks": steps * -(-per_step_rows // scoring_rows),
@@ -133,20 +133,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--eos_prob", type=float, default=0.01)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--reuse_sightings", type=int, default=SIGHTINGS,
-                        help="micro-batches of a new shape replayed in a captured larger one before it is captured")
-    parser.add_argument("--reuse_extra_work", type=float, default=MAX_EXTRA_WORK,
-                        help="the most extra work (a share of the micro-batch's own) a larger shape may cost")
+    parser.add_argument("--reuse_capture_cost", type=float, default=CAPTURE_COST,
+                        help="a capture's cost in replays of the micro-batch's own shape: a new shape replays larger "
+                        "captured ones while their extra work stays within it (0: every new shape captured at once)")
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
-    if args.reuse_sightings < 0 or args.reuse_extra_work < 0:
-        parser.error(f"--reuse_sightings and --reuse_extra_work must be at least 0, got {args.reuse_sightings} "
-                     f"and {args.reuse_extra_work}")
+    if args.reuse_capture_cost < 0:
+        parser.error(f"--reuse_capture_cost must be at least 0, got {args.reuse_capture_cost}")
     for shape in args.shapes:
-        row = with_provenance(simulate(shape, args.steps, args.eos_prob, args.seed, sightings=args.reuse_sightings,
-                                       extra_work=args.reuse_extra_work))
+        row = with_provenance(simulate(shape, args.steps, args.eos_prob, args.seed,
+                                       capture_cost=args.reuse_capture_cost))
         print(json.dumps(row))
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)

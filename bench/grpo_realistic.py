@@ -328,9 +328,10 @@ def parse_args(argv=None):
                         help="hf_grpo only: replay training micro-batches from CUDA graphs (default: the config's)")
     parser.add_argument("--lora_fused_forward", choices=["default", "on", "off"], default="default",
                         help="hf_grpo only: LoRA projections as base + addmm (on) or PEFT's forward (off)")
-    parser.add_argument("--shape_reuse_sightings", type=int, default=None,
-                        help="hf_grpo only: micro-batches of a new packed shape replayed in a captured larger one "
-                        "before it is captured (hf_grpo.training.shape_reuse; 0: none; default: the module's)")
+    parser.add_argument("--shape_reuse_capture_cost", type=float, default=None,
+                        help="hf_grpo only: a capture's cost in replays of its micro-batch, up to which a new packed "
+                        "shape replays captured larger ones (hf_grpo.training.shape_reuse; 0: none; default: the "
+                        "module's)")
     parser.add_argument("--phases", action="store_true",
                         help="time each step's phases (bench/phase_timer.py; syncs the device at every boundary)")
     parser.add_argument("--seed", type=int, default=0)
@@ -423,10 +424,10 @@ def main(argv=None) -> int:
             common["training_cuda_graphs"] = args.training_cuda_graphs
         if args.lora_fused_forward != "default":
             common["lora_fused_forward"] = args.lora_fused_forward == "on"
-        if args.shape_reuse_sightings is not None:
+        if args.shape_reuse_capture_cost is not None:
             from hf_grpo.training import shape_reuse
 
-            shape_reuse.SIGHTINGS = args.shape_reuse_sightings  # read when the graphs start, at train begin
+            shape_reuse.CAPTURE_COST = args.shape_reuse_capture_cost  # read when the graphs start, at train begin
     elif args.cudnn_attention != "default":
         torch.backends.cuda.enable_cudnn_sdp(args.cudnn_attention == "on")
     config = GRPOConfig(**common)
@@ -514,8 +515,8 @@ def main(argv=None) -> int:
         training_cuda_graphs=(getattr(trainer, "_train_graphs", None) is not None
                               and trainer._train_graphs.failure is None) if args.impl == "hf_grpo" else None,
         training_graphs_failure=getattr(getattr(trainer, "_train_graphs", None), "failure", None),
-        shape_reuse_sightings=getattr(getattr(getattr(trainer, "_train_graphs", None), "reuse", None), "sightings",
-                                      None),
+        shape_reuse_capture_cost=getattr(getattr(getattr(trainer, "_train_graphs", None), "reuse", None),
+                                         "capture_cost", None),
         generation_mirror=str(getattr(trainer, "_mirror_choice", None)) if args.impl == "hf_grpo" else None,
         lora_fused_layers=getattr(trainer, "lora_fused_layers", None),
         checkpointing=bool(getattr(trainer.args, checkpointing_field)),

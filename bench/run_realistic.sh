@@ -61,7 +61,7 @@ for run in $IMPLS; do
     cuda_graph) flags="--impl hf_grpo --backend cuda_graph" ;;
     padded_graphs) flags="--impl hf_grpo --backend cuda_graph --padding_free off" ;;
     eager_training) flags="--impl hf_grpo --backend cuda_graph --training_cuda_graphs off" ;;
-    no_shape_reuse) flags="--impl hf_grpo --backend cuda_graph --shape_reuse_sightings 0" ;;
+    no_shape_reuse) flags="--impl hf_grpo --backend cuda_graph --shape_reuse_capture_cost 0" ;;
     hf_small)   flags="--impl hf_grpo --backend hf --tensor_batch_size 256 --per_device_generation_batch_size 8" ;;
     *) echo "unknown run $run (from: trl trl_nocudnn hf cuda_graph padded_graphs eager_training no_shape_reuse" \
             "hf_small)"; continue ;;

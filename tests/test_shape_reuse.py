@@ -56,7 +56,7 @@ def test_the_two_micro_batches_have_the_lengths_the_tests_rely_on():
 def test_a_new_shape_replays_a_larger_captured_one_twice_then_gets_its_own_with_the_eager_gradients():
     model = checkpointed_model()
     graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, recorder=EagerRecorder(), packed=True,
-                                            reuse=ShapeReuse(head_share=0.0, sightings=2))
+                                            reuse=ShapeReuse(head_share=0.0, capture_cost=0.5))
     trainer = types.SimpleNamespace(_train_graphs=graphs, perf=PerformanceStats(),
                                     accelerator=types.SimpleNamespace(autocast=contextlib.nullcontext))
     for step, (ids, mask) in enumerate([LARGE, SMALL, SMALL, SMALL]):
@@ -68,7 +68,8 @@ def test_a_new_shape_replays_a_larger_captured_one_twice_then_gets_its_own_with_
         for param, grad in zip(model.parameters(), expected_grads):
             torch.testing.assert_close(param.grad, grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()))
         stats = trainer.perf.summary()
-        # the small shape: replayed at length 320 twice, captured at its third micro-batch
+        # the small shape: replayed at length 320 twice (a quarter more work each), captured at its third
+        # micro-batch, where the extra work would pass half a micro-batch
         assert (stats["train_graph_captures"], stats["train_graph_reuses"]) == [(1, 0), (1, 1), (1, 2), (2, 2)][step]
     assert sorted(shape.length for shape in graphs._entries) == [256, 320]
 
@@ -112,32 +113,36 @@ def shape(length, window=64, rows=8, entropy=False, layout="packed"):
     return Shape(rows, layout, length, window, entropy)
 
 
-def test_the_cheapest_captured_shape_within_the_extra_work_is_chosen():
-    reuse = ShapeReuse(head_share=0.5, sightings=1, max_extra_work=0.25)
+def test_the_cheapest_captured_shape_that_fits_is_chosen():
+    reuse = ShapeReuse(head_share=0.5, capture_cost=2.0)
     captured = [shape(2560), shape(3072), shape(2048, window=128), shape(2304, rows=4), shape(2304, entropy=True)]
     # work 2048 + 32 = 2080: 2560 + 32 costs 24% more and fits; 2048 + 64 costs 1.5% more and is cheaper
     assert reuse.choose("train", shape(2048), captured) == shape(2048, window=128)
     assert reuse.reused == 1
     # another number of rows, or entropies where none were asked for, does not fit
     assert reuse.choose("train", shape(2300), captured[3:]) == shape(2300)
-    # nothing within a quarter more: captured as its own shape
-    assert reuse.choose("train", shape(2400), [shape(3072)]) == shape(2400)
+    # one replay in a shape of three times its work would cost more than its capture: captured at once
+    assert reuse.choose("train", shape(1000), [shape(3072)]) == shape(1000)
     assert reuse.reused == 1
 
 
-def test_a_shape_is_captured_once_seen_more_than_sightings_times_per_owner():
-    reuse = ShapeReuse(head_share=0.0, sightings=2)
-    captured = [shape(320)]
-    assert [reuse.choose("train", shape(256), captured) for _ in range(3)] == [shape(320)] * 2 + [shape(256)]
+def test_a_new_shape_is_captured_once_its_replays_in_larger_ones_would_cost_more_than_its_capture():
+    reuse = ShapeReuse(head_share=0.0, capture_cost=1.0)
+    captured = [shape(320)]  # a quarter more work than 256 each time: four replays cost one capture
+    assert [reuse.choose("train", shape(256), captured) for _ in range(5)] == [shape(320)] * 4 + [shape(256)]
     assert reuse.choose("reference", shape(256), captured) == shape(320)  # counted apart for each owner
     assert reuse.choose("train", shape(256), captured + [shape(256)]) == shape(256)  # captured: its own
     assert reuse.choose("train", shape(5, layout="padded"), [shape(6, layout="padded")]) == shape(5, layout="padded")
-    assert ShapeReuse(head_share=0.0, sightings=0).choose("train", shape(256), captured) == shape(256)
+    # a fit that costs 1/64 more replays 64 times before the shape is worth a graph of its own
+    reuse = ShapeReuse(head_share=0.0, capture_cost=1.0)
+    near = [reuse.choose("train", shape(256), [shape(260)]) for _ in range(65)]
+    assert near == [shape(260)] * 64 + [shape(256)]
+    assert ShapeReuse(head_share=0.0, capture_cost=0).choose("train", shape(256), captured) == shape(256)
 
 
 def test_bad_settings_are_named():
-    with pytest.raises(ValueError, match="max_extra_work must be at least 0, got -0.1"):
-        ShapeReuse(head_share=0.2, max_extra_work=-0.1)
+    with pytest.raises(ValueError, match="capture_cost must be at least 0, got -0.1"):
+        ShapeReuse(head_share=0.2, capture_cost=-0.1)
 
 
 def test_the_head_share_weighs_the_lm_head_against_the_layers():

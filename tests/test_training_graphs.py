@@ -573,15 +573,13 @@ def test_the_rollouts_scoring_is_done_in_the_replayed_shapes_so_bf16_gives_the_s
 
 @pytest.mark.slow
 def test_a_grpo_run_whose_new_shapes_replay_larger_ones_updates_as_eager_on_a_cpu(tmp_path, monkeypatch):
-    # The same whole run with rows packed and new shapes replayed in a captured larger one (shape_reuse), allowed
-    # here up to twice a micro-batch's own work so that the tiny run's packed lengths (64 and 128) reuse at all.
+    # The same whole run with rows packed and new shapes replayed in a captured larger one (shape_reuse): the tiny
+    # run's packed lengths are 64 and 128, so a micro-batch of 64 replays at 128 for twice its own work.
     from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
-    from hf_grpo.training import shape_reuse
 
     monkeypatch.setattr(training_graphs, "unavailable_reason", lambda trainer: None)
     monkeypatch.setattr(training_graphs, "unpacked_reason", lambda trainer: None)
     monkeypatch.setattr(training_graphs, "CudaGraphRecorder", EagerRecorder)
-    monkeypatch.setattr(shape_reuse, "MAX_EXTRA_WORK", 1.0)
     checkpoint = save_tiny_checkpoint(tmp_path / "checkpoint")
     _, eager_params, _ = grpo_run(tmp_path, checkpoint, "off", use_cpu=True, padding_free=True)
     _, graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", use_cpu=True, padding_free=True)

@@ -1,12 +1,16 @@
 """A packed micro-batch whose shape has no graph yet, replayed in a captured larger shape instead.
 
-A capture costs about what an eager micro-batch does (``docs/performance.md``), so a graph pays from its shape's
-second micro-batch on. Over a short run with prompts of varied length most packed shapes are first sightings
-(prompts of 64-1024 tokens: some 19 shapes in the first 6 steps' 36 micro-batches and scoring chunks). A packed
-micro-batch fits any graph of the same rows whose packed length and scored width are at least its own: the extra
-length is one more padding row, the extra width unscored slots (``hf_grpo.training.graph_inputs``). So a shape's
-first ``sightings`` micro-batches replay the cheapest captured shape that costs at most ``max_extra_work`` more,
-and the shape is captured only if it comes again after that.
+Over a short run with prompts of varied length most packed shapes are first sightings (prompts of 64-1024
+tokens: some 19 shapes in the first 6 steps' 36 micro-batches and scoring chunks), and a capture costs about two
+of the micro-batch's own replays (``CAPTURE_COST``). A packed micro-batch fits any graph of the same rows whose
+packed length and scored width are at least its own: the extra length is one more padding row, the extra width
+unscored slots (``hf_grpo.training.graph_inputs``). Replaying there costs the difference in work each time.
+
+Whether a shape will come again is not known when it first does, so the choice is the ski-rental one: a new
+shape replays the cheapest captured shape that fits while the extra work it has cost so far, this micro-batch's
+included, stays within ``capture_cost`` of its own micro-batches; then it is captured. A shape that never comes
+back has cost at most its capture; one that does, at most twice the capture it should have had at once. A shape
+whose larger fit is nearly as cheap as itself may never need a graph of its own.
 
 The work of a shape is counted as its layer tokens plus ``head_share`` times its scored width: the LM head's
 multiply-adds per scored position as a share of the layers' per token (``head_share``; about 0.38 for
@@ -21,13 +25,11 @@ from typing import NamedTuple
 
 import torch
 
-# A shape is replayed in a larger one for its first three micro-batches and captured at its fourth; a larger shape
-# fits where it costs at most half again the micro-batch's own work (the next two packed-length buckets up). Over
-# the benchmark's lengths (bench/graph_shapes.py, seeds 0-3) that captures 40% fewer shapes in 6 or 20 steps and
-# 30% fewer in 100, for 3-8% more work in the first 20 steps and 1.2-1.5% over 100; a capture costs about two
-# replayed micro-batches, which the saved captures repay several times over (docs/performance.md).
-SIGHTINGS = 3
-MAX_EXTRA_WORK = 0.5
+# What capturing a shape costs, in replays of its own micro-batch: about two, measured on an H200 at 0.5B (0.25 s
+# a capture) and at 1.5B with LoRA (0.45 s against 0.23 s replayed; docs/performance.md). Over the benchmark's
+# lengths (bench/graph_shapes.py, seeds 0-9) that captures 40% fewer shapes than capturing a shape at its fourth
+# sighting did in steps 2-6 and 20 steps, for some 4-5% more work in the first 20 steps.
+CAPTURE_COST = 2.0
 
 
 class Shape(NamedTuple):
@@ -53,41 +55,40 @@ def head_share(model: torch.nn.Module) -> float:
 
 
 class ShapeReuse:
-    """Chooses the shape a micro-batch replays in: its own, or a captured larger one while its own is new."""
+    """Chooses the shape a micro-batch replays in: its own, or a captured larger one while that costs less in all
+    than capturing its own would (``capture_cost`` of its micro-batches; 0: every new shape captured at once)."""
 
-    def __init__(self, head_share: float, sightings: int | None = None, max_extra_work: float | None = None):
-        sightings = SIGHTINGS if sightings is None else sightings  # (the module's, read when the graphs start)
-        max_extra_work = MAX_EXTRA_WORK if max_extra_work is None else max_extra_work
-        for name, value in (("head_share", head_share), ("sightings", sightings), ("max_extra_work", max_extra_work)):
+    def __init__(self, head_share: float, capture_cost: float | None = None):
+        capture_cost = CAPTURE_COST if capture_cost is None else capture_cost  # (the module's, read at train begin)
+        for name, value in (("head_share", head_share), ("capture_cost", capture_cost)):
             if value < 0:
                 raise ValueError(f"{name} must be at least 0, got {value!r}")
         self.head_share = head_share
-        self.sightings = sightings
-        self.max_extra_work = max_extra_work
-        self._seen: Counter = Counter()
+        self.capture_cost = capture_cost
+        self._extra: Counter = Counter()  # (owner, shape) -> extra work its replays in larger shapes have cost
         self.reused = 0  # micro-batches replayed in a larger shape than their own
 
     def work(self, shape: Shape) -> float:
         return shape.length + self.head_share * shape.window
 
     def fits(self, captured: Shape, shape: Shape) -> bool:
-        """Whether ``shape``'s micro-batch can replay ``captured``'s graph at no more than the extra work allowed."""
+        """Whether ``shape``'s micro-batch can replay ``captured``'s graph."""
         return (captured.layout == shape.layout == "packed"
                 and (captured.rows, captured.entropy) == (shape.rows, shape.entropy)
-                and captured.length >= shape.length and captured.window >= shape.window
-                and self.work(captured) <= (1 + self.max_extra_work) * self.work(shape))
+                and captured.length >= shape.length and captured.window >= shape.window)
 
     def choose(self, owner: Hashable, shape: Shape, captured: Iterable[Shape]) -> Shape:
         """The shape to replay ``shape``'s micro-batch in, among ``owner``'s ``captured`` shapes: ``shape`` itself
-        when it is captured, or is to be captured now (nothing fits, or it has been seen ``sightings`` times)."""
+        when it is captured, or is to be captured now (nothing fits, or the extra work would pass its capture's)."""
         captured = list(captured)
         if shape in captured:
-            return shape
-        self._seen[owner, shape] += 1
-        if self._seen[owner, shape] > self.sightings:
             return shape
         larger = min((c for c in captured if self.fits(c, shape)), key=self.work, default=None)
         if larger is None:
             return shape
+        extra = self._extra[owner, shape] + self.work(larger) / self.work(shape) - 1
+        if extra > self.capture_cost:
+            return shape
+        self._extra[owner, shape] = extra
         self.reused += 1
         return larger
