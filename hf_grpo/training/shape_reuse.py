@@ -25,10 +25,11 @@ from typing import NamedTuple
 
 import torch
 
-# What capturing a shape costs, in replays of its own micro-batch: about two, measured on an H200 at 0.5B (0.25 s
-# a capture) and at 1.5B with LoRA (0.45 s against 0.23 s replayed; docs/performance.md). Over the benchmark's
-# lengths (bench/graph_shapes.py, seeds 0-9) that captures 40% fewer shapes than capturing a shape at its fourth
-# sighting did in steps 2-6 and 20 steps, for some 4-5% more work in the first 20 steps.
+# What capturing a shape costs, in replays of its own micro-batch. Measured on an H200 (docs/performance.md): about
+# two at 1.5B with LoRA (0.45 s a capture against 0.23 s a replayed micro-batch), four or more at 0.5B (0.28 s
+# against some 0.06 s). Two, the lower, captures no later than the cost says at either size. Over the benchmark's
+# lengths (bench/graph_shapes.py, seeds 0-9) it captures 40% fewer shapes in steps 2-6 and over 20 steps than
+# capturing a shape at its fourth micro-batch did, for 4-5% more work through the first 20 steps, 1% over 500.
 CAPTURE_COST = 2.0
 
 
