@@ -170,3 +170,30 @@ def test_a_lora_grpo_step_with_the_fused_forward_updates_as_peft_s(tmp_path):
     assert any(delta.abs().max() > 0 for name, delta in update.items() if "lora_" in name)
     for name, delta in update.items():
         assert torch.allclose(delta, want_update[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_compiled_training_layers_run_the_fused_forward_as_eager_peft():
+    from test_training_compile import batch, forward_backward
+
+    from hf_grpo.logprob_head import install_chunked_lm_head
+    from hf_grpo.training.compiled_layers import CompiledTrainingLayers
+
+    torch._dynamo.reset()
+    eager = lora_policy()
+    eager.get_base_model().activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    eager.train()
+    compiled = copy.deepcopy(eager)
+    for model in (eager, compiled):
+        install_chunked_lm_head(model.get_base_model(), temperature=1.0, chunk_rows=7, return_entropy=True)
+    lora_forward.install(compiled)
+    layers = CompiledTrainingLayers(backend="aot_eager_decomp_partition")
+    for seed, shape in enumerate([(4, 6, 5), (3, 9, 4)]):
+        inputs = batch(*shape, seed=seed)
+        want_logps, want_grads = forward_backward(eager, *inputs)
+        with layers.route(compiled.get_base_model()):
+            logps, grads = forward_backward(compiled, *inputs)
+        assert layers.compiles > 0
+        torch.testing.assert_close(logps, want_logps, rtol=1e-5, atol=1e-6)
+        assert grads.keys() == want_grads.keys() and any("lora_B" in name for name in grads)
+        for name, grad in want_grads.items():
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
