@@ -107,8 +107,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         head = dict(temperature=self.temperature, chunk_rows=self._oom_knobs["tensor_batch_size"],
                     cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32, padding_free_rows=self.args.padding_free)
         self._chunked_head_installed = install_chunked_lm_head(policy, return_entropy=True, **head)
-        why_not = "lora_fused_forward=False" if not self.args.lora_fused_forward else lora_forward.sharded_reason(self)
-        self.lora_fused_layers = 0 if why_not else lora_forward.install(policy)  # LoRA layers on the fused forward
+        # LoRA layers on the fused forward (not where ZeRO-3 or FSDP gathers the adapters' weights by module hooks)
+        fused = self.args.lora_fused_forward and self._sharding() is None
+        self.lora_fused_layers = lora_forward.install(policy) if fused else 0
         if self.ref_model is not None:
             # TRL has already wrapped the reference (a DeepSpeed engine under ZeRO): patch the module inside,
             # whose forward the wrapper calls.
@@ -298,11 +299,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     # ---- helpers -----------------------------------------------------------------------------
     def _compiled_training_layers(self, planned_steps: int) -> training_compile.CompiledTrainingLayers | None:
         """The compiled decoder layers of the scoring and training forwards (``compile_training``), or None."""
-        sharded = "ZeRO-3" if self._zero3_configured() else None
-        if self.is_fsdp_enabled:
-            sharded = "FSDP"
         compiled, reason = training_compile.choose(self.args.compile_training, self._scored_models(),
-                                                   self.accelerator.device, sharded, planned_steps)
+                                                   self.accelerator.device, self._sharding(), planned_steps)
         if self.accelerator.is_main_process and compiled is None and self.args.compile_training not in ("auto", "off"):
             logger.warning("compile_training=%r is not applied: %s", self.args.compile_training, reason)  # asked for
         elif self.accelerator.is_main_process:
@@ -397,6 +395,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             if choice is not None and self.accelerator.is_main_process:
                 logger.info("%s generation mirror: %s", choice.kind, choice)
         return None if self._mirror_choice is None else self._mirror_choice.mirror
+
+    def _sharding(self) -> str | None:
+        """What shards the policy's parameters across processes ("FSDP", "ZeRO-3"), or None."""
+        if self.is_fsdp_enabled:
+            return "FSDP"
+        return "ZeRO-3" if self._zero3_configured() else None
 
     def _zero3_configured(self) -> bool:
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)

@@ -133,15 +133,20 @@ def test_a_deep_copy_computes_with_its_own_adapters_and_uninstall_gives_peft_s_f
 
 
 def test_sharded_parameters_keep_peft_s_forward():
-    def trainer(fsdp=False, stage=None):
-        plugin = None if stage is None else SimpleNamespace(zero_stage=stage)
-        return SimpleNamespace(is_fsdp_enabled=fsdp, is_deepspeed_enabled=stage is not None,
-                               accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
+    # The trainer installs the fused forward only where _sharding() is None (hf_grpo/trainer.py).
+    from hf_grpo import GRPOTrainer
 
-    assert lora_forward.sharded_reason(trainer()) is None
-    assert lora_forward.sharded_reason(trainer(stage=2)) is None
-    assert lora_forward.sharded_reason(trainer(stage=3)) == "DeepSpeed ZeRO-3"
-    assert lora_forward.sharded_reason(trainer(fsdp=True)) == "FSDP"
+    def sharding(fsdp=False, stage=None):
+        plugin = None if stage is None else SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": stage}})
+        trainer = SimpleNamespace(is_fsdp_enabled=fsdp,
+                                  accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
+        trainer._zero3_configured = lambda: GRPOTrainer._zero3_configured(trainer)
+        return GRPOTrainer._sharding(trainer)
+
+    assert sharding() is None
+    assert sharding(stage=2) is None
+    assert sharding(stage=3) == "ZeRO-3"
+    assert sharding(fsdp=True) == "FSDP"
 
 
 def test_a_lora_grpo_step_with_the_fused_forward_updates_as_peft_s(tmp_path):

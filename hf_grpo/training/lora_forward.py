@@ -16,7 +16,8 @@ two agree to rounding (``tests/test_lora_forward.py``).
 Layers keep PEFT's own forward where it does more than this: DoRA or another variant, a bias on the adapter,
 ``fan_in_fan_out`` weights, several active adapters, adapters disabled or merged, mixed-batch ``adapter_names``,
 or inputs whose dtypes autocast would not bring together. Under ZeRO-3 or FSDP the adapters' weights are
-gathered by hooks on their modules, which a forward reading the weights directly would bypass: not installed.
+gathered by hooks on their modules, which a forward reading the weights directly would bypass: the trainer does
+not install it there.
 """
 
 from __future__ import annotations
@@ -37,13 +38,11 @@ def _lora_linear_class():
     return Linear
 
 
-def _static_reason(layer) -> str | None:
-    """Why ``layer`` keeps PEFT's forward whatever its state; None: it takes the fused one where it can."""
-    if type(layer) is not _lora_linear_class():  # subclasses (quantized bases, ...) compute otherwise
-        return f"{type(layer).__name__} is not peft's plain LoRA Linear"
-    if not isinstance(layer.get_base_layer(), torch.nn.Linear) or getattr(layer, "fan_in_fan_out", False):
-        return "its base layer is not a torch.nn.Linear in (out, in) layout"
-    return None
+def _takes_fused(module: torch.nn.Module, lora_linear: type) -> bool:
+    """Whether ``module`` is a layer the fused forward serves in some state: PEFT's plain LoRA ``Linear`` (not a
+    subclass: quantized bases compute otherwise) over a ``torch.nn.Linear`` in (out, in) layout."""
+    return (type(module) is lora_linear and isinstance(module.get_base_layer(), torch.nn.Linear)
+            and not getattr(module, "fan_in_fan_out", False))
 
 
 def _fast_adapter(layer, x: torch.Tensor, args: tuple, kwargs: dict) -> str | None:
@@ -79,24 +78,15 @@ def fused_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return fused.view(out.shape)
 
 
-def sharded_reason(trainer) -> str | None:
-    """Why the trainer's policy keeps PEFT's forward because of how its parameters are held; None: it need not."""
-    if getattr(trainer, "is_fsdp_enabled", False):
-        return "FSDP"
-    plugin = getattr(getattr(trainer.accelerator, "state", None), "deepspeed_plugin", None)
-    if getattr(trainer, "is_deepspeed_enabled", False) and plugin is not None and plugin.zero_stage == 3:
-        return "DeepSpeed ZeRO-3"
-    return None
-
-
 def install(model: torch.nn.Module) -> int:
     """Give every plain LoRA Linear of ``model`` the fused forward (idempotent); returns how many layers have it.
     The forward is a method bound to its layer, so a deep copy of the model binds it to the copy's layer."""
-    if _lora_linear_class() is None:
+    lora_linear = _lora_linear_class()
+    if lora_linear is None:
         return 0
     count = 0
     for module in model.modules():
-        if not getattr(module, INSTALLED, False) and _static_reason(module) is None:
+        if not getattr(module, INSTALLED, False) and _takes_fused(module, lora_linear):
             module.forward = types.MethodType(fused_forward, module)
             setattr(module, INSTALLED, True)
         count += bool(getattr(module, INSTALLED, False))
