@@ -114,7 +114,9 @@ def install_chunked_lm_head(
         # MoE router logits are scored against the padded rows' mask (TRL's aux loss): those stay padded
         if (padding_free_rows and scored_window is None and not args and shift_labels is None
                 and kwargs.get("attention_mask") is not None and not kwargs.get("output_router_logits")):
-            packed = padding_free.pack_rows(kwargs["input_ids"], kwargs["attention_mask"])
+            # rows of one prompt share its states: the columns before the first scored one (TRL's prompt)
+            shared = (labels != -100).any(dim=0).int().argmax() if padding_free.shares_prompts(self) else 0
+            packed = padding_free.pack_rows(kwargs["input_ids"], kwargs["attention_mask"], shared)
             packed = packed if packed is not None and padding_free.packable(self, packed) else None
         if scored_window is not None:
             # Static shapes, for a CUDA graph (hf_grpo.training.graphs): every position of the last

@@ -96,8 +96,9 @@ def test_the_rollouts_scoring_replays_a_larger_shape_of_the_same_model_only():
 def test_a_packed_micro_batch_built_at_a_larger_shape_scores_as_its_own():
     model = checkpointed_model()
     own = graph_inputs.packed(model, *SMALL, COMPLETION, pad_token_id=0)
-    larger = graph_inputs.packed(model, *SMALL, COMPLETION, pad_token_id=0, fit=lambda length, window: (320, 128))
-    assert (larger.key, larger.window) == (("packed", 320), 128)
+    larger = graph_inputs.packed(model, *SMALL, COMPLETION, pad_token_id=0,
+                                 fit=lambda length, shared, window: (320, shared, 128))
+    assert (larger.key, larger.window) == (("packed", 320, 0), 128)
     assert larger.inputs["input_ids"].shape == (1, 320) and larger.inputs["labels"].shape == (1, 128)
     assert larger.inputs["cu_seq_lens"].tolist()[-2:] == [236, 320]  # one longer padding row
     score = windowed_score(model)
@@ -105,12 +106,13 @@ def test_a_packed_micro_batch_built_at_a_larger_shape_scores_as_its_own():
     with torch.no_grad():
         torch.testing.assert_close(larger.spread(score(larger.inputs, 128)[0]), own.spread(score(own.inputs, 64)[0]),
                                    rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="length 256 and scored width 64 cannot be built at length 192"):
-        graph_inputs.packed(model, *SMALL, COMPLETION, pad_token_id=0, fit=lambda length, window: (192, 64))
+    with pytest.raises(ValueError, match=r"length 256, 0 shared places and scored width 64 cannot be built as \(192"):
+        graph_inputs.packed(model, *SMALL, COMPLETION, pad_token_id=0,
+                            fit=lambda length, shared, window: (192, shared, 64))
 
 
-def shape(length, window=64, rows=8, entropy=False, layout="packed"):
-    return Shape(rows, layout, length, window, entropy)
+def shape(length, window=64, rows=8, entropy=False, layout="packed", shared=0):
+    return Shape(rows, layout, length, shared, window, entropy)
 
 
 def test_the_cheapest_captured_shape_that_fits_is_chosen():

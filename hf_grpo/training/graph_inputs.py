@@ -68,7 +68,7 @@ def padded(input_ids, attention_mask, completion_width: int, pad_token_id: int) 
     ids, mask, positions = pad_to_bucket(input_ids, attention_mask, completion_width, pad_token_id)
     window = bucket(completion_width)
     inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
-    return StaticBatch(("padded", ids.shape[1] - window), inputs, window, lambda values: values[:, :completion_width])
+    return StaticBatch(("padded", ids.shape[1] - window, 0), inputs, window, lambda values: values[:, :completion_width])
 
 
 def scored_width(scored: int) -> int:
@@ -77,18 +77,22 @@ def scored_width(scored: int) -> int:
 
 
 def packed(model: torch.nn.Module, input_ids, attention_mask, completion_width: int, pad_token_id: int,
-           fit: Callable[[int, int], tuple[int, int]] | None = None) -> StaticBatch | None:
+           fit: Callable[[int, int, int], tuple[int, int, int]] | None = None) -> StaticBatch | None:
     """The micro-batch's rows packed into one sequence of a bucketed length; None where the rows cannot be packed
     for ``model`` (a row's tokens not one run, an empty row, a row longer than the model's attention window:
-    ``padding_free.packable``), which then go padded. Two device-to-host copies: the row lengths, the number of
-    scored tokens. ``fit(length, window)`` may give a larger packed length and scored width to build instead
-    (those of a captured graph: ``hf_grpo.training.shape_reuse``)."""
-    rows = padding_free.pack_rows(input_ids, attention_mask)
+    ``padding_free.packable``), which then go padded. Rows of one prompt share its tokens
+    (``padding_free.shares_prompts``): their keys are gathered into a sequence ``shared`` places longer (a bucket
+    of the tokens sharing saved), whose end, after every row's keys, is the padding row's. Two device-to-host
+    copies: the row lengths, the number of scored tokens. ``fit(length, shared, window)`` may give a larger shape
+    to build instead (a captured graph's: ``hf_grpo.training.shape_reuse``)."""
+    first = input_ids.shape[1] - completion_width
+    rows = padding_free.pack_rows(input_ids, attention_mask, first if padding_free.shares_prompts(model) else 0)
     if rows is None or not padding_free.packable(model, rows):
         return None
     tokens = rows.tokens
+    keys = tokens if rows.key_index is None else rows.key_index.numel()
     length = bucket(tokens + 1, PACKED_BUCKETS_PER_OCTAVE)  # at least one padding token: a padding row, never empty
-    first = input_ids.shape[1] - completion_width
+    shared = bucket(keys - tokens, PACKED_BUCKETS_PER_OCTAVE) if keys > tokens else 0
     before = torch.arange(first - 1, first - 1 + completion_width, device=input_ids.device)
     # Label column j of the completion is predicted by the state of the token before it.
     labels = input_ids[:, first:].masked_fill(attention_mask[:, first:] == 0, -100)
@@ -100,11 +104,12 @@ def packed(model: torch.nn.Module, input_ids, attention_mask, completion_width: 
     scored = row_of.numel()
     window = scored_width(scored)
     if fit is not None:
-        natural = length, window
-        length, window = fit(length, window)
-        if length < natural[0] or window < natural[1]:
-            raise ValueError(f"a packed micro-batch of length {natural[0]} and scored width {natural[1]} cannot "
-                             f"be built at length {length} and width {window}: both must be at least its own")
+        natural = length, shared, window
+        length, shared, window = fit(*natural)
+        if any(built < own for built, own in zip((length, shared, window), natural)):
+            raise ValueError(f"a packed micro-batch of length {natural[0]}, {natural[1]} shared places and scored "
+                             f"width {natural[2]} cannot be built as ({length}, {shared}, {window}): each must be "
+                             "at least its own")
     ids = torch.nn.functional.pad(rows.input_ids, (0, length - tokens), value=pad_token_id)
     positions = torch.cat([rows.position_ids[0], torch.arange(length - tokens, device=ids.device)]).unsqueeze(0)
     ends = torch.tensor([length], dtype=torch.int32)
@@ -118,12 +123,23 @@ def packed(model: torch.nn.Module, input_ids, attention_mask, completion_width: 
         "window_index": places.unsqueeze(0),
         "labels": torch.nn.functional.pad(labels[row_of, column_of], (0, window - scored), value=-100).unsqueeze(0),
     }
+    if shared:
+        # The padding row's keys: its own tokens, then its last token again up to the bucket, so that it has at
+        # least as many keys as queries (each of its queries sees one key at least; it is never scored).
+        key_index = torch.arange(tokens, device=ids.device) if rows.key_index is None else rows.key_index
+        cu_key_lens_host = rows.cu_seq_lens_host if rows.cu_key_lens_host is None else rows.cu_key_lens_host
+        key_ends = torch.tensor([length + shared], dtype=torch.int32)
+        inputs["key_index"] = torch.cat([key_index, torch.arange(tokens, length, device=ids.device),
+                                         key_index.new_full((length + shared - keys - (length - tokens),),
+                                                            length - 1)])
+        inputs["cu_key_lens_host"] = torch.cat([cu_key_lens_host, key_ends])
+        inputs["cu_key_lens"] = inputs["cu_key_lens_host"].to(ids.device)
 
     def spread(values: torch.Tensor) -> torch.Tensor:
         return values.new_zeros(input_ids.shape[0], completion_width).index_put((row_of, column_of),
                                                                                 values[0, :scored])
 
-    return StaticBatch(("packed", length), inputs, window, spread)
+    return StaticBatch(("packed", length, shared), inputs, window, spread)
 
 
 def model_kwargs(inputs: dict[str, torch.Tensor], window: int) -> dict:
@@ -132,7 +148,8 @@ def model_kwargs(inputs: dict[str, torch.Tensor], window: int) -> dict:
     if "cu_seq_lens" in inputs:
         ids = inputs["input_ids"]
         rows = padding_free.PackedRows(ids, inputs["position_ids"], None, (), inputs["cu_seq_lens"],
-                                       inputs["cu_seq_lens_host"], ids.shape[1])
+                                       inputs["cu_seq_lens_host"], ids.shape[1], inputs.get("key_index"),
+                                       inputs.get("cu_key_lens"), inputs.get("cu_key_lens_host"))
         return {"input_ids": ids, "labels": inputs["labels"], "packed_rows": rows,
                 "window_index": inputs["window_index"], "fused_lm_head": True, "scored_window": window}
     ids, mask = inputs["input_ids"], inputs["attention_mask"]

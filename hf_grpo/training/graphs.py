@@ -245,7 +245,8 @@ class TrainingGraphs:
         return batch.spread(logps), (batch.spread(entropy) if entropy is not None else None)
 
     def static_inputs(self, input_ids, attention_mask, completion_width: int,
-                      fit: Callable[[int, int], tuple[int, int]] | None = None) -> graph_inputs.StaticBatch:
+                      fit: Callable[[int, int, int], tuple[int, int, int]] | None = None
+                      ) -> graph_inputs.StaticBatch:
         """A micro-batch in the run's static layout (``graph_inputs``); packed, at the length and scored width
         ``fit`` gives (see ``graph_inputs.packed``)."""
         if self.packed:
@@ -291,12 +292,14 @@ class TrainingGraphs:
 
         return score_rows
 
-    def _fit(self, owner, rows: int, entropy: bool, captured: Callable) -> Callable[[int, int], tuple[int, int]]:
-        """``graph_inputs.packed``'s ``fit`` for a micro-batch of ``rows`` rows: the length and scored width of the
-        captured shape of ``owner`` (the training table, or a scoring model's) it replays in (``shape_reuse``)."""
-        def fit(length: int, window: int) -> tuple[int, int]:
-            chosen = self.reuse.choose(owner, Shape(rows, "packed", length, window, entropy), captured())
-            return chosen.length, chosen.window
+    def _fit(self, owner, rows: int, entropy: bool,
+             captured: Callable) -> Callable[[int, int, int], tuple[int, int, int]]:
+        """``graph_inputs.packed``'s ``fit`` for a micro-batch of ``rows`` rows: the length, shared places and
+        scored width of the captured shape of ``owner`` (the training table, or a scoring model's) it replays in
+        (``shape_reuse``)."""
+        def fit(length: int, shared: int, window: int) -> tuple[int, int, int]:
+            chosen = self.reuse.choose(owner, Shape(rows, "packed", length, shared, window, entropy), captured())
+            return chosen.length, chosen.shared, chosen.window
 
         return fit
 

@@ -54,35 +54,97 @@ class PackedRows:
     input_ids: torch.Tensor  # [1, T]
     position_ids: torch.Tensor  # [1, T], 0.. within each row
     index: torch.Tensor  # [B, L], packed position of each (row, column); meaningless where padded
-    bounds: tuple[tuple[int, int], ...]  # (start, end) of each row in the packed sequence
+    bounds: tuple[tuple[int, int], ...]  # (start, end) of each row's segment in the packed sequence
     cu_seq_lens: torch.Tensor  # [B + 1] int32, the bounds as flash attention takes them
     cu_seq_lens_host: torch.Tensor  # the same on the host, read by the attention op without a device sync
     longest: int  # tokens of the longest row
+    # Rows that repeat an earlier row's prompt (``shared_prefix``): the prompt is packed once, with the first of
+    # them, and a later row's segment holds only its own tokens. Its attention reads the keys of its whole row,
+    # gathered: ``key_index`` lists the packed place of every row's every token, rows one after another, as
+    # packing without sharing would lay them out; ``cu_key_lens`` bounds each row there. None: nothing shared.
+    key_index: torch.Tensor | None = None  # [K]
+    cu_key_lens: torch.Tensor | None = None  # [B + 1] int32
+    cu_key_lens_host: torch.Tensor | None = None
 
     @property
     def tokens(self) -> int:
         return self.input_ids.shape[1]
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows | None:
+# Rows that repeat a prompt run its tokens once (``pack_rows``'s ``shared_prefix``). A switch for benchmarks
+# (bench/grpo_realistic.py --share_prompts off); the result is the same either way, to rounding.
+SHARE_PROMPTS = True
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor,
+              shared_prefix: int | torch.Tensor = 0) -> PackedRows | None:
     """The packed layout of a padded batch, or None where a row's tokens are not one contiguous run (a mask
-    with holes) or a row is empty: those batches keep the padded forward."""
+    with holes) or a row is empty: those batches keep the padded forward.
+
+    Rows whose first ``shared_prefix`` columns are equal (tokens and mask; GRPO's completions of one prompt) share
+    those tokens: a causal model computes the same states for them in every such row, so they are packed and run
+    once, and each later row attends to them through ``key_index``. Exact in the math; what changes is only that
+    the prompt's gradient is summed over its rows inside the backward rather than in the weights' gradients.
+    ``shared_prefix`` may be a 0-d device tensor (no host read)."""
     real = attention_mask.bool()  # [B, L]
     columns = torch.arange(real.shape[1], device=real.device)
     counts = real.sum(dim=1)
     first = torch.where(real, columns, real.shape[1]).amin(dim=1)
     last = torch.where(real, columns, -1).amax(dim=1)
+    stats = [counts, last - first + 1]
+    share = SHARE_PROMPTS and input_ids.shape[0] > 1 and not (isinstance(shared_prefix, int) and shared_prefix < 1)
+    if share:
+        prefix = real & (columns < shared_prefix)  # [B, L]
+        # the first row with the same prefix (padding never equals a token: -1), and the prefix's real tokens
+        _, group = torch.unique(input_ids.masked_fill(~prefix, -1).masked_fill(~(columns < shared_prefix), -2),
+                                dim=0, return_inverse=True)
+        rows = torch.arange(real.shape[0], device=real.device)
+        leader = torch.full_like(rows, real.shape[0]).scatter_reduce(0, group, rows, "amin")[group]
+        stats += [leader, prefix.sum(dim=1)]
     # one device-to-host copy: the row lengths are needed on the host for the per-row attention bounds
-    counts_host, runs_host = torch.stack([counts, last - first + 1]).tolist()
+    counts_host, runs_host, *sharing = torch.stack(stats).tolist()
     if min(counts_host) == 0 or counts_host != runs_host:
         return None
-    index = real.flatten().cumsum(0).view_as(real) - 1  # [B, L]
-    position_ids = (real.cumsum(dim=1) - 1)[real]  # [T]
-    ends = torch.tensor(counts_host).cumsum(0).tolist()
-    bounds = tuple(zip([0] + ends[:-1], ends))
+    followers = [r for r, (lead, shared) in enumerate(zip(*sharing)) if lead != r and shared > 0] if share else []
+    position_ids = real.cumsum(dim=1) - 1  # [B, L]
+    if not followers:
+        index = real.flatten().cumsum(0).view_as(real) - 1  # [B, L]
+        ends = torch.tensor(counts_host).cumsum(0).tolist()
+        cu_seq_lens_host = torch.tensor([0] + ends, dtype=torch.int32)
+        return PackedRows(input_ids[real].unsqueeze(0), position_ids[real].unsqueeze(0), index,
+                          tuple(zip([0] + ends[:-1], ends)), cu_seq_lens_host.to(real.device), cu_seq_lens_host,
+                          max(counts_host))
+    leader_host, shared_host = sharing
+    is_follower = torch.zeros(real.shape[0], dtype=torch.bool)
+    is_follower[followers] = True
+    borrowed = is_follower.to(real.device)[:, None] & prefix  # the prefix tokens a row reads from its leader
+    own = real & ~borrowed
+    own_index = own.flatten().cumsum(0).view_as(own) - 1
+    index = torch.where(borrowed, own_index[torch.tensor(leader_host, device=real.device)], own_index)
+    own_counts = [count - (shared if r in followers else 0)
+                  for r, (count, shared) in enumerate(zip(counts_host, shared_host))]
+    ends = torch.tensor(own_counts).cumsum(0).tolist()
     cu_seq_lens_host = torch.tensor([0] + ends, dtype=torch.int32)
-    return PackedRows(input_ids[real].unsqueeze(0), position_ids.unsqueeze(0), index, bounds,
-                      cu_seq_lens_host.to(real.device), cu_seq_lens_host, max(counts_host))
+    cu_key_lens_host = torch.tensor([0, *torch.tensor(counts_host).cumsum(0).tolist()], dtype=torch.int32)
+    return PackedRows(input_ids[own].unsqueeze(0), position_ids[own].unsqueeze(0), index,
+                      tuple(zip([0] + ends[:-1], ends)), cu_seq_lens_host.to(real.device), cu_seq_lens_host,
+                      max(counts_host), index[real], cu_key_lens_host.to(real.device), cu_key_lens_host)
+
+
+def shares_prompts(model: torch.nn.Module) -> bool:
+    """Whether rows of one prompt may share its states in ``model``'s forward now: not while a dropout draws
+    (training mode and some dropout's probability above 0), where each row's copy would draw its own mask."""
+    if not SHARE_PROMPTS:
+        return False
+    if not model.training:
+        return True
+    drops = model.__dict__.get("_hf_grpo_draws_dropout")
+    if drops is None:
+        drops = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+        config = getattr(model, "config", None)
+        drops = drops or bool(config is not None and getattr(config.get_text_config(), "attention_dropout", 0.0))
+        model.__dict__["_hf_grpo_draws_dropout"] = drops
+    return not drops
 
 
 def sliding_window(config) -> int | None:
@@ -120,27 +182,39 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _attend(query, key, value, cu_seq_lens, ends: list[int], scale: float):
+def _attend(query, key, value, cu_seq_lens, ends: list[int], scale: float, key_index=None, cu_key_lens=None,
+            key_ends: list[int] | None = None):
     """Causal attention within each packed row: query ``[1, Hq, T, D]``, key/value ``[1, Hkv, T, D]`` ->
-    ``[1, T, Hq, D]``, as transformers' attention functions return it."""
+    ``[1, T, Hq, D]``, as transformers' attention functions return it. With ``key_index`` (rows sharing a
+    prompt: ``PackedRows``) a row's queries are its own segment's tokens and its keys those ``key_index`` gathers
+    between ``cu_key_lens``: the row's last queries against all its keys (causal from the bottom right)."""
+    if key_index is not None:
+        key, value = key.index_select(2, key_index), value.index_select(2, key_index)
+    else:
+        cu_key_lens, key_ends = cu_seq_lens, ends
     if varlen_attn is not None and query.is_cuda and query.dtype in (torch.float16, torch.bfloat16):
         # The packed length bounds every row from above (flash attention's blocks past a row's end return at
         # once): nothing read on the host, so a CUDA graph replays it with other row bounds (graphs).
-        return _varlen_attention(query, key, value, cu_seq_lens, query.shape[2], scale)
+        return _varlen_attention(query, key, value, cu_seq_lens, cu_key_lens, scale)
     if query.is_cuda and torch.cuda.is_current_stream_capturing():  # the graph would keep this batch's bounds
         raise RuntimeError("packed attention is captured in a CUDA graph only through variable-length flash "
                            f"attention (fp16/bf16 on CUDA, torch >= 2.9); here dtype {query.dtype}")
     grouped = query.shape[1] != key.shape[1]
-    pieces = [
-        F.scaled_dot_product_attention(query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-                                       is_causal=True, scale=scale, enable_gqa=grouped)
-        for start, end in zip(ends, ends[1:])
-    ]
+    pieces = []
+    for start, end, key_start, key_end in zip(ends, ends[1:], key_ends, key_ends[1:]):
+        queries, keys = end - start, key_end - key_start
+        # a row's queries are its last tokens: query i sees the keys up to its own place, keys - queries + i
+        mask = (None if queries == keys else
+                torch.ones(queries, keys, dtype=torch.bool, device=query.device).tril(keys - queries))
+        pieces.append(F.scaled_dot_product_attention(
+            query[:, :, start:end], key[:, :, key_start:key_end], value[:, :, key_start:key_end],
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=grouped))
     return torch.cat(pieces, dim=2).transpose(1, 2)
 
 
-def _varlen_attention(query, key, value, cu_seq_lens, longest: int, scale: float):
-    """One variable-length flash-attention call over every packed row, ``[1, T, Hq, D]``."""
+def _varlen_attention(query, key, value, cu_seq_lens, cu_key_lens, scale: float):
+    """One variable-length flash-attention call over every packed row, ``[1, T, Hq, D]``. Flash attention aligns
+    causality to the bottom right where a row has more keys than queries, as ``_attend`` needs."""
     keywords = {"scale": scale}
     keywords.update({"window_size": (-1, 0)} if "window_size" in _VARLEN_KEYWORDS else {"is_causal": True})
     groups = query.shape[1] // key.shape[1]
@@ -149,8 +223,12 @@ def _varlen_attention(query, key, value, cu_seq_lens, longest: int, scale: float
     elif groups > 1:
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
     out = varlen_attn(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
-                       cu_seq_lens, cu_seq_lens, longest, longest, **keywords)  # [T, Hq, D]
+                      cu_seq_lens, cu_key_lens, query.shape[2], key.shape[2], **keywords)  # [T, Hq, D]
     return out.unsqueeze(0)
+
+
+def _host_ends(cu_lens_host: torch.Tensor | None) -> list[int] | None:
+    return None if cu_lens_host is None else cu_lens_host.tolist()
 
 
 # One opaque op to torch.compile (hf_grpo.training.compiled_layers): the row bounds are read on the host inside it (off
@@ -158,12 +236,16 @@ def _varlen_attention(query, key, value, cu_seq_lens, longest: int, scale: float
 # checkpointing's recompute is not allowed). Its backward recomputes the attention: it saves only q, k, v.
 @torch.library.custom_op("hf_grpo::packed_attention", mutates_args=())
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seq_lens: torch.Tensor,
-                     cu_seq_lens_host: torch.Tensor, scale: float) -> torch.Tensor:
-    return _attend(query, key, value, cu_seq_lens, cu_seq_lens_host.tolist(), scale).contiguous()
+                     cu_seq_lens_host: torch.Tensor, scale: float, key_index: torch.Tensor | None = None,
+                     cu_key_lens: torch.Tensor | None = None,
+                     cu_key_lens_host: torch.Tensor | None = None) -> torch.Tensor:
+    return _attend(query, key, value, cu_seq_lens, cu_seq_lens_host.tolist(), scale, key_index, cu_key_lens,
+                   _host_ends(cu_key_lens_host)).contiguous()
 
 
 @packed_attention.register_fake
-def _(query, key, value, cu_seq_lens, cu_seq_lens_host, scale):
+def _(query, key, value, cu_seq_lens, cu_seq_lens_host, scale, key_index=None, cu_key_lens=None,
+      cu_key_lens_host=None):
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
 
 
@@ -178,29 +260,33 @@ def _autograd_inside_op():
 
 @torch.library.custom_op("hf_grpo::packed_attention_backward", mutates_args=())
 def packed_attention_backward(grad: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                              cu_seq_lens: torch.Tensor, cu_seq_lens_host: torch.Tensor,
-                              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                              cu_seq_lens: torch.Tensor, cu_seq_lens_host: torch.Tensor, scale: float,
+                              key_index: torch.Tensor | None = None, cu_key_lens: torch.Tensor | None = None,
+                              cu_key_lens_host: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     inputs = [t.detach().requires_grad_() for t in (query, key, value)]
     with _autograd_inside_op():
-        out = _attend(*inputs, cu_seq_lens, cu_seq_lens_host.tolist(), scale)
+        out = _attend(*inputs, cu_seq_lens, cu_seq_lens_host.tolist(), scale, key_index, cu_key_lens,
+                      _host_ends(cu_key_lens_host))
         # contiguous, as the fake below says: a compiled backward lays out what follows by the fake's strides
         return tuple(g.contiguous() for g in torch.autograd.grad(out, inputs, grad))
 
 
 @packed_attention_backward.register_fake
-def _(grad, query, key, value, cu_seq_lens, cu_seq_lens_host, scale):
+def _(grad, query, key, value, cu_seq_lens, cu_seq_lens_host, scale, key_index=None, cu_key_lens=None,
+      cu_key_lens_host=None):
     return tuple(t.new_empty(t.shape) for t in (query, key, value))
 
 
 def _save_inputs(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[:5])
+    ctx.save_for_backward(*inputs[:5], *inputs[6:])
     ctx.scale = inputs[5]
 
 
 def _backward(ctx, grad):
-    query, key, value, cu_seq_lens, cu_seq_lens_host = ctx.saved_tensors
-    grads = packed_attention_backward(grad, query, key, value, cu_seq_lens, cu_seq_lens_host, ctx.scale)
-    return (*grads, None, None, None)
+    query, key, value, cu_seq_lens, cu_seq_lens_host, *keys = ctx.saved_tensors
+    grads = packed_attention_backward(grad, query, key, value, cu_seq_lens, cu_seq_lens_host, ctx.scale, *keys)
+    return (*grads, None, None, None, None, None, None)
 
 
 packed_attention.register_autograd(_backward, setup_context=_save_inputs)
@@ -223,8 +309,8 @@ def _route_packed(original):
             # the autocast dtype, and the op's backward (outside autocast) would meet the mixed dtypes.
             dtype = torch.get_autocast_dtype(device)
             query, key, value = (t.to(dtype) for t in (query, key, value))
-        return packed_attention(query, key, value, packed_rows.cu_seq_lens, packed_rows.cu_seq_lens_host,
-                                scale), None
+        return packed_attention(query, key, value, packed_rows.cu_seq_lens, packed_rows.cu_seq_lens_host, scale,
+                                packed_rows.key_index, packed_rows.cu_key_lens, packed_rows.cu_key_lens_host), None
 
     attention.routes_packed_rows = True
     return attention

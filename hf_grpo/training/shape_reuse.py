@@ -39,6 +39,7 @@ class Shape(NamedTuple):
     rows: int
     layout: str
     length: int  # packed: the sequence's length; padded: the prompt part's width
+    shared: int  # packed: the places rows sharing a prompt read again (graph_inputs.packed); padded: 0
     window: int
     entropy: bool
 
@@ -76,7 +77,8 @@ class ShapeReuse:
         """Whether ``shape``'s micro-batch can replay ``captured``'s graph."""
         return (captured.layout == shape.layout == "packed"
                 and (captured.rows, captured.entropy) == (shape.rows, shape.entropy)
-                and captured.length >= shape.length and captured.window >= shape.window)
+                and captured.length >= shape.length and captured.shared >= shape.shared
+                and captured.window >= shape.window)
 
     def choose(self, owner: Hashable, shape: Shape, captured: Iterable[Shape]) -> Shape:
         """The shape to replay ``shape``'s micro-batch in, among ``owner``'s ``captured`` shapes: ``shape`` itself
