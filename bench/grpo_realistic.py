@@ -332,6 +332,11 @@ def parse_args(argv=None):
                         help="hf_grpo only: a capture's cost in replays of its micro-batch, up to which a new packed "
                         "shape replays captured larger ones (hf_grpo.training.shape_reuse; 0: none; default: the "
                         "module's)")
+    parser.add_argument("--share_prompts", choices=["on", "off"], default="on",
+                        help="hf_grpo only: packed rows of one prompt run its tokens once (off: every row whole)")
+    parser.add_argument("--group_prompts", choices=["on", "off"], default="on",
+                        help="hf_grpo only: a prompt's rows in the same micro-batches where the step stays the same "
+                        "(hf_grpo.training.prompt_groups; off: TRL's shuffled rows)")
     parser.add_argument("--phases", action="store_true",
                         help="time each step's phases (bench/phase_timer.py; syncs the device at every boundary)")
     parser.add_argument("--seed", type=int, default=0)
@@ -428,6 +433,10 @@ def main(argv=None) -> int:
             from hf_grpo.training import shape_reuse
 
             shape_reuse.CAPTURE_COST = args.shape_reuse_capture_cost  # read when the graphs start, at train begin
+        from hf_grpo.training import padding_free, prompt_groups
+
+        padding_free.SHARE_PROMPTS = args.share_prompts == "on"
+        prompt_groups.GROUP_PROMPTS = args.group_prompts == "on"
     elif args.cudnn_attention != "default":
         torch.backends.cuda.enable_cudnn_sdp(args.cudnn_attention == "on")
     config = GRPOConfig(**common)
@@ -519,6 +528,8 @@ def main(argv=None) -> int:
                                          "capture_cost", None),
         generation_mirror=str(getattr(trainer, "_mirror_choice", None)) if args.impl == "hf_grpo" else None,
         lora_fused_layers=getattr(trainer, "lora_fused_layers", None),
+        share_prompts=args.share_prompts == "on" if args.impl == "hf_grpo" else None,
+        prompt_grouping=getattr(trainer, "_prompt_grouping", None),
         checkpointing=bool(getattr(trainer.args, checkpointing_field)),
         tensor_batch_size=args.tensor_batch_size if args.impl == "hf_grpo" else None,
         per_device_generation_batch_size=(trainer.args.per_device_generation_batch_size

@@ -19,7 +19,8 @@ Each is thin and calls TRL's own code wherever it can:
 - the policy's and reference's ``forward`` are patched after TRL's ``add_fused_lm_head`` so the
   log-softmax runs ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
 
-Also: ``_prepare_inputs`` (TRL's, calls it and counts the micro-batch's tokens), TRL's ``_tokenize_prompts``
+Also: ``_prepare_inputs`` (TRL's, calls it, puts a prompt's rows into the same micro-batches where the step's
+gradient stays the same, ``hf_grpo.training.prompt_groups``, and counts the micro-batch's tokens), TRL's ``_tokenize_prompts``
 called once over the training prompts to size the ``cuda_graph`` cache for the run (``_longest_prompt``; not with
 ``environment_factory``, whose prompts only batches can tokenize), the public ``training_step`` (time accounting;
 with ``compile_training`` the decoder layers run compiled inside it, ``hf_grpo.training.compiled_layers``, lifted
@@ -47,7 +48,7 @@ import trl
 from tqdm.auto import tqdm
 from trl.models import unwrap_model_for_generation
 
-from .training import compiled_layers as training_compile, graphs as training_graphs, lora_forward
+from .training import compiled_layers as training_compile, graphs as training_graphs, lora_forward, prompt_groups
 from .checks import inputs as checks
 from .checks import output_dirs
 from .config import GRPOConfig
@@ -117,6 +118,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             install_chunked_lm_head(reference, return_entropy=False, **head)
         self._train_layers: training_compile.CompiledTrainingLayers | None = None  # decided at train begin
         self._train_graphs: training_graphs.TrainingGraphs | None = None  # likewise
+        self._prompt_grouping: str | None = None  # "on", or why a prompt's rows keep TRL's shuffle; decided once
         self.add_callback(RunCallbacks(self))
         self.add_callback(autosize.SaveSizesCallback())
 
@@ -210,7 +212,17 @@ class GRPOTrainer(trl.GRPOTrainer):
         return token_budget.packed_loss(self.accelerator, model, inputs, budget, self.loss_type, compute)
 
     def _prepare_inputs(self, generation_batch):
+        buffered = self._buffered_inputs
         inputs = super()._prepare_inputs(generation_batch)
+        if self.model.training and self._buffered_inputs is not buffered:  # a new rollout, split by TRL
+            # a prompt's rows in the same micro-batches, where the step's gradient stays the same (prompt_groups)
+            if self._prompt_grouping is None:
+                self._prompt_grouping = prompt_groups.unavailable_reason(self) or "on"
+                logger.info("micro-batches: a prompt's rows grouped: %s", self._prompt_grouping)
+            regrouped = prompt_groups.regroup(self._buffered_inputs) if self._prompt_grouping == "on" else None
+            if regrouped is not None:
+                self._buffered_inputs = regrouped
+                inputs = regrouped[self._step % self.args.steps_per_generation]
         self._last_micro_batch_tokens = int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
         return inputs
 

@@ -1,0 +1,80 @@
+"""A prompt's completions trained in the same micro-batches, where that leaves the step's gradient as it is.
+
+Packed rows that repeat a prompt run its tokens once (``padding_free.pack_rows``), but only within a micro-batch,
+and TRL shuffles the rows of a generation batch before it splits them into micro-batches: with 8 completions a
+prompt and micro-batches of 8 rows, a micro-batch holds some 3.7 prompts instead of one. Where that split cannot
+change the step, the rows are ordered by prompt before the split:
+
+* every micro-batch of a generation batch goes into one optimizer step (``steps_per_generation`` equal to
+  ``gradient_accumulation_steps``), so the step's gradient is the sum over all of them;
+* the loss normalizes each micro-batch by what does not depend on which rows it holds (its row count, or the
+  generation batch's tokens: ``ORDER_FREE_LOSSES``; not ``bnpo``'s per-micro-batch tokens), and nothing else is
+  computed per micro-batch (the entropy mask's quantile, the entropy bonus's mean, the MoE auxiliary loss).
+
+Then the summed gradient is the same up to the order of its additions. A prompt's rows keep TRL's shuffled order
+among themselves, and prompts come in the order of their first row in it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# TRL 1.16's loss types whose micro-batch normalizer is its row count or the generation batch's token count
+ORDER_FREE_LOSSES = ("grpo", "sapo", "dr_grpo", "dapo", "cispo", "luspo")
+# A switch for benchmarks (bench/grpo_realistic.py --group_prompts off)
+GROUP_PROMPTS = True
+
+
+def unavailable_reason(trainer) -> str | None:
+    """Why this run's micro-batches keep TRL's shuffled rows; None when a prompt's rows may go together."""
+    args = trainer.args
+    if not GROUP_PROMPTS:
+        return "grouping turned off (hf_grpo.training.prompt_groups.GROUP_PROMPTS)"
+    graphs = getattr(trainer, "_train_graphs", None)
+    if not (args.padding_free is True or (graphs is not None and graphs.packed and graphs.failure is None)):
+        return "rows are scored padded, where they share nothing"
+    if args.steps_per_generation != args.gradient_accumulation_steps:
+        return (f"steps_per_generation={args.steps_per_generation} differs from gradient_accumulation_steps="
+                f"{args.gradient_accumulation_steps}: the micro-batches go into several optimizer steps")
+    if trainer.loss_type not in ORDER_FREE_LOSSES:
+        return f"loss_type={trainer.loss_type!r} normalizes by the micro-batch's own tokens"
+    if trainer.top_entropy_quantile < 1.0 or trainer._entropy_bonus_enabled:
+        return "the entropy mask or bonus is computed per micro-batch"
+    if trainer.off_policy_mask_threshold is not None or getattr(trainer, "router_aux_loss_coef", 0.0):
+        return "the off-policy mask or the MoE auxiliary loss is computed per micro-batch"
+    return None
+
+
+def regroup(micro_batches: list[dict]) -> list[dict] | None:
+    """``micro_batches`` (TRL's split of one generation batch) with the rows ordered by prompt, split again into as
+    many micro-batches of the same size; None where they hold what cannot be reordered by row (images)."""
+    merged: dict = {}
+    rows = micro_batches[0]["prompt_ids"].shape[0] * len(micro_batches)
+    for key, first in micro_batches[0].items():
+        values = [batch[key] for batch in micro_batches]
+        if first is None or (isinstance(first, torch.Tensor) and first.ndim == 0):
+            merged[key] = first  # (num_items_in_batch: the generation batch's, in every micro-batch)
+        elif isinstance(first, torch.Tensor):
+            merged[key] = torch.cat(values)
+        elif isinstance(first, list):
+            merged[key] = [item for value in values for item in value]
+        else:
+            return None
+        if merged[key] is not None and not (isinstance(merged[key], torch.Tensor) and merged[key].ndim == 0) \
+                and len(merged[key]) != rows:
+            return None
+    prompts = merged["prompt_ids"].masked_fill(merged["prompt_mask"] == 0, -1)
+    _, group = torch.unique(prompts, dim=0, return_inverse=True)
+    index = torch.arange(rows, device=group.device)
+    first_row = torch.full_like(index, rows).scatter_reduce(0, group, index, "amin")[group]
+    order = torch.argsort(first_row * rows + index)
+    size = rows // len(micro_batches)
+    regrouped = []
+    for start in range(0, rows, size):
+        chosen = order[start:start + size]
+        regrouped.append({
+            key: value if value is None or (isinstance(value, torch.Tensor) and value.ndim == 0)
+            else value[chosen.to(value.device)] if isinstance(value, torch.Tensor)
+            else [value[i] for i in chosen.tolist()]
+            for key, value in merged.items()})
+    return regrouped
