@@ -462,12 +462,15 @@ def main(argv=None) -> int:
     generate = trainer._generate_single_turn
     # Peak memory by phase: the allocator's peak is read and reset at each generation's start and end,
     # so "generation" is the highest peak inside a rollout's generation, "other" outside (scoring, training).
+    # The reserved peak likewise, over every phase (a reset clears both peaks).
     phase_peaks = {"generation": 0, "other": 0}
+    reserved_peak = [0]
 
     def close_phase(phase):
         if device == "cuda":
             torch.cuda.synchronize()
             phase_peaks[phase] = max(phase_peaks[phase], torch.cuda.max_memory_allocated())
+            reserved_peak[0] = max(reserved_peak[0], torch.cuda.max_memory_reserved())
             torch.cuda.reset_peak_memory_stats()
 
     def timed_generate(*a, **k):
@@ -562,7 +565,7 @@ def main(argv=None) -> int:
             peak_mem_gib=round(max(phase_peaks.values()) / 2**30, 3),
             peak_generation_gib=round(phase_peaks["generation"] / 2**30, 3),
             peak_outside_generation_gib=round(phase_peaks["other"] / 2**30, 3),
-            peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 3),
+            peak_reserved_gib=round(max(reserved_peak[0], torch.cuda.max_memory_reserved()) / 2**30, 3),
             gpu=torch.cuda.get_device_name(),
         )
     else:

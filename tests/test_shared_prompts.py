@@ -195,8 +195,6 @@ def test_micro_batches_whose_split_changes_the_step_keep_trl_s_shuffle(tmp_path,
 def test_shared_prompts_score_as_padded_rows_in_bf16_on_cuda():
     # On CUDA a later row's queries meet its gathered keys in the variable-length flash kernel, causal from the
     # bottom right; the graphs' static form adds a padding row with more keys than queries.
-    from test_training_graphs import logps_and_grads
-
     assert padding_free.varlen_attn is not None, "torch has no torch.nn.attention.varlen: the per-row path runs"
     with torch.device("cuda"):
         padded = build("qwen2", "sdpa").to(torch.bfloat16)
@@ -213,8 +211,8 @@ def test_shared_prompts_score_as_padded_rows_in_bf16_on_cuda():
         relative = ((grads_shared[name].float() - grad.float()).norm() / grad.float().norm().clamp(min=1e-12)).item()
         assert relative < 2e-2, f"{name}: gradients differ by {relative:.2e} (relative)"
 
-    ids, mask, labels = batch
-    expected = logps_and_grads(shared, ids, mask, labels)[0][:, -max(COMPLETION_LENGTHS):]
+    ids, mask, _ = batch
+    expected = out_shared.log_probs.detach()[:, -max(COMPLETION_LENGTHS):]
     static = graph_inputs.packed(shared, ids, mask, max(COMPLETION_LENGTHS), pad_token_id=0,
                                  fit=lambda length, shared_places, window: (length + 64, shared_places + 64, window))
     assert static.key[2] > 0
