@@ -39,6 +39,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from provenance import with_provenance  # noqa: E402
 
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model  # noqa: E402
+from hf_grpo.training import padding_free  # noqa: E402
 from hf_grpo.training.graph_inputs import bucket  # noqa: E402
 from hf_grpo.training.graphs import TrainingGraphs  # noqa: E402
 from hf_grpo.training.shape_reuse import CAPTURE_COST, Shape, ShapeReuse  # noqa: E402
@@ -68,7 +69,7 @@ def rollout(rng: random.Random, prompts: tuple[int, int], cap: int, eos_prob: fl
 
 
 def simulate(shape: str, steps: int, eos_prob: float, seed: int, per_step_rows: int = 32, micro_rows: int = 8,
-             scoring_rows: int = 16, capture_cost: float = CAPTURE_COST):
+             scoring_rows: int = 16, capture_cost: float = CAPTURE_COST, group_prompts: bool = True):
     rng = random.Random(seed)
     model = build_tiny_model(build_char_tokenizer())  # only its config is read (no sliding window)
     prompts, cap, head_share = SHAPES[shape]
@@ -82,7 +83,9 @@ def simulate(shape: str, steps: int, eos_prob: float, seed: int, per_step_rows: 
     for _ in range(steps):
         ids, mask, width = rollout(rng, prompts, cap, eos_prob, num_prompts=per_step_rows // 8)
         order = list(range(ids.shape[0]))
-        rng.shuffle(order)
+        rng.shuffle(order)  # TRL's shuffle (drawn either way, so both settings see the same rollouts)
+        if group_prompts:  # a prompt's rows in the same micro-batches (hf_grpo.training.prompt_groups)
+            order = sorted(order, key=lambda row: row // 8)
         batches = [("score", ids[s:s + scoring_rows], mask[s:s + scoring_rows])
                    for s in range(0, ids.shape[0], scoring_rows)]
         batches += [("train", ids[order[s:s + micro_rows]], mask[order[s:s + micro_rows]])
@@ -115,7 +118,8 @@ def simulate(shape: str, steps: int, eos_prob: float, seed: int, per_step_rows: 
     micro_batches = steps * per_step_rows // micro_rows
     row = {"bench": "graph_shapes", "gpu": "none (a simulation of shapes, no model run)", "shape": shape,
            "prompt_range": list(prompts), "max_completion_length": cap, "eos_prob": eos_prob, "seed": seed,
-           "head_share": head_share, "reuse_capture_cost": capture_cost,
+           "head_share": head_share, "reuse_capture_cost": capture_cost, "group_prompts": group_prompts,
+           "share_prompts": padding_free.SHARE_PROMPTS,
            "steps": steps, "training_micro_batches": micro_batches, "reused": reuse.reused,
            "work_mean": {name: round(statistics.mean(v), 1) for name, v in work.items()},
            "scoring_chunks": steps * -(-per_step_rows // scoring_rows),
@@ -136,6 +140,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reuse_capture_cost", type=float, default=CAPTURE_COST,
                         help="a capture's cost in replays of the micro-batch's own shape: a new shape replays larger "
                         "captured ones while their extra work stays within it (0: every new shape captured at once)")
+    parser.add_argument("--group_prompts", choices=["on", "off"], default="on",
+                        help="a prompt's rows in the same training micro-batches, as the trainer orders them where "
+                        "the step stays the same (off: TRL's shuffled rows)")
     parser.add_argument("--out", type=pathlib.Path)
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -144,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--reuse_capture_cost must be at least 0, got {args.reuse_capture_cost}")
     for shape in args.shapes:
         row = with_provenance(simulate(shape, args.steps, args.eos_prob, args.seed,
-                                       capture_cost=args.reuse_capture_cost))
+                                       capture_cost=args.reuse_capture_cost,
+                                       group_prompts=args.group_prompts == "on"))
         print(json.dumps(row))
         if args.out is not None:
             args.out.parent.mkdir(parents=True, exist_ok=True)
