@@ -219,3 +219,22 @@ def test_shared_prompts_score_as_padded_rows_in_bf16_on_cuda():
     with torch.no_grad():
         logps = static.spread(shared(**graph_inputs.model_kwargs(static.inputs, static.window)).log_probs)
     torch.testing.assert_close(logps.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_compiled_layers_score_shared_prompts_as_eager_layers(device):
+    # compile_training: the packed attention is one opaque op to the compiler, its key gather included
+    from test_training_compile import assert_compiled_equals_eager, checkpointed_pair
+
+    from hf_grpo.training import compiled_layers as training_compile
+
+    eager, compiled_model = checkpointed_pair(padding_free=True, device=device)
+    backend = "inductor" if device == "cuda" else "aot_eager_decomp_partition"  # (as inductor partitions)
+    layers = training_compile.CompiledTrainingLayers(backend=backend)
+    ids, mask, labels = (t.to(device) for t in grouped_batch(eager.config.vocab_size))
+    seen = []
+    compiled_model.get_input_embeddings().register_forward_hook(lambda m, a, out: seen.append(a[0].shape[1]))
+    assert_compiled_equals_eager(eager, compiled_model, layers, (ids, mask, labels), rtol=1e-4, atol=1e-5,
+                                 grad_rtol=1e-3)
+    assert seen == [UNIQUE_TOKENS] and layers.compiles > 0
