@@ -10,6 +10,10 @@ is missing, one SDPA call per row. The training graphs replay the same attention
 bucketed length (``hf_grpo.training.graph_inputs``), which only the flash-attention call allows: it reads the row bounds
 from the device.
 
+GRPO's rows repeat each prompt once per completion. Rows whose prompt is the same share it (``pack_rows``'s
+``shared_prefix``): the prompt's tokens are packed and run once, and a later row attends to them through its keys,
+gathered (``key_index``). Its queries are then fewer than its keys, and causality counts from the last key back.
+
 How the layers find it: transformers' registry entries for ``sdpa`` and flash attention are wrapped once
 (``_route_packed``) so that a call carrying ``packed_rows`` runs the packed attention and every other call runs
 the original, untouched. The rows travel as a forward keyword, which activation checkpointing replays with
@@ -121,7 +125,8 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     own = real & ~borrowed
     own_index = own.flatten().cumsum(0).view_as(own) - 1
     index = torch.where(borrowed, own_index[torch.tensor(leader_host, device=real.device)], own_index)
-    own_counts = [count - (shared if r in followers else 0)
+    follows = set(followers)
+    own_counts = [count - (shared if r in follows else 0)
                   for r, (count, shared) in enumerate(zip(counts_host, shared_host))]
     ends = torch.tensor(own_counts).cumsum(0).tolist()
     cu_seq_lens_host = torch.tensor([0] + ends, dtype=torch.int32)

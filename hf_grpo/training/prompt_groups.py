@@ -54,14 +54,14 @@ def regroup(micro_batches: list[dict]) -> list[dict] | None:
         values = [batch[key] for batch in micro_batches]
         if first is None or (isinstance(first, torch.Tensor) and first.ndim == 0):
             merged[key] = first  # (num_items_in_batch: the generation batch's, in every micro-batch)
-        elif isinstance(first, torch.Tensor):
+            continue
+        if isinstance(first, torch.Tensor):
             merged[key] = torch.cat(values)
         elif isinstance(first, list):
             merged[key] = [item for value in values for item in value]
         else:
             return None
-        if merged[key] is not None and not (isinstance(merged[key], torch.Tensor) and merged[key].ndim == 0) \
-                and len(merged[key]) != rows:
+        if len(merged[key]) != rows:  # not one entry a row (images by grid): leave TRL's split as it is
             return None
     prompts = merged["prompt_ids"].masked_fill(merged["prompt_mask"] == 0, -1)
     _, group = torch.unique(prompts, dim=0, return_inverse=True)
