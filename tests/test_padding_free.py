@@ -170,10 +170,9 @@ def test_sliding_window_longer_than_every_row_packs():
     assert padding_free.packable(model, rows)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_packed_scoring_equals_padded_in_bf16_on_cuda():
-    # On CUDA the packed rows take the variable-length flash kernel: the same figures within bf16 rounding.
+def assert_packed_scores_as_padded_in_bf16_on_cuda(batch):
+    """Packed scoring of ``batch`` (input_ids, attention_mask, labels) against padded, bf16 on CUDA, within bf16's
+    rounding: log-probs and every gradient. Returns the packed model, the batch on CUDA and its packed output."""
     assert padding_free.varlen_attn is not None, "torch has no torch.nn.attention.varlen: the per-row path runs"
     with torch.device("cuda"):
         padded = build("qwen2", "sdpa").to(torch.bfloat16)
@@ -181,7 +180,7 @@ def test_packed_scoring_equals_padded_in_bf16_on_cuda():
     head = dict(temperature=1.0, chunk_rows=8, return_entropy=True)
     install_chunked_lm_head(padded, padding_free_rows=False, **head)
     install_chunked_lm_head(packed, padding_free_rows=True, **head)
-    batch = [t.cuda() for t in padded_batch(padded.config.vocab_size)]
+    batch = [t.cuda() for t in batch]
     out_padded, grads_padded = score(padded, batch)
     out_packed, grads_packed = score(packed, batch)
     mask = out_padded.label_mask
@@ -189,3 +188,11 @@ def test_packed_scoring_equals_padded_in_bf16_on_cuda():
     for name, grad in grads_padded.items():
         relative = ((grads_packed[name].float() - grad.float()).norm() / grad.float().norm().clamp(min=1e-12)).item()
         assert relative < 2e-2, f"{name}: gradients differ by {relative:.2e} (relative)"
+    return packed, batch, out_packed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_packed_scoring_equals_padded_in_bf16_on_cuda():
+    # On CUDA the packed rows take the variable-length flash kernel: the same figures within bf16 rounding.
+    assert_packed_scores_as_padded_in_bf16_on_cuda(padded_batch(40))

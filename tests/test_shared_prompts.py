@@ -195,22 +195,9 @@ def test_micro_batches_whose_split_changes_the_step_keep_trl_s_shuffle(tmp_path,
 def test_shared_prompts_score_as_padded_rows_in_bf16_on_cuda():
     # On CUDA a later row's queries meet its gathered keys in the variable-length flash kernel, causal from the
     # bottom right; the graphs' static form adds a padding row with more keys than queries.
-    assert padding_free.varlen_attn is not None, "torch has no torch.nn.attention.varlen: the per-row path runs"
-    with torch.device("cuda"):
-        padded = build("qwen2", "sdpa").to(torch.bfloat16)
-    shared = copy.deepcopy(padded)
-    head = dict(temperature=1.0, chunk_rows=8, return_entropy=True)
-    install_chunked_lm_head(padded, padding_free_rows=False, **head)
-    install_chunked_lm_head(shared, padding_free_rows=True, **head)
-    batch = [t.cuda() for t in grouped_batch(padded.config.vocab_size)]
-    out_padded, grads_padded = score(padded, batch)
-    out_shared, grads_shared = score(shared, batch)
-    mask = out_padded.label_mask
-    torch.testing.assert_close(out_shared.log_probs[mask], out_padded.log_probs[mask], rtol=2e-2, atol=2e-2)
-    for name, grad in grads_padded.items():
-        relative = ((grads_shared[name].float() - grad.float()).norm() / grad.float().norm().clamp(min=1e-12)).item()
-        assert relative < 2e-2, f"{name}: gradients differ by {relative:.2e} (relative)"
+    from test_padding_free import assert_packed_scores_as_padded_in_bf16_on_cuda
 
+    shared, batch, out_shared = assert_packed_scores_as_padded_in_bf16_on_cuda(grouped_batch(40))
     ids, mask, _ = batch
     expected = out_shared.log_probs.detach()[:, -max(COMPLETION_LENGTHS):]
     static = graph_inputs.packed(shared, ids, mask, max(COMPLETION_LENGTHS), pad_token_id=0,
