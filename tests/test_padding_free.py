@@ -61,9 +61,9 @@ def score(model, batch):
     return out, grads
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama"])
-@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation_checkpointing"])
-def test_packed_scoring_equals_padded(family, checkpointing):
+def assert_packed_scores_as_padded(family: str, checkpointing: bool, make_batch, tokens: int):
+    """``make_batch(vocab)`` scored packed and padded on copies of one tiny model (fp32, CPU): log-probs, entropies,
+    the loss and every gradient equal to 1e-5, and the packed backbone ran over ``tokens`` tokens."""
     padded = build(family, "sdpa")
     if checkpointing:  # the backward recomputes each layer's forward: the packed rows must reach it again
         padded.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -72,14 +72,14 @@ def test_packed_scoring_equals_padded(family, checkpointing):
     head = dict(temperature=0.7, chunk_rows=3, return_entropy=True)
     assert install_chunked_lm_head(padded, padding_free_rows=False, **head)
     assert install_chunked_lm_head(packed, padding_free_rows=True, **head)
-    batch = padded_batch(padded.config.vocab_size)
+    batch = make_batch(padded.config.vocab_size)
     seen = []  # the token shape the embedding saw
     packed.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
 
     out_padded, grads_padded = score(padded, batch)
     out_packed, grads_packed = score(packed, batch)
 
-    assert seen == [(1, sum(PROMPT_LENGTHS) + sum(COMPLETION_LENGTHS))], "the packed backbone saw padding"
+    assert seen == [(1, tokens)], f"the packed backbone ran over {seen}, not {tokens} tokens"
     assert torch.equal(out_packed.label_mask, out_padded.label_mask)
     torch.testing.assert_close(out_packed.log_probs, out_padded.log_probs, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(out_packed.entropy, out_padded.entropy, rtol=1e-5, atol=1e-6)
@@ -87,6 +87,14 @@ def test_packed_scoring_equals_padded(family, checkpointing):
     assert grads_packed.keys() == grads_padded.keys() and len(grads_packed) > 0
     for name, grad in grads_padded.items():
         torch.testing.assert_close(grads_packed[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation_checkpointing"])
+def test_packed_scoring_equals_padded(family, checkpointing):
+    # every real token once, no padding
+    assert_packed_scores_as_padded(family, checkpointing, padded_batch,
+                                   sum(PROMPT_LENGTHS) + sum(COMPLETION_LENGTHS))
 
 
 def test_fp32_weights_under_bf16_autocast_pack_as_sdpa_would():

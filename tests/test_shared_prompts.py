@@ -1,19 +1,17 @@
-"""Rows of one prompt run its tokens once (hf_grpo.training.padding_free, ``shared_prefix``).
+"""Rows of one prompt run its tokens once (hf_grpo.training.padding_free, ``shared_prefix``), and a prompt's rows go
+into the same micro-batches where that leaves the step as it is (hf_grpo.training.prompt_groups).
 
 GRPO scores every prompt's completions in rows that repeat the prompt: packed, those rows share the prompt's
 tokens, which the layers then run once. A causal model's prompt states do not depend on what follows, so the
 log-probs, entropies and every parameter's gradient must equal the padded forward's (fp32 on CPU, to 1e-5), while
-the backbone sees each prompt once.
+the backbone sees each prompt once; a step with the rows grouped must update as one with TRL's shuffled rows.
 """
-
-import copy
 
 import pytest
 import torch
 
-from hf_grpo.logprob_head import install_chunked_lm_head
 from hf_grpo.training import graph_inputs, padding_free
-from test_padding_free import build, score
+from test_padding_free import assert_packed_scores_as_padded, build
 
 # rows 0, 2 and 3 repeat one prompt, 1 and 5 another; 4 has the first one's length but other tokens
 PROMPTS = ("A", "B", "A", "A", "C", "B")
@@ -45,27 +43,8 @@ UNIQUE_TOKENS = sum(PROMPT_LENGTH.values()) + sum(COMPLETION_LENGTHS)
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "activation_checkpointing"])
 def test_rows_of_one_prompt_score_as_padded_rows(family, checkpointing):
-    padded = build(family, "sdpa")
-    if checkpointing:
-        padded.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        padded.train()
-    shared = copy.deepcopy(padded)
-    head = dict(temperature=0.7, chunk_rows=3, return_entropy=True)
-    assert install_chunked_lm_head(padded, padding_free_rows=False, **head)
-    assert install_chunked_lm_head(shared, padding_free_rows=True, **head)
-    batch = grouped_batch(padded.config.vocab_size)
-    seen = []
-    shared.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
-
-    out_padded, grads_padded = score(padded, batch)
-    out_shared, grads_shared = score(shared, batch)
-
-    assert seen == [(1, UNIQUE_TOKENS)], "every prompt must run once"
-    torch.testing.assert_close(out_shared.log_probs, out_padded.log_probs, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(out_shared.entropy, out_padded.entropy, rtol=1e-5, atol=1e-6)
-    assert grads_shared.keys() == grads_padded.keys() and len(grads_shared) > 0
-    for name, grad in grads_padded.items():
-        torch.testing.assert_close(grads_shared[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    # every prompt once
+    assert_packed_scores_as_padded(family, checkpointing, grouped_batch, UNIQUE_TOKENS)
 
 
 def test_shared_layout_gathers_every_row_whole():
