@@ -204,3 +204,13 @@ def test_compiled_layers_score_shared_prompts_as_eager_layers(device):
     assert_compiled_equals_eager(eager, compiled_model, layers, (ids, mask, labels), rtol=1e-4, atol=1e-5,
                                  grad_rtol=1e-3)
     assert seen == [UNIQUE_TOKENS] and layers.compiles > 0
+
+
+def test_a_model_that_cannot_pack_keeps_trl_s_shuffle(tmp_path, monkeypatch):
+    # padding_free=True on a model scored padded anyway (here: eager attention) shares nothing, so nothing moves
+    from hf_grpo.recipe_support.tiny import build_tiny_model
+    from test_trainer import TOKENIZER
+
+    trainer, _ = grouped_step(tmp_path, monkeypatch, True,
+                              model=build_tiny_model(TOKENIZER, seed=0, attn_implementation="eager"))
+    assert "scored padded" in trainer._prompt_grouping

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from . import padding_free
+
 # TRL 1.16's loss types whose micro-batch normalizer is its row count or the generation batch's token count
 ORDER_FREE_LOSSES = ("grpo", "sapo", "dr_grpo", "dapo", "cispo", "luspo")
 # A switch for benchmarks (bench/grpo_realistic.py --group_prompts off)
@@ -31,7 +33,11 @@ def unavailable_reason(trainer) -> str | None:
     if not GROUP_PROMPTS:
         return "grouping turned off (hf_grpo.training.prompt_groups.GROUP_PROMPTS)"
     graphs = getattr(trainer, "_train_graphs", None)
-    if not (args.padding_free is True or (graphs is not None and graphs.packed and graphs.failure is None)):
+    if graphs is not None and graphs.failure is None:
+        packed = graphs.packed
+    else:  # eager micro-batches pack only where asked, for a model that packs (causal, rotary: padding_free)
+        packed = args.padding_free is True and padding_free.unsupported_reason(trainer.model) is None
+    if not packed:
         return "rows are scored padded, where they share nothing"
     if args.steps_per_generation != args.gradient_accumulation_steps:
         return (f"steps_per_generation={args.steps_per_generation} differs from gradient_accumulation_steps="
