@@ -142,14 +142,25 @@ def grouped_step(tmp_path, monkeypatch, group: bool, **overrides):
     return trainer, train_one_step(trainer)
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "dr_grpo"])
-def test_a_prompt_s_rows_grouped_into_micro_batches_update_as_trl_s_shuffle(tmp_path, monkeypatch, loss_type):
+def lora_policy():
+    from peft import LoraConfig, get_peft_model
+
+    from hf_grpo.recipe_support.tiny import build_tiny_model
+    from test_trainer import TOKENIZER
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    return get_peft_model(build_tiny_model(TOKENIZER, seed=0), config)
+
+
+@pytest.mark.parametrize("loss_type, lora", [("dapo", False), ("grpo", False), ("dr_grpo", False), ("dapo", True)])
+def test_a_prompt_s_rows_grouped_into_micro_batches_update_as_trl_s_shuffle(tmp_path, monkeypatch, loss_type, lora):
     # TRL shuffles a rollout's rows before splitting them into micro-batches; grouped by prompt instead, each
     # micro-batch shares one prompt, and the step (every micro-batch in one optimizer step) updates the same
     from test_trainer import assert_same_update
 
-    shuffled, want = grouped_step(tmp_path, monkeypatch, False, loss_type=loss_type)
-    grouped, got = grouped_step(tmp_path, monkeypatch, True, loss_type=loss_type)
+    policy = (lambda: {"model": lora_policy()}) if lora else dict
+    shuffled, want = grouped_step(tmp_path, monkeypatch, False, loss_type=loss_type, **policy())
+    grouped, got = grouped_step(tmp_path, monkeypatch, True, loss_type=loss_type, **policy())
     assert grouped._prompt_grouping == "on"
     assert "turned off" in shuffled._prompt_grouping
     for micro_batch in grouped._buffered_inputs:
