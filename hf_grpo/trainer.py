@@ -218,7 +218,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             # a prompt's rows in the same micro-batches, where the step's gradient stays the same (prompt_groups)
             if self._prompt_grouping is None:
                 self._prompt_grouping = prompt_groups.unavailable_reason(self) or "on"
-                logger.info("micro-batches: a prompt's rows grouped: %s", self._prompt_grouping)
+                logger.info("micro-batches: %s", "a prompt's rows together" if self._prompt_grouping == "on" else
+                            f"TRL's shuffled rows ({self._prompt_grouping})")
             regrouped = prompt_groups.regroup(self._buffered_inputs) if self._prompt_grouping == "on" else None
             if regrouped is not None:
                 self._buffered_inputs = regrouped

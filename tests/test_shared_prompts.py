@@ -175,9 +175,12 @@ def test_a_prompt_s_rows_grouped_into_micro_batches_update_as_trl_s_shuffle(tmp_
     (dict(top_entropy_quantile=0.5), "entropy mask or bonus"),
     (dict(padding_free=False), "scored padded"),
 ])
-def test_micro_batches_whose_split_changes_the_step_keep_trl_s_shuffle(tmp_path, monkeypatch, overrides, reason):
-    trainer, _ = grouped_step(tmp_path, monkeypatch, True, **overrides)
+def test_micro_batches_whose_split_changes_the_step_keep_trl_s_shuffle(tmp_path, monkeypatch, caplog, overrides,
+                                                                      reason):
+    with caplog.at_level("INFO", logger="hf_grpo"):
+        trainer, _ = grouped_step(tmp_path, monkeypatch, True, **overrides)
     assert reason in trainer._prompt_grouping
+    assert f"micro-batches: TRL's shuffled rows ({trainer._prompt_grouping})" in caplog.text  # the user is told
 
 
 @pytest.mark.gpu
