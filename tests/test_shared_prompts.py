@@ -171,6 +171,7 @@ def test_a_prompt_s_rows_grouped_into_micro_batches_update_as_trl_s_shuffle(tmp_
 
 @pytest.mark.parametrize(("overrides", "reason"), [
     (dict(loss_type="bnpo"), "loss_type='bnpo' normalizes by the micro-batch's own tokens"),
+    (dict(loss_type="vespo"), "loss_type='vespo' is not one known to sum the same over any split"),
     (dict(steps_per_generation=4), "steps_per_generation=4 differs from gradient_accumulation_steps=2"),
     (dict(top_entropy_quantile=0.5), "entropy mask or bonus"),
     (dict(padding_free=False), "scored padded"),

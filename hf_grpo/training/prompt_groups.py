@@ -43,7 +43,9 @@ def unavailable_reason(trainer) -> str | None:
         return (f"steps_per_generation={args.steps_per_generation} differs from gradient_accumulation_steps="
                 f"{args.gradient_accumulation_steps}: the micro-batches go into several optimizer steps")
     if trainer.loss_type not in ORDER_FREE_LOSSES:
-        return f"loss_type={trainer.loss_type!r} normalizes by the micro-batch's own tokens"
+        why = ("normalizes by the micro-batch's own tokens" if trainer.loss_type == "bnpo"
+               else f"is not one known to sum the same over any split ({', '.join(ORDER_FREE_LOSSES)})")
+        return f"loss_type={trainer.loss_type!r} {why}"
     if trainer.top_entropy_quantile < 1.0 or trainer._entropy_bonus_enabled:
         return "the entropy mask or bonus is computed per micro-batch"
     if trainer.off_policy_mask_threshold is not None or getattr(trainer, "router_aux_loss_coef", 0.0):
