@@ -99,41 +99,45 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor,
     share = SHARE_PROMPTS and input_ids.shape[0] > 1 and not (isinstance(shared_prefix, int) and shared_prefix < 1)
     if share:
         prefix = real & (columns < shared_prefix)  # [B, L]
-        # the first row with the same prefix (padding never equals a token: -1), and the prefix's real tokens
-        _, group = torch.unique(input_ids.masked_fill(~prefix, -1).masked_fill(~(columns < shared_prefix), -2),
-                                dim=0, return_inverse=True)
-        rows = torch.arange(real.shape[0], device=real.device)
-        leader = torch.full_like(rows, real.shape[0]).scatter_reduce(0, group, rows, "amin")[group]
+        # rows with the same prefix (padding never equals a token: -1), and the prefix's real tokens
+        leader = first_equal_row(input_ids.masked_fill(~prefix, -1).masked_fill(~(columns < shared_prefix), -2))
         stats += [leader, prefix.sum(dim=1)]
     # one device-to-host copy: the row lengths are needed on the host for the per-row attention bounds
     counts_host, runs_host, *sharing = torch.stack(stats).tolist()
     if min(counts_host) == 0 or counts_host != runs_host:
         return None
-    followers = [r for r, (lead, shared) in enumerate(zip(*sharing)) if lead != r and shared > 0] if share else []
+    follows = {r for r, (lead, shared) in enumerate(zip(*sharing)) if lead != r and shared > 0} if share else set()
     position_ids = real.cumsum(dim=1) - 1  # [B, L]
-    if not followers:
-        index = real.flatten().cumsum(0).view_as(real) - 1  # [B, L]
-        ends = torch.tensor(counts_host).cumsum(0).tolist()
-        cu_seq_lens_host = torch.tensor([0] + ends, dtype=torch.int32)
-        return PackedRows(input_ids[real].unsqueeze(0), position_ids[real].unsqueeze(0), index,
-                          tuple(zip([0] + ends[:-1], ends)), cu_seq_lens_host.to(real.device), cu_seq_lens_host,
-                          max(counts_host))
-    leader_host, shared_host = sharing
-    is_follower = torch.zeros(real.shape[0], dtype=torch.bool)
-    is_follower[followers] = True
-    borrowed = is_follower.to(real.device)[:, None] & prefix  # the prefix tokens a row reads from its leader
-    own = real & ~borrowed
-    own_index = own.flatten().cumsum(0).view_as(own) - 1
-    index = torch.where(borrowed, own_index[torch.tensor(leader_host, device=real.device)], own_index)
-    follows = set(followers)
-    own_counts = [count - (shared if r in follows else 0)
-                  for r, (count, shared) in enumerate(zip(counts_host, shared_host))]
+    own = real  # the tokens each row puts into the packed sequence
+    index = own.flatten().cumsum(0).view_as(own) - 1  # [B, L]
+    own_counts = counts_host
+    if follows:
+        leader_host, shared_host = sharing
+        is_follower = torch.zeros(real.shape[0], dtype=torch.bool)
+        is_follower[sorted(follows)] = True
+        borrowed = is_follower.to(real.device)[:, None] & prefix  # the prefix tokens a row reads from its leader
+        own = real & ~borrowed
+        own_index = own.flatten().cumsum(0).view_as(own) - 1
+        index = torch.where(borrowed, own_index[torch.tensor(leader_host, device=real.device)], own_index)
+        own_counts = [count - (shared if r in follows else 0)
+                      for r, (count, shared) in enumerate(zip(counts_host, shared_host))]
     ends = torch.tensor(own_counts).cumsum(0).tolist()
     cu_seq_lens_host = torch.tensor([0] + ends, dtype=torch.int32)
-    cu_key_lens_host = torch.tensor([0, *torch.tensor(counts_host).cumsum(0).tolist()], dtype=torch.int32)
+    keys = (None, None, None)
+    if follows:  # every row's keys, rows one after another as without sharing
+        cu_key_lens_host = torch.tensor([0, *torch.tensor(counts_host).cumsum(0).tolist()], dtype=torch.int32)
+        keys = (index[real], cu_key_lens_host.to(real.device), cu_key_lens_host)
     return PackedRows(input_ids[own].unsqueeze(0), position_ids[own].unsqueeze(0), index,
                       tuple(zip([0] + ends[:-1], ends)), cu_seq_lens_host.to(real.device), cu_seq_lens_host,
-                      max(counts_host), index[real], cu_key_lens_host.to(real.device), cu_key_lens_host)
+                      max(counts_host), *keys)
+
+
+def first_equal_row(rows: torch.Tensor) -> torch.Tensor:
+    """For each row of ``rows`` ``[B, L]``, the index of the first row equal to it (itself where none is earlier),
+    computed on the device."""
+    _, group = torch.unique(rows, dim=0, return_inverse=True)
+    index = torch.arange(rows.shape[0], device=rows.device)
+    return torch.full_like(index, rows.shape[0]).scatter_reduce(0, group, index, "amin")[group]
 
 
 def shares_prompts(model: torch.nn.Module) -> bool:

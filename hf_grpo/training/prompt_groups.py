@@ -71,11 +71,8 @@ def regroup(micro_batches: list[dict]) -> list[dict] | None:
             return None
         if len(merged[key]) != rows:  # not one entry a row (images by grid): leave TRL's split as it is
             return None
-    prompts = merged["prompt_ids"].masked_fill(merged["prompt_mask"] == 0, -1)
-    _, group = torch.unique(prompts, dim=0, return_inverse=True)
-    index = torch.arange(rows, device=group.device)
-    first_row = torch.full_like(index, rows).scatter_reduce(0, group, index, "amin")[group]
-    order = torch.argsort(first_row * rows + index)
+    first_row = padding_free.first_equal_row(merged["prompt_ids"].masked_fill(merged["prompt_mask"] == 0, -1))
+    order = torch.argsort(first_row * rows + torch.arange(rows, device=first_row.device))
     size = rows // len(micro_batches)
     regrouped = []
     for start in range(0, rows, size):
