@@ -3,8 +3,9 @@
 Over a short run with prompts of varied length most packed shapes are first sightings (prompts of 64-1024
 tokens: some 19 shapes in the first 6 steps' 36 micro-batches and scoring chunks), and a capture costs about two
 of the micro-batch's own replays (``CAPTURE_COST``). A packed micro-batch fits any graph of the same rows whose
-packed length and scored width are at least its own: the extra length is one more padding row, the extra width
-unscored slots (``hf_grpo.training.graph_inputs``). Replaying there costs the difference in work each time.
+packed length, shared places and scored width are at least its own: the extra length is one more padding row, the
+extra shared places more keys for it, the extra width unscored slots (``hf_grpo.training.graph_inputs``). Replaying
+there costs the difference in work each time.
 
 Whether a shape will come again is not known when it first does, so the choice is the ski-rental one: a new
 shape replays the cheapest captured shape that fits while the extra work it has cost so far, this micro-batch's
