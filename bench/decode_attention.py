@@ -11,7 +11,13 @@ where a decoder keeps the matmul attention (fewer programs than SMs, ``filled_at
 The sweep in ``bench/results/decode_attention_sweep_h100.jsonl`` was taken with an earlier form of the
 kernel that also split the cache over several programs per row (``programs_per_sm``), since removed.
 
-    python bench/decode_attention.py [--sweep] [--caches N] [--out FILE]
+``--lengths`` times long caches instead (reasoning-length rollouts): at each length L the cache is filled to
+L (the last decode step of a rollout) and to L / 2 (its average step), with 32 rows of 0.5B's heads and 8 rows
+of a 7B's (Qwen2.5-7B: 4 KV heads of 7 query heads, dim 128); ``filled`` is the kernel as a decoder runs it
+(split over ``filled_attention.splits`` programs per row and KV head), ``filled_one_program`` the kernel
+without splits. ``gb_per_s`` counts the admitted keys and values read once.
+
+    python bench/decode_attention.py [--sweep] [--caches N] [--lengths 1024,4096,16384,32768] [--out FILE]
 """
 
 from __future__ import annotations
@@ -33,16 +39,17 @@ from hf_grpo.generation import filled_attention  # noqa: E402
 from hf_grpo.generation.filled_attention import KernelConfig, reference_decode_attention  # noqa: E402
 
 SHAPES = {"0.5b-x32": (32, 2, 7, 64), "0.5b-x128": (128, 2, 7, 64), "1.5b-x128": (128, 2, 6, 128)}
+LONG_SHAPES = {"0.5b-x32": (32, 2, 7, 64), "7b-x8": (8, 4, 7, 128)}
 CACHE_LEN = 768
 
 
-def _inputs(batch, kv_heads, groups, dim, filled):
-    g = torch.Generator(device="cpu").manual_seed(0)
-    query = torch.randn(batch, kv_heads, groups, dim, generator=g).cuda().bfloat16()
-    key = torch.randn(batch, kv_heads, CACHE_LEN, dim, generator=g).cuda().bfloat16()
-    value = torch.randn(batch, kv_heads, CACHE_LEN, dim, generator=g).cuda().bfloat16()
-    pads = torch.randint(0, 48, (batch,), generator=g)
-    pos = torch.arange(CACHE_LEN)
+def _inputs(batch, kv_heads, groups, dim, filled, cache_len=CACHE_LEN):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    query = torch.randn(batch, kv_heads, groups, dim, generator=g, device="cuda").bfloat16()
+    key = torch.randn(batch, kv_heads, cache_len, dim, generator=g, device="cuda").bfloat16()
+    value = torch.randn(batch, kv_heads, cache_len, dim, generator=g, device="cuda").bfloat16()
+    pads = torch.randint(0, 48, (batch,), generator=g, device="cuda").cpu()
+    pos = torch.arange(cache_len)
     valid = ((pos[None, :] >= pads[:, None]) & (pos[None, :] < filled)).cuda()
     return query, key, value, valid
 
@@ -68,11 +75,46 @@ def _time_graph(fn, calls: int = 20, repeats: int = 5) -> float:
     return best
 
 
+def _long_caches(lengths, caches, compiled_matmul) -> list[dict]:
+    """Each long shape at each cache length, filled to half and to the end: matmul, split kernel, one program."""
+    records = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for name, (batch, kv_heads, groups, dim) in LONG_SHAPES.items():
+        for length in lengths:
+            for filled in (length // 2, length):
+                q, k, v, valid = _inputs(batch, kv_heads, groups, dim, filled, cache_len=length)
+                keys = [k] + [k.clone() for _ in range(caches - 1)]
+                values = [v] + [v.clone() for _ in range(caches - 1)]
+                scale = dim**-0.5
+                admitted_bytes = int(valid.sum()) * kv_heads * dim * 2 * 2
+                base = {"bench": "decode_attention_long", "gpu": torch.cuda.get_device_name(0), "shape": name,
+                        "cache_len": length, "filled": filled, "caches": caches,
+                        "splits": filled_attention.splits(batch, kv_heads, length, sms)}
+                variants = {
+                    "matmul": lambda i: compiled_matmul(q, keys[i % caches], values[i % caches], valid, scale),  # noqa: B023
+                    "filled": lambda i: filled_attention.filled_decode_attention(  # noqa: B023
+                        q, keys[i % caches], values[i % caches], valid, scale),  # noqa: B023
+                }
+                for variant, fn in variants.items():
+                    records.append({**base, "variant": variant, "ms": round(ms := _time_graph(fn), 4),
+                                    "gb_per_s": round(admitted_bytes / ms / 1e6, 1)})
+                filled_attention.CONFIG = KernelConfig(max_splits=1)
+                ms = _time_graph(variants["filled"])
+                filled_attention.CONFIG = KernelConfig()
+                records.append({**base, "variant": "filled_one_program", "ms": round(ms, 4),
+                                "gb_per_s": round(admitted_bytes / ms / 1e6, 1)})
+                del q, k, v, valid, keys, values
+                torch.cuda.empty_cache()
+    return records
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch settings")
     parser.add_argument("--caches", type=int, default=4,
                         help="copies of the cache the timed calls cycle over (1: the same, L2-warm, cache each call)")
+    parser.add_argument("--lengths", default=None,
+                        help="comma-separated long cache lengths to time instead of the 768-position shapes")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.caches < 1:
@@ -83,9 +125,12 @@ def main(argv=None) -> int:
     if args.sweep:
         configs += [KernelConfig(block=b, num_warps=w, num_stages=s)
                     for b, w, s in itertools.product((64, 128), (4, 8), (2, 3))]
+    torch._dynamo.config.recompile_limit = 64  # one compile of the matmul attention per shape and length
     compiled_matmul = torch.compile(reference_decode_attention, dynamic=False)
     records = []
-    for name, (batch, kv_heads, groups, dim) in SHAPES.items():
+    if args.lengths:
+        records = _long_caches([int(n) for n in args.lengths.split(",")], args.caches, compiled_matmul)
+    for name, (batch, kv_heads, groups, dim) in ({} if args.lengths else SHAPES).items():
         for filled in (320, CACHE_LEN):
             q, k, v, valid = _inputs(batch, kv_heads, groups, dim, filled)
             # Calls cycle over copies of the cache (--caches), as a decode step's layers each read their own:

@@ -111,7 +111,8 @@ class StaticDecoder:
         compiled_layers: instead of ``compiled_forward``, one compiled decoder layer that every layer
             runs while the step is compiled and captured (``regional_compile``); the rest stays eager.
         decode_attention: the packed-GQA variant used while the compiled forward is traced/captured; "filled"
-            becomes "matmul" where ``filled_attention.serves`` says the kernel would not pay (few rows, no Triton).
+            becomes "matmul" where ``filled_attention.serves`` says the kernel would not pay (few rows over a
+            short cache, no Triton).
         compiled_select: ``torch.compile(take_next_tokens)`` for the decode step's token selection and buffer
             updates, or None (eager, in place).
         fuse_projections: parts of ``fused_projections.PARTS`` to fuse in the captured step ("qkv",
@@ -140,8 +141,8 @@ class StaticDecoder:
         self.compiled_forward = compiled_forward
         self.compiled_layers = compiled_layers
         self.compile_error: str | None = None  # why compiling failed, once it has
-        if decode_attention == "filled" and not filled_attention.serves(batch, kv_heads(base.config), device):
-            decode_attention = "matmul"  # too few rows to fill the GPU with the kernel's programs
+        if decode_attention == "filled" and not filled_attention.serves(batch, kv_heads(base.config), device, cache_len):
+            decode_attention = "matmul"  # too few rows and too short a cache to fill the GPU with the kernel's programs
         self.decode_attention = decode_attention
         self.compiled_select = compiled_select
         self.fuse_projections = tuple(fuse_projections)

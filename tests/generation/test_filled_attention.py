@@ -53,6 +53,18 @@ def test_the_kernel_serves_decoders_with_a_program_for_every_sm():
     assert worth_the_kernel(8, 132, min_programs=8)  # what the GPU tests set to run it on tiny models
 
 
+def test_long_caches_are_split_until_the_programs_fill_the_gpu():
+    """Few rows over a long cache: each (row, KV head) is split so the programs fill the SMs twice; a short cache
+    or rows that fill the GPU alone keep one program per (row, KV head)."""
+    sms = 132  # an H100 / H200
+    assert filled_attention.splits(32, 2, 4096 + 384, sms) == 5  # 0.5B x 32 rows, 4k completions: 320 programs
+    assert filled_attention.splits(8, 4, 20480 + 256, sms) == 9  # 7B (4 KV heads) x 8 rows, 20k completions
+    assert filled_attention.splits(32, 2, 768, sms) == 1  # too short to split: 32 x 2 stays on the matmul path
+    assert filled_attention.splits(128, 2, 32768, sms) == 2  # 256 programs already fill the SMs once
+    assert filled_attention.splits(1, 1, 10**6, sms) == filled_attention.CONFIG.max_splits
+    assert worth_the_kernel(32 * 2 * filled_attention.splits(32, 2, 4480, sms), sms)
+
+
 def test_a_cpu_decoder_asked_for_the_kernel_attends_with_matmul():
     from transformers import GenerationConfig
 
@@ -74,6 +86,11 @@ SHAPES = [  # (batch, KV heads, groups, head dim, cache length)
     pytest.param(128, 2, 7, 64, 700, id="qwen0.5b-heads-128rows-ragged-cache"),
     pytest.param(2, 4, 1, 16, 50, id="no-grouping-short-cache"),
     pytest.param(5, 1, 4, 80, 200, id="head-dim-80"),
+    # long caches, split over several programs per (row, KV head) and reduced
+    pytest.param(32, 2, 7, 64, 1024, id="qwen0.5b-heads-32rows-1k"),
+    pytest.param(32, 2, 7, 64, 4480, id="qwen0.5b-heads-32rows-4k"),
+    pytest.param(8, 4, 7, 128, 16384, id="qwen7b-heads-8rows-16k"),
+    pytest.param(4, 4, 7, 128, 32768, id="qwen7b-heads-4rows-32k"),
 ]
 
 
@@ -94,14 +111,17 @@ def test_kernel_equals_attention_over_the_masked_cache(batch, kv_heads, groups, 
 
 @pytest.mark.gpu
 @needs_triton
-def test_a_mask_with_holes_and_an_empty_row_is_followed():
-    """Masks other than a rollout's one span: holes (whole blocks of them too) and a row that attends nowhere."""
-    query, key, value, _, _ = _case(6, 2, 7, 64, 700, torch.float32, "cuda", seed=7)
+@pytest.mark.parametrize("length", [700, 6000], ids=["one-program", "split"])
+def test_a_mask_with_holes_and_an_empty_row_is_followed(length):
+    """Masks other than a rollout's one span: holes (whole blocks of them too, a whole split's share in the long
+    cache) and a row that attends nowhere."""
+    query, key, value, _, _ = _case(6, 2, 7, 64, length, torch.float32, "cuda", seed=7)
     g = torch.Generator(device="cpu").manual_seed(7)
-    valid = torch.rand(6, 700, generator=g) < 0.3
+    valid = torch.rand(6, length, generator=g) < 0.3
     valid[1, 130:520] = False  # three whole blocks of 128 skipped between admitted positions
+    valid[4, 600:length - 50] = False  # at 6000, several splits' shares hold nothing
     valid[2] = False
-    valid[2, 699] = True  # only the last position
+    valid[2, length - 1] = True  # only the last position
     valid[3] = False  # attends nowhere: zeros
     valid = valid.cuda()
     got = filled_decode_attention(query, key, value, valid, 0.125)
@@ -112,10 +132,10 @@ def test_a_mask_with_holes_and_an_empty_row_is_followed():
 
 @pytest.mark.gpu
 @needs_triton
-@pytest.mark.parametrize("batch", [4, 128])
-def test_positions_the_mask_excludes_are_never_read(batch):
+@pytest.mark.parametrize("batch,length", [(4, 300), (128, 300), (4, 5000)])
+def test_positions_the_mask_excludes_are_never_read(batch, length):
     """NaN in every excluded position (stale or never-written cache) leaves the result finite and unchanged."""
-    query, key, value, valid, _ = _case(batch, 2, 6, 64, 300, torch.bfloat16, "cuda", seed=4)
+    query, key, value, valid, _ = _case(batch, 2, 6, 64, length, torch.bfloat16, "cuda", seed=4)
     expected = filled_decode_attention(query, key, value, valid, 0.125)
     poisoned_key = key.masked_fill(~valid[:, None, :, None], float("nan"))
     poisoned_value = value.masked_fill(~valid[:, None, :, None], float("nan"))
@@ -126,17 +146,18 @@ def test_positions_the_mask_excludes_are_never_read(batch):
 
 @pytest.mark.gpu
 @needs_triton
-def test_a_captured_call_follows_the_mask_it_reads_at_replay():
+@pytest.mark.parametrize("length", [512, 8192], ids=["one-program", "split"])
+def test_a_captured_call_follows_the_mask_it_reads_at_replay(length):
     """One graph, replayed as the cache fills: each replay attends over the mask of that step."""
-    query, key, value, _, _ = _case(16, 2, 7, 64, 512, torch.bfloat16, "cuda", seed=5)
-    mask = torch.zeros((16, 512), dtype=torch.bool, device="cuda")
+    query, key, value, _, _ = _case(16, 2, 7, 64, length, torch.bfloat16, "cuda", seed=5)
+    mask = torch.zeros((16, length), dtype=torch.bool, device="cuda")
     mask[:, :40] = True
     filled_decode_attention(query, key, value, mask, 0.125)  # compile the kernels outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = filled_decode_attention(query, key, value, mask, 0.125)
-    for filled in (41, 64, 65, 300, 512):
+    for filled in sorted({41, 64, 65, 300, 512, length // 3, length}):
         mask.zero_()
         mask[:, 3:filled] = True
         graph.replay()
