@@ -598,6 +598,12 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
             GPU_BENCHMARK,
         'python bench/decode_attention.py --sweep --out bench/results/raw/decode_attention.jsonl':
             GPU_BENCHMARK,
+        'python bench/decode_attention.py --lengths 1024,4096,16384,32768 '
+        '--out bench/results/raw/decode_attention_long.jsonl':
+            GPU_BENCHMARK,
+        'for len in 512 4096; do python bench/rollout.py --shapes 0.5b --completions 32 --completion-len $len '
+        '--prompt-len 256 --backends cuda_graph,cuda_graph_matmul --out bench/results/raw/rollout_$len.json; done':
+            GPU_BENCHMARK,
         'python bench/logprobs.py --hidden 896 --tokens 8192 65536 --chunk-rows 1024 4096 --impls chunked trl':
             GPU_BENCHMARK,
         'STEPS=6 CONFIGS="zero2 zero3" bash bench/run_multi_gpu.sh':
