@@ -290,7 +290,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--impl", choices=["trl", "hf_grpo"], required=True)
     parser.add_argument("--backend", default="auto", help="hf_grpo generation_backend: auto, hf, cuda_graph")
-    parser.add_argument("--shape", choices=["0.5b", "1.5b", "tiny"], default="0.5b")
+    parser.add_argument("--shape", choices=["0.5b", "1.5b", "7b", "tiny"], default="0.5b")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--per_device_train_batch_size", type=int, default=8)
     parser.add_argument("--steps_per_generation", type=int, default=4)

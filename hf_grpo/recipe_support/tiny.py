@@ -39,6 +39,10 @@ SHAPES = {
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    # Qwen2.5-7B's dimensions (its 152064-row embedding cut to the benchmarks' 151936-token vocabulary, so every
+    # sampled id decodes); positions enough for 32k-token completions after a prompt
+    "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+               num_key_value_heads=4, vocab_size=151936, tie_word_embeddings=False, max_position_embeddings=40960),
 }
 
 
