@@ -601,6 +601,11 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
         'python bench/decode_attention.py --lengths 1024,4096,16384,32768 '
         '--out bench/results/raw/decode_attention_long.jsonl':
             GPU_BENCHMARK,
+        'python bench/grpo_realistic.py --impl hf_grpo --shape 7b --lora_r 16 --checkpointing on --num_generations 8 '
+        '--per_device_train_batch_size 1 --steps_per_generation 8 --gradient_accumulation_steps 8 '
+        '--max_completion_length 20480 --min_prompt 192 --max_prompt 320 --eos_prob 0 --max_steps 1 --num_prompts 64 '
+        '--phases --out bench/results/raw/long_7b_20k.jsonl':
+            GPU_BENCHMARK,
         'for len in 512 4096; do python bench/rollout.py --shapes 0.5b --completions 32 --completion-len $len '
         '--prompt-len 256 --backends cuda_graph,cuda_graph_matmul --out bench/results/raw/rollout_$len.json; done':
             GPU_BENCHMARK,
