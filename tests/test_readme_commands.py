@@ -606,6 +606,9 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
         '--max_completion_length 20480 --min_prompt 192 --max_prompt 320 --eos_prob 0 --max_steps 1 --num_prompts 64 '
         '--phases --out bench/results/raw/long_7b_20k.jsonl':
             GPU_BENCHMARK,
+        'python bench/long_context.py --shape 7b --lora_r 16 --num_generations 8 --lengths 8192,16384,20480,32768 '
+        '--out bench/results/raw/long_context.jsonl':
+            GPU_BENCHMARK,
         'for len in 512 4096; do python bench/rollout.py --shapes 0.5b --completions 32 --completion-len $len '
         '--prompt-len 256 --backends cuda_graph,cuda_graph_matmul --out bench/results/raw/rollout_$len.json; done':
             GPU_BENCHMARK,
