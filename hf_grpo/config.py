@@ -28,6 +28,7 @@ from .batch_fields import (  # noqa: F401 (re-exported: names of hf_grpo.config 
     explicit_fields,
     resolve_batch_fields,
 )
+from .distributed.launcher_watch import exit_with_launcher
 from .distributed.zero3_leaves import validate_setting as validate_leaf_setting
 from .generation import BACKEND_NAMES
 from .generation.dense_mirror import validate_setting as validate_mirror_setting
@@ -278,6 +279,7 @@ class GRPOConfig(trl.GRPOConfig):
         return config
 
     def __post_init__(self):
+        exit_with_launcher()  # built early on every process: it then ends with its launcher (launcher_watch)
         if self.generation_backend not in BACKEND_NAMES:
             raise ValueError(
                 f"generation_backend must be one of {BACKEND_NAMES}, got {self.generation_backend!r}"

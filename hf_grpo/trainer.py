@@ -28,10 +28,11 @@ again around generation) and ``log`` (``perf/`` figures), transformers' ``create
 (ZeRO-3 leaf modules: ``hf_grpo.distributed.zero3_leaves``) and ``_save_rng_state`` (the run's sizes and every
 rank's random state written before rank 0 marks a checkpoint complete: ``hf_grpo.distributed.rng_files``), and
 ``train`` (settles "auto" sizes first: ``hf_grpo.memory.autosize``; refuses a token budget the longest prompt
-cannot fit, a fresh run into another run's checkpoints (``hf_grpo.checks.output_dirs``) and a ZeRO checkpoint
-resumed in another launch shape (``hf_grpo.distributed.zero_resume``)). ``__init__`` checks the training set, a
-model path and the reward functions' outputs first (``hf_grpo.checks.inputs``). A generation chunk or a head chunk
-that runs out of memory is halved on every rank and retried (``hf_grpo.memory.oom``).
+cannot fit, a second run into a folder another run writes (``hf_grpo.checks.output_lock``), a fresh run into
+another run's checkpoints (``hf_grpo.checks.output_dirs``) and a ZeRO checkpoint resumed in another launch shape
+(``hf_grpo.distributed.zero_resume``)). ``__init__`` checks the training set, a model path and the reward
+functions' outputs first (``hf_grpo.checks.inputs``). A generation chunk or a head chunk that runs out of memory
+is halved on every rank and retried (``hf_grpo.memory.oom``).
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ from trl.models import unwrap_model_for_generation
 
 from .training import compiled_layers as training_compile, graphs as training_graphs, lora_forward, prompt_groups
 from .checks import inputs as checks
-from .checks import output_dirs
+from .checks import output_dirs, output_lock
 from .config import GRPOConfig
 from .distributed import before_deepspeed_starts, rng_files, zero3_leaves, zero_resume
+from .distributed.launcher_watch import exit_with_launcher
 from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, resolve_backend
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
@@ -89,6 +91,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._check_inputs(*args, **kwargs)
         # inductor's compile workers boot while TRL sets up (reference, accelerator, data), not at the first rollout
         compile_workers.start_early(config, kwargs.get("model", args[0] if args else None))
+        exit_with_launcher()  # this process ends with its launcher (hf_grpo.distributed.launcher_watch)
         super().__init__(*args, **kwargs)
         checks.check_reward_outputs(self)
         token_budget.check_trainer(self)
@@ -160,6 +163,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         return stats
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        # one writer per output_dir: refused while another run holds it (hf_grpo.checks.output_lock)
+        with output_lock.held_for_run(self.args.output_dir, self.accelerator):
+            return self._train_checked(resume_from_checkpoint, *args, **kwargs)
+
+    def _train_checked(self, resume_from_checkpoint=None, *args, **kwargs):
         # another run's checkpoints in output_dir: refused unless resuming or overwriting (hf_grpo.checks.output_dirs)
         output_dirs.check_fresh_run(self.args, resume_from_checkpoint, self.accelerator)
         # no per-shape cuDNN kernel builds (hf_grpo.training.cudnn_attention), in the "auto" probes as in training

@@ -3,10 +3,11 @@
 ``zero3_leaves`` marks the modules ZeRO-3 fetches with one hook, ``zero_resume`` refuses a ZeRO checkpoint
 resumed in another shape, ``rng_files`` says when a resumed checkpoint lacks this rank's random state,
 ``build_locks`` finds stale DeepSpeed op-build locks, ``cpu_comm_op`` spares CPU runs a DeepSpeed op build they
-never use, ``shutdown`` closes the process group cleanly.
+never use, ``shutdown`` closes the process group cleanly, ``launcher_watch`` ends a training process whose
+launcher died.
 
 May import: ``hf_grpo.memory`` (rank agreement helpers), torch, accelerate, deepspeed. Never the trainer or the
-config class.
+config class (``launcher_watch`` releases ``hf_grpo.checks.output_lock``'s lock before it exits).
 """
 
 from typing import Any

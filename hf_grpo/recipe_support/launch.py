@@ -15,6 +15,7 @@ import torch
 import yaml
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
+from ..checks import output_lock
 from ..checks.inputs import check_model_path
 from ..config import GRPOConfig, device_defaults, explicit_fields
 from ..distributed import before_deepspeed_starts
@@ -211,8 +212,10 @@ def run_recipe(defaults: dict[str, Any], reward_funcs, build_dataset, argv: list
         peft_config=get_peft_config(model_args),
         callbacks=[MetricsFileCallback(training_args.output_dir)],
     )
-    trainer.train(resume_from_checkpoint=resume_argument(training_args.resume_from_checkpoint))
-    finish(trainer, recipe_args, plot_title)
+    # the folder is held from the first step to the final model and performance.json (hf_grpo.checks.output_lock)
+    with output_lock.held_for_run(training_args.output_dir, trainer.accelerator):
+        trainer.train(resume_from_checkpoint=resume_argument(training_args.resume_from_checkpoint))
+        finish(trainer, recipe_args, plot_title)
     return trainer
 
 

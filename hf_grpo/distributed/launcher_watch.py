@@ -1,0 +1,68 @@
+"""A training process ends when the launcher that started it dies.
+
+``accelerate launch`` of one process starts the training process and waits for it; SIGINT or SIGTERM sent to the
+launcher's pid alone ends the launcher and leaves the training process running (still saving and rotating
+checkpoints). Of a multi-process launch, torchrun's agent stops its workers on SIGINT/SIGTERM, but SIGKILL of the
+agent leaves them all running, each in its own session. Any of these leaves a second writer in ``output_dir``.
+
+So every training process started by a launcher watches its parent (the launcher, or torchrun's agent) from a
+daemon thread: when its parent pid changes, the parent is gone, and the process releases its output-dir lock and
+exits at once (status 1), whatever its main thread is doing.
+
+Why a thread polling ``os.getppid()`` rather than ``prctl(PR_SET_PDEATHSIG)``: the death signal fires when the
+parent *thread* that started the process ends, not the parent process (a launcher starting workers from a helper
+thread would kill healthy workers); it is lost if the parent died before the call; it is Linux only; and a signal
+ends the process without releasing its lock. The poll costs a system call every half second, and every blocking
+call of torch (collectives, kernels) releases the GIL, so the thread runs within that time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+
+logger = logging.getLogger("hf_grpo")
+POLL_S = 0.5
+OPT_OUT = "HF_GRPO_EXIT_WITH_LAUNCHER"  # "0": keep training when the launcher dies
+# set by torchrun's agent (also behind accelerate launch --num_processes N > 1) and by accelerate's one-process launcher
+LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "ACCELERATE_USE_CPU")
+_watching: int | None = None  # the parent pid watched, once started
+
+
+def launched_by_launcher() -> bool:
+    """Whether this process was started by ``accelerate launch`` or torchrun (not ``python script.py`` in a shell,
+    whose parent shell may end on purpose, as with ``nohup``)."""
+    return any(name in os.environ for name in LAUNCHER_ENV)
+
+
+def exit_with_launcher() -> bool:
+    """Start watching the launcher, once per process; True if watching. A no-op outside a launcher, when the parent
+    is already gone (pid 1), or with ``HF_GRPO_EXIT_WITH_LAUNCHER=0``."""
+    global _watching
+    if _watching is not None:
+        return True
+    if os.environ.get(OPT_OUT, "1") == "0" or not launched_by_launcher():
+        return False
+    parent = os.getppid()
+    if parent <= 1:
+        return False
+    _watching = parent
+    threading.Thread(target=_watch, args=(parent,), name="hf_grpo-launcher-watch", daemon=True).start()
+    return True
+
+
+def _watch(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(POLL_S)
+    from ..checks.output_lock import release_all
+
+    message = f"hf_grpo: the launcher (pid {parent}) of this training process (pid {os.getpid()}) is gone: exiting"
+    try:
+        logger.error(message)
+        release_all()
+    finally:
+        sys.stderr.flush()
+        os._exit(1)  # from this thread: the main thread may be inside a step or a collective
