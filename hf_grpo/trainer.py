@@ -28,8 +28,9 @@ again around generation) and ``log`` (``perf/`` figures), transformers' ``create
 (ZeRO-3 leaf modules: ``hf_grpo.distributed.zero3_leaves``) and ``_save_rng_state`` (the run's sizes and every
 rank's random state written before rank 0 marks a checkpoint complete: ``hf_grpo.distributed.rng_files``), and
 ``train`` (settles "auto" sizes first: ``hf_grpo.memory.autosize``; refuses a token budget the longest prompt
-cannot fit, a fresh run into another run's checkpoints (``hf_grpo.checks.output_dirs``) and a ZeRO checkpoint
-resumed in another launch shape (``hf_grpo.distributed.zero_resume``)). ``__init__`` checks the training set, a
+cannot fit, a fresh run into another run's checkpoints (``hf_grpo.checks.output_dirs``), a resume from an
+incomplete checkpoint, resolving ``True`` to the newest complete one (``hf_grpo.checks.checkpoints``), and a ZeRO
+checkpoint resumed in another launch shape (``hf_grpo.distributed.zero_resume``)). ``__init__`` checks the training set, a
 model path and the reward functions' outputs first (``hf_grpo.checks.inputs``). A generation chunk or a head chunk
 that runs out of memory is halved on every rank and retried (``hf_grpo.memory.oom``).
 """
@@ -50,7 +51,7 @@ from trl.models import unwrap_model_for_generation
 
 from .training import compiled_layers as training_compile, graphs as training_graphs, lora_forward, prompt_groups
 from .checks import inputs as checks
-from .checks import output_dirs
+from .checks import checkpoints, output_dirs
 from .config import GRPOConfig
 from .distributed import before_deepspeed_starts, rng_files, zero3_leaves, zero_resume
 from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, resolve_backend
@@ -162,11 +163,16 @@ class GRPOTrainer(trl.GRPOTrainer):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         # another run's checkpoints in output_dir: refused unless resuming or overwriting (hf_grpo.checks.output_dirs)
         output_dirs.check_fresh_run(self.args, resume_from_checkpoint, self.accelerator)
+        # only a complete checkpoint is resumed from: True is the newest complete one (hf_grpo.checks.checkpoints)
+        resume_from_checkpoint = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir,
+                                                            self.accelerator.is_main_process)
+        if resume_from_checkpoint is not None:
+            checkpoints.set_aside_incomplete(self.args.output_dir, self.args, self.accelerator)
         # no per-shape cuDNN kernel builds (hf_grpo.training.cudnn_attention), in the "auto" probes as in training
         with cudnn_attention(self.args.cudnn_attention):
             token_budget.check_longest_row(self.args, self._longest_prompt)  # before any probe or step
             # "auto" sizes are settled before TRL and transformers size the dataloader and the accumulation
-            checkpoint = autosize.checkpoint_dir(resume_from_checkpoint, self.args.output_dir)
+            checkpoint = resume_from_checkpoint
             zero_resume.check_resume_shape(checkpoint, self.accelerator.num_processes, self.is_deepspeed_enabled)
             rng_files.warn_if_missing(checkpoint, self.args.world_size, self.args.process_index)
             if autosize.resolve_auto_sizes(self, checkpoint):

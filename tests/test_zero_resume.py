@@ -18,6 +18,7 @@ def fake_zero_checkpoint(directory, ranks, step=2, prefix=""):
     for rank in range(ranks):
         (state / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
     (state / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (state.parent / "trainer_state.json").write_text(f'{{"global_step": {step}}}')  # a complete save's last file
     return str(state.parent)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .oom import (
     BACKOFF_FIELDS,
@@ -360,13 +360,6 @@ class Prober:
             eager.reserved_len = backend.reserved_len
             return eager
         return backend
-
-
-def checkpoint_dir(resume_from_checkpoint, output_dir: str) -> str | None:
-    """The directory ``Trainer.train(resume_from_checkpoint=...)`` resumes from (True: the last in ``output_dir``)."""
-    if resume_from_checkpoint is True:
-        return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-    return resume_from_checkpoint or None
 
 
 class SaveSizesCallback(TrainerCallback):
