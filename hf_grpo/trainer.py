@@ -28,11 +28,11 @@ again around generation) and ``log`` (``perf/`` figures), transformers' ``create
 (ZeRO-3 leaf modules: ``hf_grpo.distributed.zero3_leaves``) and ``_save_rng_state`` (the run's sizes and every
 rank's random state written before rank 0 marks a checkpoint complete: ``hf_grpo.distributed.rng_files``), and
 ``train`` (settles "auto" sizes first: ``hf_grpo.memory.autosize``; refuses a token budget the longest prompt
-cannot fit, a fresh run into another run's checkpoints (``hf_grpo.checks.output_dirs``), a resume from an
-incomplete checkpoint, resolving ``True`` to the newest complete one (``hf_grpo.checks.checkpoints``), and a ZeRO
-checkpoint resumed in another launch shape (``hf_grpo.distributed.zero_resume``)). ``__init__`` checks the training set, a
-model path and the reward functions' outputs first (``hf_grpo.checks.inputs``). A generation chunk or a head chunk
-that runs out of memory is halved on every rank and retried (``hf_grpo.memory.oom``).
+cannot fit, and what ``hf_grpo.checks.resume`` refuses: a fresh run into another run's checkpoints, an incomplete
+checkpoint, a launch shape that cannot read it; ``True`` resumes the newest complete checkpoint) and
+``_prepare_for_training`` (a checkpoint without ZeRO state loaded under ZeRO-1/2: ``distributed.plain_to_zero``).
+``__init__`` checks the training set, a model path and the reward functions' outputs first (``hf_grpo.checks.inputs``).
+A generation or head chunk that runs out of memory is halved on every rank and retried (``hf_grpo.memory.oom``).
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ from trl.models import unwrap_model_for_generation
 
 from .training import compiled_layers as training_compile, graphs as training_graphs, lora_forward, prompt_groups
 from .checks import inputs as checks
-from .checks import checkpoints, output_dirs
+from .checks import resume
 from .config import GRPOConfig
-from .distributed import before_deepspeed_starts, rng_files, zero3_leaves, zero_resume
+from .distributed import before_deepspeed_starts, plain_to_zero, zero3_leaves
 from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, resolve_backend
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
@@ -161,26 +161,30 @@ class GRPOTrainer(trl.GRPOTrainer):
         return stats
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        # another run's checkpoints in output_dir: refused unless resuming or overwriting (hf_grpo.checks.output_dirs)
-        output_dirs.check_fresh_run(self.args, resume_from_checkpoint, self.accelerator)
-        # only a complete checkpoint is resumed from: True is the newest complete one (hf_grpo.checks.checkpoints)
-        resume_from_checkpoint = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir,
-                                                            self.accelerator.is_main_process)
-        if resume_from_checkpoint is not None:
-            checkpoints.set_aside_incomplete(self.args.output_dir, self.args, self.accelerator)
+        # another run's checkpoints, an incomplete checkpoint, a launch shape that cannot read it: refused
+        # (hf_grpo.checks.resume); True becomes the newest complete checkpoint
+        checkpoint = resume.checkpoint_to_resume(self, resume_from_checkpoint)
         # no per-shape cuDNN kernel builds (hf_grpo.training.cudnn_attention), in the "auto" probes as in training
         with cudnn_attention(self.args.cudnn_attention):
             token_budget.check_longest_row(self.args, self._longest_prompt)  # before any probe or step
             # "auto" sizes are settled before TRL and transformers size the dataloader and the accumulation
-            checkpoint = resume_from_checkpoint
-            zero_resume.check_resume_shape(checkpoint, self.accelerator.num_processes, self.is_deepspeed_enabled)
-            rng_files.warn_if_missing(checkpoint, self.args.world_size, self.args.process_index)
             if autosize.resolve_auto_sizes(self, checkpoint):
                 self.perf = PerformanceStats(self.accelerator.device)  # the probes are not part of the run's figures
             if self._train_backoff is None and self.accelerator.is_main_process:
                 logger.info("an out-of-memory in a training micro-batch will end the run (no retry: %s)",
                             self._train_backoff_unavailable)
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            return super().train(checkpoint, *args, **kwargs)
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if not plain_to_zero.applies(resume_from_checkpoint, self.is_deepspeed_enabled):
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        # a checkpoint without ZeRO state under ZeRO-1/2: weights before DeepSpeed, optimizer into its partitions
+        plain_to_zero.load_weights(self, resume_from_checkpoint)
+        prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
+        plain_to_zero.load_optimizer_state(self.model_wrapped, resume_from_checkpoint, self.accelerator.is_main_process)
+        self._load_optimizer_and_scheduler(resume_from_checkpoint)  # the schedule (DeepSpeed leaves it to us)
+        self._load_scaler(resume_from_checkpoint)
+        return prepared
 
     def _save_rng_state(self, output_dir):
         super()._save_rng_state(output_dir)
