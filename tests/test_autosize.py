@@ -281,3 +281,29 @@ def test_a_back_off_is_kept_where_this_run_starts_the_chunk_from_the_same_size(t
         changed.train(resume_from_checkpoint=True)
     assert changed.args.tensor_batch_size == 64  # the user changed the size the back-off started from
     assert "tensor_batch_size=16 (lowered after an out-of-memory from 32; this run starts from 64)" in caplog.text
+
+
+def test_auto_sizes_chosen_for_another_batch_are_probed_again(tmp_path, monkeypatch, caplog):
+    make_trainer(tmp_path, save_strategy="steps", save_steps=1).train()  # per-device batch per step 8
+    checkpoint = str(tmp_path / "out" / "checkpoint-1")
+    fake_cuda_probe(monkeypatch)
+    probed = []
+
+    class CountingProber(autosize.Prober):
+        def search(self, name):
+            probed.append(name)
+            return super().search(name)
+
+    monkeypatch.setattr(autosize, "Prober", CountingProber)
+    same = make_trainer(tmp_path / "same", per_device_train_batch_size="auto")
+    assert autosize.resolve_auto_sizes(same, checkpoint) == {
+        "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "steps_per_generation": 1}
+    assert probed == []  # chosen for this batch: read, not probed
+    doubled = make_trainer(tmp_path / "doubled", per_device_train_batch_size="auto", gradient_accumulation_steps=2)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_grpo"):
+        autosize.resolve_auto_sizes(doubled, checkpoint)
+    assert probed == ["per_device_train_batch_size"]
+    assert "per_device_train_batch_size=8 ('auto' chosen for another batch: per_device_batch_per_optimizer_step 8 " \
+           "then, 16 now, per_device_rollout 8 then, 16 now)" in caplog.text
+    assert "auto batch sizes (probed under" in caplog.text and "auto batch sizes (read from" not in caplog.text
