@@ -54,30 +54,34 @@ def load_optimizer_state(engine, checkpoint: str, is_main_process: bool) -> None
         return
     saved = torch.load(path, map_location="cpu", weights_only=True)
     groups = getattr(zero, "bit16_groups", None)
-    shapes = [[tuple(p.shape) for p in group] for group in groups] if groups is not None else None
-    saved_sizes = [len(group["params"]) for group in saved["param_groups"]]
-    if shapes is None or [len(s) for s in shapes] != saved_sizes:
+    counts = [len(group) for group in groups] if groups is not None else None
+    saved_counts = [len(group["params"]) for group in saved["param_groups"]]
+    if counts != saved_counts:
         raise ValueError(
-            f"{path} holds an optimizer of {len(saved_sizes)} parameter groups ({saved_sizes} parameters), which "
-            f"does not match this run's DeepSpeed optimizer "
-            f"({'not ZeRO-1/2' if shapes is None else [len(s) for s in shapes]}): resume with the model and "
-            f"optimizer settings that saved it")
+            f"{path} holds an optimizer of {len(saved_counts)} parameter groups ({saved_counts} parameters), which "
+            f"does not match this run's DeepSpeed optimizer ({'not ZeRO-1/2' if counts is None else counts}): "
+            f"resume with the model and optimizer settings that saved it")
     for i, group in enumerate(groups):
         flat = zero.single_partition_of_fp32_groups[i]
-        state: dict = {}
+        scalars: dict = {}
+        buffers: dict = {}
         for param, index in zip(group, saved["param_groups"][i]["params"]):
             for key, value in saved["state"].get(index, {}).items():
-                if not torch.is_tensor(value) or value.shape != param.shape:
-                    state.setdefault(key, value)  # per-group scalars (Adam's step): the same for every parameter
+                if not torch.is_tensor(value) or value.dim() == 0:
+                    scalars.setdefault(key, value)  # Adam's step: the same for every parameter of the group
                     continue
+                if value.shape != param.shape:
+                    raise ValueError(f"{path}: the optimizer's {key} of parameter {index} in group {i} has shape "
+                                     f"{tuple(value.shape)}, this run's parameter {tuple(param.shape)}: resume with "
+                                     f"the model that saved it")
                 mapping = param._hp_mapping
                 if mapping is None:  # no part of this parameter lies in this rank's partition
                     continue
-                buffer = state.setdefault(key, torch.zeros_like(flat))
+                buffer = buffers.setdefault(key, torch.zeros_like(flat))
                 lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
                 buffer.narrow(0, hp.start, hp.numel).copy_(value.flatten().narrow(0, lp.start, lp.numel))
-        if state:
-            zero.optimizer.state[flat] = state
+        if buffers:
+            zero.optimizer.state[flat] = {**scalars, **buffers}
     if is_main_process:
         logger.warning("resuming %s (saved without ZeRO) under DeepSpeed ZeRO: its weights and %s (%s) are loaded, "
                        "each rank taking its partition", checkpoint, OPTIMIZER_FILE,
