@@ -1,38 +1,33 @@
 """GRPOTrainer: TRL's trainer with chunked generation, chunked log-probs and performance stats.
 
-Overrides of TRL's private methods, written against trl 1.16.0 (pyproject pins ``trl>=1.16,<1.17``).
-Each is thin and calls TRL's own code wherever it can:
+Every override of TRL's and transformers' methods is here, written against trl 1.16.0 (pyproject pins
+``trl>=1.16,<1.17``; ``tests/test_trl_signatures.py`` pins their signatures). Each is thin and calls the original:
 
-- ``_generate_single_turn``: the plain (non-vLLM, non-continuous-batching, text-only) path is
-  served by a backend from ``hf_grpo.generation``, ``per_device_generation_batch_size``
-  prompts at a time, all inside one ``unwrap_model_for_generation`` (one ZeRO-3 gather per
-  rollout). Every other path is TRL's, unchanged. Under ZeRO-3 with ``zero3_generation_mirror`` on, nothing is
-  gathered there: the rollout decodes from a dense mirror refreshed layer by layer (``generation.dense_mirror``);
-  a LoRA policy outside ZeRO-3 decodes from its own weights with the adapters merged in place for the rollout
-  (``lora_generation_mirror``, ``generation.lora_merge``).
-- ``compute_loss`` (public, TRL's): with ``max_tokens_per_micro_batch``, one micro-batch runs as token-budget
-  passes (``hf_grpo.memory.token_budget``), each through TRL's own ``compute_loss``. In a one-process run it also
-  runs the backward, so that an out-of-memory there can be retried (``hf_grpo.memory.train_backoff``).
-- ``_calculate_rewards``: timed only (TRL's None/NaN handling is kept: see the README).
-- ``_get_per_token_logps_and_entropies``: timed; TRL's no-grad scoring chunks (``batch_size``) hold twice its
-  rows, fewer with ``max_tokens_per_micro_batch`` (``hf_grpo.memory.token_budget.scoring_rows``).
-- the policy's and reference's ``forward`` are patched after TRL's ``add_fused_lm_head`` so the
+- ``_generate_single_turn``: the plain (text-only, no vLLM) path is served by a ``hf_grpo.generation`` backend,
+  ``per_device_generation_batch_size`` prompts at a time inside one ``unwrap_model_for_generation`` (one ZeRO-3
+  gather a rollout), or from a dense mirror under ZeRO-3 (``generation.dense_mirror``), or with a LoRA policy's
+  adapters merged in place (``generation.lora_merge``). Every other path is TRL's.
+- ``compute_loss`` (public): token-budget passes (``memory.token_budget``); in one process the backward runs here,
+  so an out-of-memory in it can be retried (``memory.train_backoff``).
+- ``_calculate_rewards``: timed. ``_get_per_token_logps_and_entropies``: timed; its no-grad scoring chunks hold
+  ``memory.token_budget.scoring_rows``. The models' ``forward`` is patched after TRL's ``add_fused_lm_head`` so the
   log-softmax runs ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
+- ``_prepare_inputs``: TRL's, then a prompt's rows kept in the same micro-batches where the gradient stays the same
+  (``training.prompt_groups``), and the micro-batch's tokens counted. TRL's ``_tokenize_prompts`` runs once over the
+  training prompts to size the ``cuda_graph`` cache (``_longest_prompt``).
+- ``training_step`` (time accounting; compiled decoder layers inside it, ``training.compiled_layers``) and ``log``
+  (``perf/`` figures).
+- ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules, ``distributed.zero3_leaves``), ``_save_rng_state``
+  (the run's sizes and every rank's random state written before rank 0 marks a checkpoint complete,
+  ``distributed.rng_files``) and ``_prepare_for_training`` (a checkpoint without ZeRO state loaded under ZeRO-1/2,
+  ``distributed.plain_to_zero``).
+- ``train``: holds the output directory (``checks.output_lock``), refuses what ``checks.resume`` refuses (another
+  run's checkpoints, an incomplete checkpoint, a launch shape that cannot read it; ``True`` resumes the newest
+  complete checkpoint) and a token budget the longest prompt cannot fit, then settles "auto" sizes
+  (``memory.autosize``).
 
-Also: ``_prepare_inputs`` (TRL's, calls it, puts a prompt's rows into the same micro-batches where the step's
-gradient stays the same, ``hf_grpo.training.prompt_groups``, and counts the micro-batch's tokens), TRL's ``_tokenize_prompts``
-called once over the training prompts to size the ``cuda_graph`` cache for the run (``_longest_prompt``; not with
-``environment_factory``, whose prompts only batches can tokenize), the public ``training_step`` (time accounting;
-with ``compile_training`` the decoder layers run compiled inside it, ``hf_grpo.training.compiled_layers``, lifted
-again around generation) and ``log`` (``perf/`` figures), transformers' ``create_accelerator_and_postprocess``
-(ZeRO-3 leaf modules: ``hf_grpo.distributed.zero3_leaves``) and ``_save_rng_state`` (the run's sizes and every
-rank's random state written before rank 0 marks a checkpoint complete: ``hf_grpo.distributed.rng_files``), and
-``train`` (settles "auto" sizes first: ``hf_grpo.memory.autosize``; refuses a token budget the longest prompt
-cannot fit, a second run into a folder another run writes (``hf_grpo.checks.output_lock``), a fresh run into
-another run's checkpoints (``hf_grpo.checks.output_dirs``) and a ZeRO checkpoint resumed in another launch shape
-(``hf_grpo.distributed.zero_resume``)). ``__init__`` checks the training set, a model path and the reward
-functions' outputs first (``hf_grpo.checks.inputs``). A generation chunk or a head chunk that runs out of memory
-is halved on every rank and retried (``hf_grpo.memory.oom``).
+``__init__`` checks the training set, the model path and the reward functions first (``checks.inputs``). A
+generation or head chunk that runs out of memory is halved on every rank and retried (``memory.oom``).
 """
 
 from __future__ import annotations
@@ -51,9 +46,9 @@ from trl.models import unwrap_model_for_generation
 
 from .training import compiled_layers as training_compile, graphs as training_graphs, lora_forward, prompt_groups
 from .checks import inputs as checks
-from .checks import output_dirs, output_lock
+from .checks import output_lock, resume
 from .config import GRPOConfig
-from .distributed import before_deepspeed_starts, rng_files, zero3_leaves, zero_resume
+from .distributed import before_deepspeed_starts, plain_to_zero, zero3_leaves
 from .distributed.launcher_watch import exit_with_launcher
 from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, resolve_backend
 from .generation.lora_merge import InPlaceLoraMerge
@@ -168,21 +163,30 @@ class GRPOTrainer(trl.GRPOTrainer):
             return self._train_checked(resume_from_checkpoint, *args, **kwargs)
 
     def _train_checked(self, resume_from_checkpoint=None, *args, **kwargs):
-        # another run's checkpoints in output_dir: refused unless resuming or overwriting (hf_grpo.checks.output_dirs)
-        output_dirs.check_fresh_run(self.args, resume_from_checkpoint, self.accelerator)
+        # another run's checkpoints, an incomplete checkpoint, a launch shape that cannot read it: refused
+        # (hf_grpo.checks.resume); True becomes the newest complete checkpoint
+        checkpoint = resume.checkpoint_to_resume(self, resume_from_checkpoint)
         # no per-shape cuDNN kernel builds (hf_grpo.training.cudnn_attention), in the "auto" probes as in training
         with cudnn_attention(self.args.cudnn_attention):
             token_budget.check_longest_row(self.args, self._longest_prompt)  # before any probe or step
             # "auto" sizes are settled before TRL and transformers size the dataloader and the accumulation
-            checkpoint = autosize.checkpoint_dir(resume_from_checkpoint, self.args.output_dir)
-            zero_resume.check_resume_shape(checkpoint, self.accelerator.num_processes, self.is_deepspeed_enabled)
-            rng_files.warn_if_missing(checkpoint, self.args.world_size, self.args.process_index)
             if autosize.resolve_auto_sizes(self, checkpoint):
                 self.perf = PerformanceStats(self.accelerator.device)  # the probes are not part of the run's figures
             if self._train_backoff is None and self.accelerator.is_main_process:
                 logger.info("an out-of-memory in a training micro-batch will end the run (no retry: %s)",
                             self._train_backoff_unavailable)
-            return super().train(resume_from_checkpoint, *args, **kwargs)
+            return super().train(checkpoint, *args, **kwargs)
+
+    def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
+        if not plain_to_zero.applies(resume_from_checkpoint, self.is_deepspeed_enabled):
+            return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        # a checkpoint without ZeRO state under ZeRO-1/2: weights before DeepSpeed, optimizer into its partitions
+        plain_to_zero.load_weights(self, resume_from_checkpoint)
+        prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
+        plain_to_zero.load_optimizer_state(self.model_wrapped, resume_from_checkpoint, self.accelerator.is_main_process)
+        self._load_optimizer_and_scheduler(resume_from_checkpoint)  # the schedule (DeepSpeed leaves it to us)
+        self._load_scaler(resume_from_checkpoint)
+        return prepared
 
     def _save_rng_state(self, output_dir):
         super()._save_rng_state(output_dir)

@@ -1,6 +1,7 @@
 """"auto" batch sizes (hf_grpo.memory.autosize): CPU defaults, validation, the search, probing, saving and resuming."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -193,7 +194,12 @@ def test_checkpoints_hold_the_sizes_and_a_resume_reads_them_instead_of_probing(t
     checkpoint = tmp_path / "out" / "checkpoint-1"
     saved = json.loads((checkpoint / SIZES_FILE).read_text())
     assert saved == {"per_device_train_batch_size": 8, "per_device_generation_batch_size": 8, "tensor_batch_size": 8,
-                     "gradient_accumulation_steps": 1, "steps_per_generation": 1, "max_tokens_per_micro_batch": None}
+                     "gradient_accumulation_steps": 1, "steps_per_generation": 1, "max_tokens_per_micro_batch": None,
+                     # where each chunk size started (tensor_batch_size=32, halved twice) and what they are for
+                     "configured": {"per_device_generation_batch_size": 8, "tensor_batch_size": 32,
+                                    "max_tokens_per_micro_batch": None},
+                     "chosen_for": {"per_device_batch_per_optimizer_step": 8, "per_device_rollout": 8,
+                                    "max_completion_length": 6}}
     monkeypatch.setattr(hf_grpo.logprob_head, "chunked_logprobs", real)
 
     # As a probe on a GPU would have chosen: micro-batches of 4, twice as many of them.
@@ -218,3 +224,86 @@ def test_a_model_only_checkpoint_holds_the_sizes_too(tmp_path):
     checkpoint = tmp_path / "out" / "checkpoint-1"
     assert not list(checkpoint.glob("rng_state*.pth"))
     assert json.loads((checkpoint / SIZES_FILE).read_text())["tensor_batch_size"] is not None
+
+
+def recording_chunks(trainer):
+    """The chunk sizes the trainer's generation backend is called with."""
+    chunks, generate = [], trainer._backend.generate
+
+    def record(model, prompt_ids, **kwargs):
+        chunks.append(kwargs["chunk_size"])
+        return generate(model, prompt_ids, **kwargs)
+
+    trainer._backend.generate = record
+    return chunks
+
+
+@pytest.mark.parametrize("file_format", ["current", "without where the sizes came from"])
+def test_a_resume_with_a_larger_batch_generates_its_rollout_in_one_chunk(tmp_path, caplog, file_format):
+    # per_device_generation_batch_size unset: the whole per-device rollout, 8 in the first run, 16 in the resumed one
+    make_trainer(tmp_path, save_strategy="steps", save_steps=1).train()
+    sizes = tmp_path / "out" / "checkpoint-1" / SIZES_FILE
+    if file_format != "current":  # as checkpoints saved before "configured" and "chosen_for" were written hold it
+        saved = json.loads(sizes.read_text())
+        sizes.write_text(json.dumps({k: v for k, v in saved.items() if k not in ("configured", "chosen_for")}))
+    resumed = make_trainer(tmp_path, per_device_train_batch_size=16, max_steps=2, save_strategy="steps", save_steps=1)
+    chunks = recording_chunks(resumed)
+    with caplog.at_level(logging.INFO, logger="hf_grpo"):
+        resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 2
+    assert resumed.args.per_device_generation_batch_size == 16 and chunks == [16]  # one chunk, not two of 8
+    assert "auto batch sizes" not in caplog.text and "kept from" not in caplog.text
+    if file_format != "current":
+        assert "per_device_generation_batch_size=8 (set for another batch: per_device_batch_per_optimizer_step 8 " \
+               "then, 16 now, per_device_rollout 8 then, 16 now)" in caplog.text
+
+
+def test_a_back_off_is_kept_where_this_run_starts_the_chunk_from_the_same_size(tmp_path, monkeypatch, caplog):
+    real = hf_grpo.logprob_head.chunked_logprobs
+
+    def failing(hidden, *args, chunk_rows, **kwargs):
+        if chunk_rows > 16:
+            raise torch.OutOfMemoryError("injected")
+        return real(hidden, *args, chunk_rows=chunk_rows, **kwargs)
+
+    monkeypatch.setattr(hf_grpo.logprob_head, "chunked_logprobs", failing)
+    make_trainer(tmp_path, tensor_batch_size=32, save_strategy="steps", save_steps=1).train()  # halved to 16
+    monkeypatch.setattr(hf_grpo.logprob_head, "chunked_logprobs", real)
+    same = make_trainer(tmp_path, tensor_batch_size=32, per_device_train_batch_size=16, max_steps=2,
+                        save_strategy="steps", save_steps=1)
+    with caplog.at_level(logging.INFO, logger="hf_grpo"):
+        same.train(resume_from_checkpoint=True)
+    assert same.args.tensor_batch_size == 16
+    assert "tensor_batch_size=16 kept from" in caplog.text and "lowered it from 32 after an out-of-memory" in caplog.text
+    caplog.clear()
+    changed = make_trainer(tmp_path, tensor_batch_size=64, max_steps=3, save_strategy="steps", save_steps=1)
+    with caplog.at_level(logging.INFO, logger="hf_grpo"):
+        changed.train(resume_from_checkpoint=True)
+    assert changed.args.tensor_batch_size == 64  # the user changed the size the back-off started from
+    assert "tensor_batch_size=16 (lowered after an out-of-memory from 32; this run starts from 64)" in caplog.text
+
+
+def test_auto_sizes_chosen_for_another_batch_are_probed_again(tmp_path, monkeypatch, caplog):
+    make_trainer(tmp_path, save_strategy="steps", save_steps=1).train()  # per-device batch per step 8
+    checkpoint = str(tmp_path / "out" / "checkpoint-1")
+    fake_cuda_probe(monkeypatch)
+    probed = []
+
+    class CountingProber(autosize.Prober):
+        def search(self, name):
+            probed.append(name)
+            return super().search(name)
+
+    monkeypatch.setattr(autosize, "Prober", CountingProber)
+    same = make_trainer(tmp_path / "same", per_device_train_batch_size="auto")
+    assert autosize.resolve_auto_sizes(same, checkpoint) == {
+        "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "steps_per_generation": 1}
+    assert probed == []  # chosen for this batch: read, not probed
+    doubled = make_trainer(tmp_path / "doubled", per_device_train_batch_size="auto", gradient_accumulation_steps=2)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_grpo"):
+        autosize.resolve_auto_sizes(doubled, checkpoint)
+    assert probed == ["per_device_train_batch_size"]
+    assert "per_device_train_batch_size=8 ('auto' chosen for another batch: per_device_batch_per_optimizer_step 8 " \
+           "then, 16 now, per_device_rollout 8 then, 16 now)" in caplog.text
+    assert "auto batch sizes (probed under" in caplog.text and "auto batch sizes (read from" not in caplog.text

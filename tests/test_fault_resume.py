@@ -1,5 +1,6 @@
-"""A rank killed mid-run under 2-process ZeRO-2 (CPU, gloo): the run is resumed from its last checkpoint in the
-same launch shape and ends where an uninterrupted run ends, the same logged metrics and the same weights."""
+"""A rank killed mid-run under 2-process ZeRO-2 (CPU, gloo), and every rank killed while a checkpoint is being
+written: the run is resumed from its last complete checkpoint in the same launch shape and ends where an
+uninterrupted run ends, the same logged metrics and the same weights."""
 
 import json
 import os
@@ -15,7 +16,7 @@ from test_launch import ROOT, ZERO2_QUICKSTART, ZERO2_QUICKSTART_STEPS, _final_s
 
 from hf_grpo.recipe_support.reporting import current_run_rows, read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.launch]
 STEPS = ZERO2_QUICKSTART_STEPS
 COMMON = ZERO2_QUICKSTART  # the uninterrupted run is conftest's zero2_quickstart_run, launched with these
 
@@ -82,3 +83,59 @@ def test_a_killed_rank_resumes_from_the_last_checkpoint_to_the_uninterrupted_res
     for name in expected:
         torch.testing.assert_close(final[name], expected[name], rtol=1e-6, atol=1e-7)
     assert json.loads((last / "trainer_state.json").read_text())["global_step"] == int(last.name.split("-")[1])
+
+
+def kill_every_rank_during_a_save(output_dir, step, timeout=600):
+    """Launch, and SIGKILL both ranks (then the launcher) as soon as ``checkpoint-<step>`` appears: mid-save.
+    Returns the launcher's stderr."""
+    import psutil
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))}
+    launcher = subprocess.Popen(zero2_command(output_dir), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    target = output_dir / f"checkpoint-{step}"
+    try:
+        ranks = []
+        deadline = time.monotonic() + timeout
+        while not target.is_dir():
+            assert launcher.poll() is None, f"the run ended before checkpoint-{step}: {launcher.stderr.read()[-3000:]}"
+            assert time.monotonic() < deadline, f"no checkpoint-{step} in time"
+            if len(ranks) < 2:
+                ranks = [p for p in (rank_process(launcher, rank) for rank in (0, 1)) if p is not None]
+            time.sleep(0.002)
+        for process in ranks:  # the ranks run in sessions of their own: killed one by one, not by process group
+            process.kill()
+        psutil.wait_procs(ranks, timeout=30)
+        os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=60)
+    finally:
+        stop(launcher)
+    return launcher.stderr.read()
+
+
+def test_a_run_killed_during_a_save_resumes_with_true_from_the_last_complete_checkpoint(tmp_path,
+                                                                                       zero2_quickstart_run):
+    straight_dir = zero2_quickstart_run
+    interrupted = tmp_path / "interrupted"
+    kill_every_rank_during_a_save(interrupted, step=4)
+    broken = interrupted / "checkpoint-4"
+    assert broken.is_dir() and not (broken / "trainer_state.json").exists(), "the kill came after the save ended"
+    assert [p.name for p in complete_checkpoints(interrupted)] == ["checkpoint-2"]
+
+    result = launch("zero2", "recipes/quickstart.py", *COMMON, "--output_dir", interrupted,
+                    "--resume_from_checkpoint", "true")
+    assert f"resume_from_checkpoint=true skips {broken}:" in result.stderr
+    assert f"resuming from {interrupted / 'checkpoint-2'}, the newest complete checkpoint" in result.stderr
+
+    straight = read_metrics(str(straight_dir / "metrics.jsonl"))
+    resumed = [r for r in read_metrics(str(interrupted / "metrics.jsonl")) if r["run"] == 2]
+    assert [r["step"] for r in resumed] == list(range(3, STEPS + 1))
+    assert [r["reward"] for r in resumed] == [r["reward"] for r in straight[2:]]
+    for ours, theirs in zip(resumed, straight[2:]):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
+    final, expected = _final_state(interrupted), _final_state(straight_dir)
+    for name in expected:
+        torch.testing.assert_close(final[name], expected[name], rtol=1e-6, atol=1e-7)
+    # the resumed run saved step 4 again, whole; the interrupted save is kept aside
+    assert [p.name for p in complete_checkpoints(interrupted)] == [f"checkpoint-{s}" for s in (2, 4, 6)]
+    assert (interrupted / "interrupted-checkpoint-4").is_dir()

@@ -34,6 +34,11 @@ RECORDED = {
                                           "spatial_shapes=None, num_tiles=None, image_sizes=None, "
                                           "token_type_ids=None, mm_token_type_ids=None, image_position_ids=None)",
     "_prepare_inputs": "(self, generation_batch)",
+    # transformers' Trainer's (transformers 5.24): overridden, and the loaders its override calls
+    "_prepare_for_training": "(self, max_steps, train_dataloader, resume_from_checkpoint)",
+    "_load_from_checkpoint": "(self, resume_from_checkpoint, model=None)",
+    "_load_optimizer_and_scheduler": "(self, checkpoint)",
+    "_load_scaler": "(self, checkpoint)",
     "_save_rng_state": "(self, output_dir)",  # transformers' Trainer's (transformers 5.24)
     "_tokenize_prompts": "(self, prompts)",
     "compute_loss": "(self, model, inputs, return_outputs=False, num_items_in_batch=None)",
@@ -42,8 +47,9 @@ RECORDED = {
     "train": "(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None)",
     "training_step": "(self, model, inputs, num_items_in_batch)",
 }
-# Called, not overridden: GRPOTrainer tokenizes the training prompts with it once to size the decode cache.
-CALLED_ONLY = {"_tokenize_prompts"}
+# Called, not overridden: GRPOTrainer tokenizes the training prompts with it once to size the decode cache; a
+# checkpoint without ZeRO state resumed under ZeRO-1/2 is loaded with the Trainer's loaders (distributed.plain_to_zero).
+CALLED_ONLY = {"_tokenize_prompts", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler"}
 
 
 def shape(function) -> str:

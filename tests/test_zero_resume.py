@@ -1,6 +1,7 @@
 """A ZeRO checkpoint resumed in another launch shape is refused, naming the optimizer state it would lose
 (hf_grpo.distributed.zero_resume), instead of exiting 0 with a fresh optimizer."""
 
+import json
 import sys
 
 import pytest
@@ -8,6 +9,7 @@ from side_by_side import run_to_end
 from test_launch import QUICK, ROOT
 from test_trainer import make_trainer
 
+from hf_grpo.distributed.plain_to_zero import check_stage
 from hf_grpo.distributed.zero_resume import check_resume_shape, saved_partitions
 
 
@@ -18,6 +20,7 @@ def fake_zero_checkpoint(directory, ranks, step=2, prefix=""):
     for rank in range(ranks):
         (state / f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
     (state / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (state.parent / "trainer_state.json").write_text(f'{{"global_step": {step}}}')  # a complete save's last file
     return str(state.parent)
 
 
@@ -67,3 +70,46 @@ def test_a_two_process_zero2_checkpoint_is_refused_by_a_one_process_resume(tmp_p
         assert result.returncode != 0
         assert reason in result.stderr and "ZeRO run of 2 processes" in result.stderr, result.stderr[-3000:]
     assert not (out / "checkpoint-4").exists()
+
+
+def test_a_checkpoint_without_zero_state_is_refused_under_zero3_naming_what_works(tmp_path):
+    plain = tmp_path / "checkpoint-2"
+    plain.mkdir()
+    (plain / "optimizer.pt").write_bytes(b"")
+    check_stage(str(plain), uses_deepspeed=True, stage=2)
+    check_stage(str(plain), uses_deepspeed=False, stage=None)
+    with pytest.raises(ValueError, match="resumes under ZeRO-1 or ZeRO-2 .* or without DeepSpeed, not under ZeRO-3"):
+        check_stage(str(plain), uses_deepspeed=True, stage=3)
+
+
+@pytest.mark.slow
+@pytest.mark.launch
+def test_a_one_process_checkpoint_resumes_under_two_process_zero2_with_its_weights_and_adam_moments(tmp_path):
+    """Saved by one process (model.safetensors, optimizer.pt), resumed under the shipped zero2.yaml on 2 processes:
+    before the first step each rank's ZeRO partition holds exactly the saved weights and Adam moments."""
+    from test_launch import launch, python
+
+    script = "tests/scripts/plain_checkpoint_under_zero.py"
+    python(script, tmp_path, "save")
+    result = launch("zero2", script, tmp_path, "resume")
+    assert "(saved without ZeRO) under DeepSpeed ZeRO: its weights and optimizer.pt" in result.stderr
+    loaded = json.loads((tmp_path / "loaded.json").read_text())
+    assert loaded.pop("global_step") == 2 and loaded.pop("adam_steps") == [2.0]
+    assert len(loaded) > 10 and all(d["exp_avg_norm"] > 0 for d in loaded.values())
+    assert {name: (d["weight"], d["exp_avg"], d["exp_avg_sq"]) for name, d in loaded.items()} == {
+        name: (0.0, 0.0, 0.0) for name in loaded}  # copied, not recomputed: exactly equal
+    assert (tmp_path / "checkpoint-3" / "trainer_state.json").exists()  # and it trains on, saving under ZeRO
+    assert saved_partitions(str(tmp_path / "checkpoint-3")) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.launch
+def test_the_quickstart_saved_by_one_process_resumes_with_true_under_zero2(tmp_path):
+    common = [*QUICK, "--output_dir", tmp_path, "--save_steps", 2]
+    from test_launch import launch, python
+
+    python("recipes/quickstart.py", *common, "--per_device_train_batch_size", 16, "--max_steps", 2)
+    result = launch("zero2", "recipes/quickstart.py", *common, "--max_steps", 4, "--resume_from_checkpoint", "true")
+    assert f"resuming {tmp_path / 'checkpoint-2'} (saved without ZeRO) under DeepSpeed ZeRO" in result.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["run"], r["step"]) for r in rows] == [(1, 1), (1, 2), (2, 3), (2, 4)]

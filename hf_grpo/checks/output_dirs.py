@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 
+from .checkpoints import checkpoint_dirs, complete_checkpoints
+
 logger = logging.getLogger("hf_grpo")
-CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 
 
 def previous_checkpoints(output_dir: str) -> list[str]:
-    """The ``checkpoint-N`` directories in ``output_dir``, oldest step first."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = [(int(m.group(1)), name) for name in os.listdir(output_dir)
-             if (m := CHECKPOINT_NAME.fullmatch(name)) and os.path.isdir(os.path.join(output_dir, name))]
-    return [name for _, name in sorted(found)]
+    """The ``checkpoint-N`` directories in ``output_dir``, complete or not, oldest step first."""
+    return checkpoint_dirs(output_dir)
 
 
 def is_resuming(resume_from_checkpoint) -> bool:
@@ -41,11 +37,16 @@ def check_fresh_run(args, resume_from_checkpoint, accelerator) -> None:
     if not found:
         return
     if not getattr(args, "overwrite_output_dir", False):
+        complete = complete_checkpoints(args.output_dir)
+        listed = ", ".join(name if name in complete else f"{name} (incomplete: its save was interrupted)"
+                           for name in found)
+        resume = (f"To continue that run pass --resume_from_checkpoint {os.path.join(args.output_dir, complete[-1])} "
+                  f"(or true for the newest complete checkpoint); " if complete else
+                  "None of them is complete, so that run cannot be resumed; ")
         raise ValueError(
-            f"output_dir={args.output_dir!r} holds checkpoints of another run ({', '.join(found)}) and this run "
-            f"is not resuming: its checkpoint rotation would delete them. To continue that run pass "
-            f"--resume_from_checkpoint {os.path.join(args.output_dir, found[-1])} (or true for the latest); to "
-            f"start over here and delete them pass --overwrite_output_dir true; or choose another --output_dir"
+            f"output_dir={args.output_dir!r} holds checkpoints of another run ({listed}) and this run is not "
+            f"resuming: its checkpoint rotation would delete them. {resume}to start over here and delete them pass "
+            f"--overwrite_output_dir true; or choose another --output_dir"
         )
     if accelerator.is_main_process:
         logger.warning("overwrite_output_dir: deleting the previous run's %s in %s", ", ".join(found),

@@ -16,12 +16,12 @@ On CUDA the config holds those defaults provisionally (so TRL's own checks run) 
 when no rank runs out of memory and the peak allocated memory stays under ``auto_memory_fraction`` of the
 device (of the per-process cap when one is set); sizes grow by doubling, then bisect, and every rank takes
 the smallest size any rank found. The chosen sizes are printed and written to ``SIZES_FILE`` in every
-checkpoint; a resumed run reads them instead of probing again.
+checkpoint; a resumed run reads them instead of probing again where they were chosen for the same batch
+(``hf_grpo.memory.saved_sizes``).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 from transformers import TrainerCallback
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .oom import (
     BACKOFF_FIELDS,
@@ -42,6 +42,7 @@ from .oom import (
     rng_state,
     set_rng_state,
 )
+from .saved_sizes import SIZES_FILE, log_reuse, plan_reuse, read_saved_sizes, save_sizes  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("hf_grpo")
 
@@ -53,7 +54,6 @@ AUTO_DEFAULTS: dict[str, int | None] = {
     "tensor_batch_size": 1024,
 }
 AUTO_FIELDS = tuple(AUTO_DEFAULTS)
-SIZES_FILE = "hf_grpo_batch_sizes.json"
 # Largest tensor_batch_size tried: past a few thousand rows the head's GEMMs gain nothing more.
 MAX_AUTO_TENSOR_ROWS = 8192
 
@@ -176,26 +176,6 @@ def train_batch_candidates(per_step: int, per_rollout: int) -> list[int]:
 
 
 # ---- the trainer side ---------------------------------------------------------------------------
-def read_saved_sizes(checkpoint: str | None) -> dict[str, Any] | None:
-    """The sizes saved in ``checkpoint`` (a directory), or None when it holds none."""
-    if not checkpoint:
-        return None
-    path = os.path.join(checkpoint, SIZES_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as handle:
-        return json.load(handle)
-
-
-def save_sizes(args, directory: str) -> None:
-    """Write the run's current sizes (after "auto" and any OOM back-off) to ``directory/SIZES_FILE``."""
-    names = dict.fromkeys((*AUTO_FIELDS, "gradient_accumulation_steps", "steps_per_generation", *BACKOFF_FIELDS))
-    sizes = {name: getattr(args, name) for name in names}
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, SIZES_FILE), "w") as handle:
-        json.dump(sizes, handle, indent=2)
-
-
 def apply_train_batch_size(trainer, new: int) -> None:
     """Set P, scaling gradient_accumulation_steps and steps_per_generation so P x A and P x S stay fixed."""
     args = trainer.args
@@ -221,55 +201,55 @@ def apply_sizes(trainer, sizes: dict[str, Any], fields: Sequence[str]) -> None:
             setattr(trainer.args, name, sizes[name])
 
 
-def _backed_off(saved: dict[str, Any], args) -> list[str]:
-    """Chunk sizes the saved run had shrunk below this config's (an OOM back-off): a resume keeps them."""
-    found = []
-    for name in BACKOFF_FIELDS:
-        old, now = saved.get(name), getattr(args, name)
-        if isinstance(old, int) and old >= 1 and (now is None or old < now):
-            found.append(name)
-    return found
-
-
 def resolve_auto_sizes(trainer, checkpoint: str | None = None) -> dict[str, Any]:
-    """Replace the config's provisional "auto" sizes: from ``checkpoint``'s saved sizes, else by probing.
+    """Replace the config's provisional "auto" sizes: from ``checkpoint``'s saved sizes where they were chosen for
+    this run's batch, else by probing; and keep the chunk sizes an out-of-memory had lowered there, where this run
+    starts them from the same value (``hf_grpo.memory.saved_sizes``).
 
-    A resume also keeps the chunk sizes an OOM back-off had lowered. Every rank calls it (the probes are
-    collective). Returns the sizes set, also logged on rank 0.
+    Every rank calls it (the probes are collective). Returns the sizes set (each source logged on rank 0).
     """
     args = trainer.args
-    fields = tuple(getattr(args, "auto_batch_fields", ()))
-    saved = read_saved_sizes(checkpoint)
-    if saved is not None:
-        fields = tuple(dict.fromkeys([*fields, *_backed_off(saved, args)]))
-    if not fields:
+    auto = tuple(getattr(args, "auto_batch_fields", ()))
+    reuse = plan_reuse(read_saved_sizes(checkpoint), args, auto)
+    main = trainer.accelerator.is_main_process
+    if checkpoint is not None and main:
+        log_reuse(reuse, checkpoint)
+    probed = tuple(name for name in auto if name not in reuse.auto)
+    if not auto and not reuse.backoffs:
+        args._configured_sizes = {name: getattr(args, name) for name in BACKOFF_FIELDS}
         return {}
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         # Their engines take the micro-batch and accumulation at init and partition the model; a probe of the
         # bare model would measure neither their memory nor their batch sizes.
+        fields = ", ".join(dict.fromkeys([*auto, *reuse.backoffs]))
         raise ValueError(
-            f"{', '.join(fields)}='auto' is supported on one GPU and under DDP, not under DeepSpeed or FSDP; set "
+            f"{fields}='auto' is supported on one GPU and under DDP, not under DeepSpeed or FSDP; set "
             f"integers there (an out-of-memory in a generation or log-prob chunk still halves that chunk)"
         )
-    if saved is not None:
-        apply_sizes(trainer, saved, fields)
-        source = f"read from {os.path.join(checkpoint, SIZES_FILE)}"
-    else:
+    apply_sizes(trainer, reuse.auto, tuple(reuse.auto))
+    if probed:
         start = rng_state(trainer.accelerator.device)  # probes sample: the run must draw as if none had run
         probe = Prober(trainer)
         for name in ("per_device_generation_batch_size", "per_device_train_batch_size", "tensor_batch_size"):
-            if name in fields:
+            if name in probed:
                 apply_sizes(trainer, {name: min_over_ranks(probe.search(name))}, [name])
         probe.close()
         set_rng_state(start, trainer.accelerator.device)
-        source = f"probed under {args.auto_memory_fraction:.0%} of device memory"
     args.auto_batch_fields = ()
-    chosen = {name: getattr(args, name) for name in fields}
-    if "per_device_train_batch_size" in fields:
+    args._configured_sizes = {name: getattr(args, name) for name in BACKOFF_FIELDS}  # before the kept back-offs
+    apply_sizes(trainer, {name: lowered for name, (_, lowered) in reuse.backoffs.items()}, tuple(reuse.backoffs))
+    chosen = {name: getattr(args, name) for name in (*auto, *reuse.backoffs)}
+    if "per_device_train_batch_size" in auto:
         chosen["gradient_accumulation_steps"] = args.gradient_accumulation_steps
         chosen["steps_per_generation"] = args.steps_per_generation
-    if trainer.accelerator.is_main_process:
-        logger.warning("auto batch sizes (%s): %s", source, ", ".join(f"{k}={v}" for k, v in chosen.items()))
+    for names, source in ((reuse.auto, f"read from {checkpoint}, where the run that saved it chose them for the "
+                                       f"same batch"),
+                          (probed, f"probed under {args.auto_memory_fraction:.0%} of device memory")):
+        if names and main:
+            logger.warning("auto batch sizes (%s): %s", source, ", ".join(
+                f"{k}={v}" for k, v in chosen.items() if k in names or (
+                    k in ("gradient_accumulation_steps", "steps_per_generation")
+                    and "per_device_train_batch_size" in names)))
     return chosen
 
 
@@ -360,13 +340,6 @@ class Prober:
             eager.reserved_len = backend.reserved_len
             return eager
         return backend
-
-
-def checkpoint_dir(resume_from_checkpoint, output_dir: str) -> str | None:
-    """The directory ``Trainer.train(resume_from_checkpoint=...)`` resumes from (True: the last in ``output_dir``)."""
-    if resume_from_checkpoint is True:
-        return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-    return resume_from_checkpoint or None
 
 
 class SaveSizesCallback(TrainerCallback):

@@ -1,0 +1,133 @@
+"""The sizes a checkpoint holds (``SIZES_FILE``), and which of them a resumed run takes.
+
+Each checkpoint saves the run's sizes as they stand (the "auto" ones as chosen, the chunk sizes as an out-of-memory
+back-off left them), the value each chunk size started from in that run (``configured``), and what the sizes were
+chosen for (``chosen_for``: the per-device batch per optimizer step and rollout, ``max_completion_length``). A
+resume takes a saved size only where the user did not change what it came from:
+
+- an "auto" size the saved run chose, where it was chosen for what this run has; otherwise this run chooses again;
+- a chunk size the saved run lowered after an out-of-memory, where this run starts that chunk from the same value;
+  otherwise this run's own value stands (the user changed it, or what it derives from: an unset
+  ``per_device_generation_batch_size`` is the whole per-device rollout, so a larger batch means a larger chunk).
+
+Each size taken, and each not taken, is logged with where it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .oom import BACKOFF_FIELDS
+
+logger = logging.getLogger("hf_grpo")
+SIZES_FILE = "hf_grpo_batch_sizes.json"
+SIZE_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+               "per_device_generation_batch_size", "tensor_batch_size", "max_tokens_per_micro_batch")
+
+
+def chosen_for(sizes) -> dict[str, int]:
+    """What the sizes are chosen for, from a config or a saved file: invariant under the "auto" micro-batch."""
+    get = sizes.get if isinstance(sizes, dict) else lambda name: getattr(sizes, name, None)
+    P = get("per_device_train_batch_size")
+    return {"per_device_batch_per_optimizer_step": P * get("gradient_accumulation_steps"),
+            "per_device_rollout": P * get("steps_per_generation"),
+            "max_completion_length": get("max_completion_length")}
+
+
+def read_saved_sizes(checkpoint: str | None) -> dict[str, Any] | None:
+    """The sizes saved in ``checkpoint`` (a directory), or None when it holds none."""
+    path = os.path.join(checkpoint, SIZES_FILE) if checkpoint else None
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def save_sizes(args, directory: str) -> None:
+    """Write the run's current sizes, where each chunk size started and what they are chosen for."""
+    sizes = {name: getattr(args, name) for name in SIZE_FIELDS}
+    sizes["configured"] = getattr(args, "_configured_sizes", None) or {n: getattr(args, n) for n in BACKOFF_FIELDS}
+    sizes["chosen_for"] = chosen_for(args)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, SIZES_FILE), "w") as handle:
+        json.dump(sizes, handle, indent=2)
+
+
+def _saved_chosen_for(saved: dict[str, Any]) -> dict[str, int | None]:
+    if "chosen_for" in saved:
+        return saved["chosen_for"]
+    found = chosen_for(saved)  # a file written before "chosen_for" was: no max_completion_length in it
+    found["max_completion_length"] = None
+    return found
+
+
+def _differences(saved: dict[str, Any], args) -> str:
+    """How this run differs from what the saved sizes were chosen for ('' where it does not)."""
+    then, now = _saved_chosen_for(saved), chosen_for(args)
+    return ", ".join(f"{k} {then[k]} then, {now[k]} now" for k in now if then.get(k) is not None and then[k] != now[k])
+
+
+def _smaller(old, now) -> bool:
+    return isinstance(old, int) and old >= 1 and (now is None or old < now)
+
+
+@dataclass
+class Reuse:
+    """What a resume takes from a checkpoint's sizes, and what it leaves, in words for the log."""
+
+    auto: dict[str, Any] = field(default_factory=dict)  # "auto" sizes as the saved run chose them
+    # field: (started from, lowered to); started from None: a file that does not say (taken as a back-off)
+    backoffs: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    not_taken: list[str] = field(default_factory=list)
+
+
+def plan_reuse(saved: dict[str, Any] | None, args, auto_fields) -> Reuse:
+    """Which saved sizes this run takes; ``args`` holds this run's config (its "auto" sizes still provisional)."""
+    reuse = Reuse()
+    if saved is None:
+        return reuse
+    changed = _differences(saved, args)
+    configured = saved.get("configured", {})
+    for name in auto_fields:
+        if name not in saved:
+            continue
+        if changed:
+            reuse.not_taken.append(f"{name}={saved[name]} ('auto' chosen for another batch: {changed})")
+        else:  # where the saved run then lowered it, it starts from the value it chose
+            reuse.auto[name] = configured.get(name, saved[name])
+    for name in BACKOFF_FIELDS:
+        if name in auto_fields and name not in reuse.auto:
+            continue  # chosen again by this run
+        now = reuse.auto.get(name, getattr(args, name))
+        if name in configured:
+            start = configured[name]
+        elif name == "per_device_generation_batch_size" and changed:  # an older file: derived from another batch
+            if saved.get(name) != now:
+                reuse.not_taken.append(f"{name}={saved.get(name)} (set for another batch: {changed})")
+            continue
+        else:  # an older file: a chunk smaller than this run's is taken as lowered after an out-of-memory
+            if _smaller(saved.get(name), now):
+                reuse.backoffs[name] = (None, saved[name])
+            continue
+        if not _smaller(saved.get(name), start):
+            continue
+        if start == now:
+            reuse.backoffs[name] = (start, saved[name])
+        else:
+            reuse.not_taken.append(f"{name}={saved[name]} (lowered after an out-of-memory from {start}; this run "
+                                   f"starts from {now})")
+    return reuse
+
+
+def log_reuse(reuse: Reuse, checkpoint: str) -> None:
+    path = os.path.join(checkpoint, SIZES_FILE)
+    for name, (start, lowered) in reuse.backoffs.items():
+        how = f"lowered it from {start}" if start is not None else "had it below this run's (a back-off)"
+        logger.warning("%s=%s kept from %s: the run that saved it %s after an out-of-memory", name, lowered, path,
+                       how)
+    if reuse.not_taken:
+        logger.info("not taken from %s, this run's own sizes stand: %s", path, "; ".join(reuse.not_taken))
