@@ -13,7 +13,8 @@ Each is thin and calls TRL's own code wherever it can:
 - ``compute_loss`` (public, TRL's): with ``max_tokens_per_micro_batch``, one micro-batch runs as token-budget
   passes (``hf_grpo.memory.token_budget``), each through TRL's own ``compute_loss``. In a one-process run it also
   runs the backward, so that an out-of-memory there can be retried (``hf_grpo.memory.train_backoff``).
-- ``_calculate_rewards``: timed only (TRL's None/NaN handling is kept: see the README).
+- ``_calculate_rewards``: timed; TRL's None/NaN handling is kept, a rollout nobody scored is an error and the
+  unscored completions are counted (``hf_grpo.checks.unscored``).
 - ``_get_per_token_logps_and_entropies``: timed; TRL's no-grad scoring chunks (``batch_size``) hold twice its
   rows, fewer with ``max_tokens_per_micro_batch`` (``hf_grpo.memory.token_budget.scoring_rows``).
 - the policy's and reference's ``forward`` are patched after TRL's ``add_fused_lm_head`` so the
@@ -51,6 +52,7 @@ from trl.models import unwrap_model_for_generation
 from .training import compiled_layers as training_compile, graphs as training_graphs, lora_forward, prompt_groups
 from .checks import inputs as checks
 from .checks import output_dirs
+from .checks.unscored import METRIC as UNSCORED_METRIC, count_unscored
 from .config import GRPOConfig
 from .distributed import before_deepspeed_starts, rng_files, zero3_leaves, zero_resume
 from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, resolve_backend
@@ -292,6 +294,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         with self.perf.phase("reward"):
             rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        unscored = count_unscored(rewards, self.reward_func_names)  # every rank the same: the rewards are gathered
+        self._metrics["train" if self.model.training else "eval"][UNSCORED_METRIC].append(float(unscored))
         return rewards
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):

@@ -38,7 +38,8 @@ class FixedBackend(HFGenerateBackend):
         return fixed_completions(prompt_ids)
 
 
-def make_trainer(tmp_path, cls=GRPOTrainer, config_cls=GRPOConfig, model=None, fixed=True, **overrides):
+def make_trainer(tmp_path, cls=GRPOTrainer, config_cls=GRPOConfig, model=None, fixed=True, reward_funcs=count_a_reward,
+                 **overrides):
     values = dict(
         output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, bf16=False, max_steps=1,
         per_device_train_batch_size=8, num_generations=4, max_completion_length=6, learning_rate=0.5,
@@ -49,7 +50,7 @@ def make_trainer(tmp_path, cls=GRPOTrainer, config_cls=GRPOConfig, model=None, f
     args = config_cls(**values)
     trainer = cls(
         model=model if model is not None else build_tiny_model(TOKENIZER, seed=0),
-        reward_funcs=count_a_reward,
+        reward_funcs=reward_funcs,
         args=args,
         train_dataset=prompt_dataset(),
         processing_class=TOKENIZER,
