@@ -16,7 +16,8 @@ Each is thin and calls TRL's own code wherever it can:
 - ``_calculate_rewards``: timed; TRL's None/NaN handling is kept, a rollout nobody scored is an error and the
   unscored completions are counted (``hf_grpo.checks.unscored``).
 - ``_get_per_token_logps_and_entropies``: timed; TRL's no-grad scoring chunks (``batch_size``) hold twice its
-  rows, fewer with ``max_tokens_per_micro_batch`` (``hf_grpo.memory.token_budget.scoring_rows``).
+  rows, fewer with ``max_tokens_per_micro_batch``, TRL's own where dropout is active
+  (``hf_grpo.memory.token_budget.scoring_rows``).
 - the policy's and reference's ``forward`` are patched after TRL's ``add_fused_lm_head`` so the
   log-softmax runs ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
 
@@ -302,8 +303,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         if kwargs.get("batch_size") is not None:
             # TRL's no-grad scoring of the rollout (old policy, reference) in row chunks (token_budget.scoring_rows)
             budget = self.args.max_tokens_per_micro_batch
-            attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
-            rows = token_budget.scoring_rows(kwargs["batch_size"], input_ids.shape[1], budget, attention)
+            rows, why = token_budget.scoring_chunk_rows(model, kwargs["batch_size"], input_ids.shape[1], budget)
+            logged = self.__dict__.setdefault("_scoring_chunks_logged", set())  # each reason once
+            if why not in logged and self.accelerator.is_main_process:
+                logger.info("old-policy / reference log-probs: %s", why)
+            logged.add(why)
             # The same chunk on every rank (widths differ per rank): each chunk's head agrees on out-of-memory
             # with the other ranks (hf_grpo.memory.oom), so unequal chunk counts left a 2-process ZeRO-2 run hanging.
             kwargs["batch_size"] = rows if budget is None else min_over_ranks(rows)
