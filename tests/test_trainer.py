@@ -2,6 +2,7 @@
 
 import copy
 import inspect
+import math
 
 import pytest
 import torch
@@ -189,12 +190,16 @@ def test_reward_function_with_wrong_count_is_named(tmp_path):
         trainer.train()
 
 
-def test_reward_none_everywhere_scores_zero_advantage_not_nan(tmp_path):
-    # TRL's documented handling: None means "no opinion"; rows where every function abstains get 0.
-    trainer = make_trainer(tmp_path)
-    trainer.reward_funcs = [lambda completions, **kw: [None] * len(completions)]
+def test_reward_none_for_a_whole_group_scores_zero_advantage_not_nan(tmp_path):
+    # TRL's documented handling: None means "no opinion"; rows where every function abstains get advantage 0
+    # (a rollout where every row is unscored is an error: tests/test_unscored_rewards.py).
+    def first_group_unscored(completions, **kw):
+        return [None if i < 4 else text.count("a") / 4 for i, text in enumerate(completions)]
+
+    trainer = make_trainer(tmp_path, reward_funcs=first_group_unscored)
     loss, update = train_one_step(trainer)
-    assert loss == 0.0
+    assert math.isfinite(loss)
+    assert trainer.state.log_history[0]["rewards/unscored"] == 4
     assert all(torch.isfinite(u).all() for u in update.values())
 
 

@@ -151,7 +151,9 @@ def translate_plan(argv: Sequence[str]) -> str:
     parser.add_argument("--config", default=None,
                         help="the framework's whole YAML config (nested keys read as dotted paths); KEY=VALUE "
                         "settings given too win over it; keys that are not batch settings are listed and ignored")
-    parser.add_argument("settings", nargs="*", metavar="KEY=VALUE", help="the framework's own keys and values")
+    parser.add_argument("settings", nargs="*", metavar="KEY=VALUE",
+                        help="the framework's own keys and values; its own command line (--key value, --key=value, "
+                        "a bare --switch) is read too")
     # OpenRLHF's own command line (--train_batch_size 256, --train_batch_size=256, a bare --flash_attn): settings too
     own_flags = ("--from", "--num_processes", "--num_generations", "--config", "--help", "-h")
     args = parser.parse_intermixed_args(framework_flags_as_settings(argv, own_flags))
