@@ -87,12 +87,14 @@ def install_chunked_lm_head(
     only the static-shape form a CUDA graph replays, ``packed_rows``).
     """
     reason = unsupported_reason(model)
+    # Packing runs inside this head: a model the head refuses is refused packing too, and told so, with the
+    # attention's reason where there is one (Gemma2 soft-caps both its attention and its logits).
+    if padding_free_rows and (why := padding_free.unsupported_reason(model) or reason) is not None:
+        logger.warning("padding_free is not applied: %s; rows are scored padded.", why)
+        padding_free_rows = False
     if reason is not None:
         logger.warning("tensor_batch_size is not applied: %s; TRL's fused LM head is used instead.", reason)
         return False
-    if padding_free_rows and (why := padding_free.unsupported_reason(model)) is not None:
-        logger.warning("padding_free is not applied: %s; rows are scored padded.", why)
-        padding_free_rows = False
     previous_forward = model.forward
     backbone_name = model.base_model_prefix
     text_config = model.config.get_text_config()

@@ -9,8 +9,10 @@ Every override of TRL's and transformers' methods is here, written against trl 1
   adapters merged in place (``generation.lora_merge``). Every other path is TRL's.
 - ``compute_loss`` (public): token-budget passes (``memory.token_budget``); in one process the backward runs here,
   so an out-of-memory in it can be retried (``memory.train_backoff``).
-- ``_calculate_rewards``: timed. ``_get_per_token_logps_and_entropies``: timed; its no-grad scoring chunks hold
-  ``memory.token_budget.scoring_rows``. The models' ``forward`` is patched after TRL's ``add_fused_lm_head`` so the
+- ``_calculate_rewards``: timed; a rollout nobody scored is an error, unscored completions counted
+  (``checks.unscored``). ``_get_per_token_logps_and_entropies``: timed; its no-grad scoring chunks hold
+  ``memory.token_budget.scoring_rows`` (TRL's own where dropout is active). The models' ``forward`` is patched
+  after TRL's ``add_fused_lm_head`` so the
   log-softmax runs ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
 - ``_prepare_inputs``: TRL's, then a prompt's rows kept in the same micro-batches where the gradient stays the same
   (``training.prompt_groups``), and the micro-batch's tokens counted. TRL's ``_tokenize_prompts`` runs once over the
@@ -47,6 +49,7 @@ from trl.models import unwrap_model_for_generation
 from .training import compiled_layers as training_compile, graphs as training_graphs, lora_forward, prompt_groups
 from .checks import inputs as checks
 from .checks import output_lock, resume
+from .checks.unscored import METRIC as UNSCORED_METRIC, count_unscored
 from .config import GRPOConfig
 from .distributed import before_deepspeed_starts, plain_to_zero, zero3_leaves
 from .distributed.launcher_watch import exit_with_launcher
@@ -304,14 +307,19 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         with self.perf.phase("reward"):
             rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        unscored = count_unscored(rewards, self.reward_func_names)  # every rank the same: the rewards are gathered
+        self._metrics["train" if self.model.training else "eval"][UNSCORED_METRIC].append(float(unscored))
         return rewards
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
         if kwargs.get("batch_size") is not None:
             # TRL's no-grad scoring of the rollout (old policy, reference) in row chunks (token_budget.scoring_rows)
             budget = self.args.max_tokens_per_micro_batch
-            attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
-            rows = token_budget.scoring_rows(kwargs["batch_size"], input_ids.shape[1], budget, attention)
+            rows, why = token_budget.scoring_chunk_rows(model, kwargs["batch_size"], input_ids.shape[1], budget)
+            logged = self.__dict__.setdefault("_scoring_chunks_logged", set())  # each reason once
+            if why not in logged and self.accelerator.is_main_process:
+                logger.info("old-policy / reference log-probs: %s", why)
+            logged.add(why)
             # The same chunk on every rank (widths differ per rank): each chunk's head agrees on out-of-memory
             # with the other ranks (hf_grpo.memory.oom), so unequal chunk counts left a 2-process ZeRO-2 run hanging.
             kwargs["batch_size"] = rows if budget is None else min_over_ranks(rows)

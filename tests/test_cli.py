@@ -58,7 +58,28 @@ def test_plan_rejects_unknown_yaml_keys(tmp_path):
     config.write_text("per_device_train_batch_size: 4\nnum_generation: 4\n")
     result = run_cli("plan", "--config", str(config))
     assert result.returncode == 1
-    assert "unknown keys ['num_generation']" in result.stderr
+    assert "unknown keys ['num_generation' (did you mean 'num_generations'?)]" in result.stderr
+
+
+def test_plan_names_an_accelerate_config_given_as_the_recipe_config():
+    zero2 = os.path.join(os.path.dirname(__file__), "..", "accelerate_configs", "zero2.yaml")
+    result = run_cli("plan", "--config", zero2)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert f"{zero2} is an Accelerate launch config" in result.stderr
+    assert f"accelerate launch --config_file {zero2}" in result.stderr
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n"])
+def test_plan_refuses_an_empty_config_naming_the_file(tmp_path, text):
+    config = tmp_path / "run.yaml"
+    config.write_text(text)
+    result = run_cli("plan", "--config", str(config))
+    assert result.returncode == 1
+    assert result.stdout == ""  # not the default plan, as if the file had been read
+    assert f"{config} is empty (no keys)" in result.stderr
+    framework = run_cli("plan", "--from", "verl", "--config", str(config))
+    assert framework.returncode == 1 and f"{config} is empty (no keys)" in framework.stderr
 
 
 def test_plan_applies_env_overrides_and_presets():

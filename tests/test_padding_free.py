@@ -204,3 +204,26 @@ def assert_packed_scores_as_padded_in_bf16_on_cuda(batch):
 def test_packed_scoring_equals_padded_in_bf16_on_cuda():
     # On CUDA the packed rows take the variable-length flash kernel: the same figures within bf16 rounding.
     assert_packed_scores_as_padded_in_bf16_on_cuda(padded_batch(40))
+
+
+
+@pytest.mark.parametrize(
+    ("attn_logit_softcapping", "attention", "reason"),
+    [(50.0, "eager", "attn_implementation='eager'"), (None, "sdpa", "final_logit_softcapping")],
+)
+def test_soft_capped_gemma2_is_refused_packing_with_the_warning(caplog, attn_logit_softcapping, attention, reason):
+    # Gemma2 soft-caps its logits, so TRL's head scores it; padding_free=True must say packing is not applied,
+    # with the attention's reason where it has one, else the head's.
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    config = Gemma2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, final_logit_softcapping=30.0,
+                          attn_logit_softcapping=attn_logit_softcapping)
+    model = Gemma2ForCausalLM(config)
+    model.config._attn_implementation = attention
+    with caplog.at_level("WARNING", logger="hf_grpo"):
+        installed = install_chunked_lm_head(model, temperature=1.0, chunk_rows=4, return_entropy=False,
+                                            padding_free_rows=True)
+    assert not installed
+    warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("padding_free is not applied")]
+    assert len(warned) == 1 and reason in warned[0], caplog.text

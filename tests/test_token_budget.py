@@ -393,3 +393,18 @@ def test_the_gpu_benchmark_runs_budgets_and_fixed_micro_batches_to_the_one_pass_
     one_pass = records[0]["padded_tokens"]
     assert all(r["padded_tokens"] < one_pass for r in records if r["budget"])  # the budgets cut padding
     assert all(r["padded_tokens"] == one_pass for r in records if r["fixed_rows"])  # fixed ones keep it all
+
+
+def test_scoring_keeps_trls_chunks_where_dropout_is_active():
+    # A model in train mode with dropout draws masks chunk by chunk: only TRL's P rows give TRL's log-probs.
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from trl.trainer.utils import disable_dropout_in_model
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=16, n_embd=8, n_layer=1, n_head=2)).train()
+    rows, why = token_budget.scoring_chunk_rows(model, 4, 12, None)
+    assert rows == 4 and "dropout is active" in why and "p=0.1" in why
+    assert token_budget.scoring_chunk_rows(model.eval(), 4, 12, None)[0] == 8  # TRL's reference: eval mode
+    disable_dropout_in_model(model.train())  # disable_dropout=True
+    assert token_budget.active_dropout(model) is None
+    assert token_budget.scoring_chunk_rows(model, 4, 12, None)[0] == 8
+    assert token_budget.scoring_rows(4, 12, 24, "sdpa", dropout="drop (p=0.1)") == 2  # within the budget still

@@ -2,6 +2,7 @@
 
 import copy
 import inspect
+import math
 
 import pytest
 import torch
@@ -38,7 +39,8 @@ class FixedBackend(HFGenerateBackend):
         return fixed_completions(prompt_ids)
 
 
-def make_trainer(tmp_path, cls=GRPOTrainer, config_cls=GRPOConfig, model=None, fixed=True, **overrides):
+def make_trainer(tmp_path, cls=GRPOTrainer, config_cls=GRPOConfig, model=None, fixed=True, reward_funcs=count_a_reward,
+                 **overrides):
     values = dict(
         output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, bf16=False, max_steps=1,
         per_device_train_batch_size=8, num_generations=4, max_completion_length=6, learning_rate=0.5,
@@ -49,7 +51,7 @@ def make_trainer(tmp_path, cls=GRPOTrainer, config_cls=GRPOConfig, model=None, f
     args = config_cls(**values)
     trainer = cls(
         model=model if model is not None else build_tiny_model(TOKENIZER, seed=0),
-        reward_funcs=count_a_reward,
+        reward_funcs=reward_funcs,
         args=args,
         train_dataset=prompt_dataset(),
         processing_class=TOKENIZER,
@@ -188,12 +190,16 @@ def test_reward_function_with_wrong_count_is_named(tmp_path):
         trainer.train()
 
 
-def test_reward_none_everywhere_scores_zero_advantage_not_nan(tmp_path):
-    # TRL's documented handling: None means "no opinion"; rows where every function abstains get 0.
-    trainer = make_trainer(tmp_path)
-    trainer.reward_funcs = [lambda completions, **kw: [None] * len(completions)]
+def test_reward_none_for_a_whole_group_scores_zero_advantage_not_nan(tmp_path):
+    # TRL's documented handling: None means "no opinion"; rows where every function abstains get advantage 0
+    # (a rollout where every row is unscored is an error: tests/test_unscored_rewards.py).
+    def first_group_unscored(completions, **kw):
+        return [None if i < 4 else text.count("a") / 4 for i, text in enumerate(completions)]
+
+    trainer = make_trainer(tmp_path, reward_funcs=first_group_unscored)
     loss, update = train_one_step(trainer)
-    assert loss == 0.0
+    assert math.isfinite(loss)
+    assert trainer.state.log_history[0]["rewards/unscored"] == 4
     assert all(torch.isfinite(u).all() for u in update.values())
 
 

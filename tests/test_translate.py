@@ -275,8 +275,22 @@ def test_cli_reads_openrlhf_style_flags(capsys):
     assert capsys.readouterr().out.splitlines()[1] == (
         "--per_device_train_batch_size 4 --gradient_accumulation_steps 8 --steps_per_generation 32 "
         "--num_generations 8 --num_iterations 1")
-    with pytest.raises(SystemExit):  # "--key value" would leave the value without its key: refused
-        main(["plan", "--from", "openrlhf", "--rollout_batch_size", "128"])
+
+
+def test_cli_reads_openrlhf_command_line_form(capsys):
+    # OpenRLHF's own command line as pasted from its scripts: "--key value" pairs, bare switches, our own flags
+    # in between; the switches are not batch settings and are listed as ignored.
+    assert main(["plan", "--from", "openrlhf", "--rollout_batch_size", "128", "--n_samples_per_prompt", "8",
+                 "--flash_attn", "--train_batch_size", "256", "--num_processes", "8", "--micro_train_batch_size", "4",
+                 "--gradient_checkpointing"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == ("--per_device_train_batch_size 4 --gradient_accumulation_steps 8 --steps_per_generation 32 "
+                      "--num_generations 8 --num_iterations 1")
+    assert out[-1] == "note: not batch settings, ignored (2): flash_attn, gradient_checkpointing"
+    # a switch that is a typo of a batch key is still an error with "did you mean"
+    assert main(["plan", "--from", "openrlhf", "--rollout_batch_sise", "128", "--n_samples_per_prompt", "8",
+                 "--train_batch_size", "256", "--micro_train_batch_size", "4"]) == 1
+    assert "did you mean 'rollout_batch_size'?" in capsys.readouterr().err
 
 
 def test_cli_reports_the_reason_and_exits_1(capsys):

@@ -281,3 +281,33 @@ def test_moe_checkpoint_trains_as_in_trl(tmp_path, monkeypatch, case):
     assert all("aux_loss" in logs and logs["aux_loss"] > 0 for logs in trl_logs), trl_logs
     assert_same_logs(ours_logs, trl_logs)  # aux_loss and loss among them
     assert_same_updates(ours_updates, trl_updates)
+
+
+def save_tiny_gpt2_checkpoint(directory) -> str:
+    """A tiny GPT-2 with its dropout left on (GPT2Config's 0.1 on embeddings, attention and residuals)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from hf_grpo.recipe_support.tiny import build_byte_level_tokenizer
+
+    tokenizer = build_byte_level_tokenizer()
+    ids = dict(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+               pad_token_id=tokenizer.pad_token_id)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=2, n_head=2, **ids)
+    assert config.resid_pdrop == config.embd_pdrop == config.attn_pdrop == 0.1
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def test_gpt2_with_dropout_equals_trls(tmp_path, caplog):
+    # Dropout on in train mode: the old-policy scoring (num_iterations=2) draws its masks chunk by chunk, so its
+    # log-probs, and from them step 2's ratios, equal TRL's only when the chunks are TRL's own.
+    checkpoint = save_tiny_gpt2_checkpoint(tmp_path / "gpt2")
+    fields = dict(num_iterations=2)
+    with caplog.at_level("INFO", logger="hf_grpo"):
+        ours_logs, ours_updates = run(checkpoint, tmp_path / "ours", ours=True, **fields)
+    assert "TRL's chunks of per_device_train_batch_size rows: dropout is active in train mode" in caplog.text
+    trl_logs, trl_updates = run(checkpoint, tmp_path / "trl", ours=False, **fields)
+    assert_same_logs(ours_logs, trl_logs)
+    assert_same_updates(ours_updates, trl_updates)

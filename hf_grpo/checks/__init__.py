@@ -1,8 +1,10 @@
-"""Refusals made before a model loads or a step runs, each an error naming what was found and what is needed.
+"""Refusals made before a model loads or a step runs (or a rollout no reward scored), each an error naming what was
+found and what is needed.
 
 ``inputs`` checks what a user hands the trainer (data set, model path, reward functions, installed backends),
 ``output_dirs`` refuses to overwrite another run's checkpoints by surprise, ``output_lock`` refuses a second run
-into a folder another run is writing.
+into a folder another run is writing, ``checkpoints`` and ``resume`` resume only from complete checkpoints, ``unscored``
+refuses a rollout no reward function scored and counts the completions none scored.
 
 May import: torch, numpy, the standard library. Never the trainer or the config class (they call in here).
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import sys
 from collections.abc import Sequence
@@ -27,16 +28,67 @@ def _known_yaml_keys() -> set[str]:
     return keys
 
 
-def load_yaml(path: str):
-    """The YAML file's content; a syntax error is one line naming the file, the line and column, and the problem."""
+# Keys every Accelerate launch config (`accelerate config`'s output) holds: such a file is for `accelerate launch`.
+ACCELERATE_CONFIG_KEYS = frozenset({"compute_environment", "distributed_type"})
+
+
+def load_yaml(path: str, holds: str):
+    """The YAML file's content; a syntax error is one line naming the file, the line and column, and the problem.
+    An empty file (or one of comments only) is an error too: the plan it would print is the defaults', not the
+    file's ``holds``, which the user meant to read."""
     with open(path) as handle:
         try:
-            return yaml.safe_load(handle) or {}
+            loaded = yaml.safe_load(handle)
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ValueError(f"{path} is not valid YAML{where}: {problem}") from None
+    if loaded is None:
+        raise ValueError(f"{path} is empty (no keys); --config takes {holds}")
+    return loaded
+
+
+def check_recipe_keys(path: str, loaded: dict) -> None:
+    """Keys a recipe YAML may not hold: an Accelerate config is named as such, a typo gets "did you mean"."""
+    if ACCELERATE_CONFIG_KEYS <= set(loaded):
+        raise ValueError(
+            f"{path} is an Accelerate launch config (it has {', '.join(sorted(ACCELERATE_CONFIG_KEYS))}), not a "
+            f"recipe config: give it to `accelerate launch --config_file {path}`; `hf-grpo plan --config` takes a "
+            f"recipe YAML of hf_grpo.GRPOConfig fields, and --num_processes N for the launch's processes")
+    known = _known_yaml_keys()
+    unknown = sorted(set(loaded) - known)
+    if unknown:
+        hints = [f"{key!r} (did you mean {near[0]!r}?)" if (near := difflib.get_close_matches(key, known, n=1))
+                 else repr(key) for key in unknown]
+        raise ValueError(f"{path}: unknown keys [{', '.join(hints)}]; they are not fields of hf_grpo.GRPOConfig "
+                         f"or of the recipe's arguments")
+
+
+def framework_flags_as_settings(argv: Sequence[str], own_flags: Sequence[str]) -> list[str]:
+    """A framework's own command line in ``KEY=VALUE`` form, as OpenRLHF users type it: ``--key value`` and
+    ``--key=value`` give ``key=value``; a bare ``--flag`` (a switch: next comes another flag, a ``KEY=VALUE`` or
+    nothing) gives ``flag=true``. ``own_flags`` (``--from``, ``--config``, ...) and their values are left as given."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        token, following = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        name = token.split("=", 1)[0]
+        takes_next = "=" not in token and following is not None
+        if name in own_flags or not token.startswith("--"):
+            out.append(token)
+            if name in own_flags and takes_next and name != "--help":
+                out.append(following)  # the flag's value
+                i += 1
+        elif "=" in token:
+            out.append(token[2:])
+        elif takes_next and not following.startswith("--") and "=" not in following:
+            out.append(f"{token[2:]}={following}")
+            i += 1
+        else:
+            out.append(f"{token[2:]}=true")
+        i += 1
+    return out
 
 
 def _int_or_none(text: str) -> int | str | None:
@@ -68,12 +120,10 @@ def build_plan(argv: Sequence[str]) -> BatchPlan:
 
     values = dict(defaults)
     if args.config:
-        loaded = load_yaml(args.config)
+        loaded = load_yaml(args.config, "a recipe YAML of hf_grpo.GRPOConfig fields")
         if not isinstance(loaded, dict):
             raise ValueError(f"{args.config} must hold a mapping of config fields, got {type(loaded).__name__}")
-        unknown = sorted(set(loaded) - _known_yaml_keys())
-        if unknown:
-            raise ValueError(f"{args.config}: unknown keys {unknown}; they are not fields of hf_grpo.GRPOConfig")
+        check_recipe_keys(args.config, loaded)
         values.update({k: v for k, v in loaded.items() if k in BATCH_FIELDS})
     given = {k: v for k, v in vars(args).items() if k in BATCH_FIELDS and v is not None}
     values.update(given)
@@ -101,15 +151,15 @@ def translate_plan(argv: Sequence[str]) -> str:
     parser.add_argument("--config", default=None,
                         help="the framework's whole YAML config (nested keys read as dotted paths); KEY=VALUE "
                         "settings given too win over it; keys that are not batch settings are listed and ignored")
-    parser.add_argument("settings", nargs="*", metavar="KEY=VALUE", help="the framework's own keys and values")
-    args, extra = parser.parse_known_args(argv)
-    # OpenRLHF's own flags look like --train_batch_size=256: take those as settings too
-    unknown = [a for a in extra if not (a.startswith("--") and "=" in a)]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)} (settings are KEY=VALUE)")
-    settings = parse_settings([*args.settings, *extra])
+    parser.add_argument("settings", nargs="*", metavar="KEY=VALUE",
+                        help="the framework's own keys and values; its own command line (--key value, --key=value, "
+                        "a bare --switch) is read too")
+    # OpenRLHF's own command line (--train_batch_size 256, --train_batch_size=256, a bare --flash_attn): settings too
+    own_flags = ("--from", "--num_processes", "--num_generations", "--config", "--help", "-h")
+    args = parser.parse_intermixed_args(framework_flags_as_settings(argv, own_flags))
+    settings = parse_settings(args.settings)
     if args.config:
-        loaded = load_yaml(args.config)
+        loaded = load_yaml(args.config, f"the whole {args.framework} config")
         if not isinstance(loaded, dict):
             raise ValueError(f"{args.config} must hold a mapping (the framework's config), got {type(loaded).__name__}")
         settings = merge_settings(args.framework, flatten_config(loaded), settings)

@@ -171,18 +171,50 @@ SCORING_ROWS_PER_TRAINING_ROW = 2
 _SCORES_MATERIALISED = ("eager",)
 
 
-def scoring_rows(rows: int, width: int, budget: int | None, attention: str | None) -> int:
+def scoring_rows(rows: int, width: int, budget: int | None, attention: str | None, dropout: str | None = None) -> int:
     """Rows per chunk of TRL's no-grad log-prob scoring (old policy, reference).
 
-    TRL scores the rollout at its full padded ``width``, ``rows`` (P) at a time; rows are independent, so any
-    chunking gives the same log-probs. The chunk is ``SCORING_ROWS_PER_TRAINING_ROW`` x P rows, or P where the
-    model's ``attention`` materialises its scores; with a token ``budget`` it holds at most that many times the
-    budget's tokens. At least one row, even if the padded width exceeds the budget.
+    TRL scores the rollout at its full padded ``width``, ``rows`` (P) at a time; rows are independent, so without
+    active dropout any chunking gives the same log-probs. The chunk is ``SCORING_ROWS_PER_TRAINING_ROW`` x P rows,
+    or P where the model's ``attention`` materialises its scores or where ``dropout`` is active (``active_dropout``:
+    each chunking draws other masks from the random stream, so only TRL's own P gives TRL's numbers); with a token
+    ``budget`` it holds at most that many times the budget's tokens. At least one row, even if the padded width
+    exceeds the budget.
     """
-    factor = 1 if attention in _SCORES_MATERIALISED else SCORING_ROWS_PER_TRAINING_ROW
+    factor = 1 if attention in _SCORES_MATERIALISED or dropout else SCORING_ROWS_PER_TRAINING_ROW
     if budget is None:
         return factor * rows
     return max(1, min(factor * rows, factor * budget // width))
+
+
+def active_dropout(model: torch.nn.Module) -> str | None:
+    """Where ``model``'s forward draws dropout masks (a module in train mode with a probability above 0), or None.
+
+    ``disable_dropout=True`` sets every ``nn.Dropout`` to 0; a model in eval mode (TRL's reference) draws none.
+    Attention dropout given as a number (``attention_dropout``, read by the attention function) counts too."""
+    for name, module in model.named_modules():
+        if not module.training:
+            continue
+        p = module.p if isinstance(module, torch.nn.modules.dropout._DropoutNd) else getattr(
+            module, "attention_dropout", None)
+        if isinstance(p, float) and p > 0:
+            return f"{name or type(module).__name__} (p={p})"
+    return None
+
+
+def scoring_chunk_rows(model: torch.nn.Module, rows: int, width: int, budget: int | None) -> tuple[int, str]:
+    """``scoring_rows`` for ``model`` (its attention and dropout read off it), and why the chunk is that size."""
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    dropout = active_dropout(model)
+    chunk = scoring_rows(rows, width, budget, attention, dropout)
+    if dropout:
+        why = (f"TRL's chunks of per_device_train_batch_size rows: dropout is active in train mode ({dropout}) and "
+               f"another chunking would draw other masks than TRL's (disable_dropout=True lifts this)")
+    elif attention in _SCORES_MATERIALISED:
+        why = f"chunks of per_device_train_batch_size rows: attn_implementation={attention!r} materialises its scores"
+    else:
+        why = f"chunks of {SCORING_ROWS_PER_TRAINING_ROW} x per_device_train_batch_size rows (no-grad forwards)"
+    return chunk, why + (" within max_tokens_per_micro_batch" if budget is not None else "")
 
 
 # ---- running the passes under Accelerate --------------------------------------------------------
