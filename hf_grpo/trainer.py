@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 import trl
-from tqdm.auto import tqdm
 from trl.models import unwrap_model_for_generation
 
 from .training import compiled_layers as training_compile, graphs as training_graphs, lora_forward, prompt_groups
@@ -56,15 +55,13 @@ from .distributed.launcher_watch import exit_with_launcher
 from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, resolve_backend
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
-from .memory import autosize, token_budget, train_backoff
+from .memory import autosize, prompt_lengths, token_budget, train_backoff
 from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
 from .memory.stats import PerformanceStats
 from .run_callbacks import RunCallbacks
 from .training.cudnn_attention import cudnn_attention
 
 logger = logging.getLogger("hf_grpo")
-# Prompts from which the one scan of the training set (tokenized as TRL does) shows a progress bar.
-SCAN_PROGRESS_FROM = 20_000
 
 
 class GRPOTrainer(trl.GRPOTrainer):
@@ -380,27 +377,14 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._longest_prompt_tokens = self._scan_longest_prompt()
         return self._longest_prompt_tokens
 
-    def _scan_longest_prompt(self, limit: int = 200_000) -> int | None:
-        """Tokens in the training set's longest prompt, tokenized as TRL tokenizes them; None when unknown
-        (no plain "prompt" column, images, environments, or more than ``limit`` prompts, where the scan would cost
-        too much)."""
+    def _scan_longest_prompt(self) -> int | None:
+        """Tokens in the training set's longest prompt, tokenized as TRL tokenizes them; None when unknown."""
         if self.environment_factories is not None:
             # Each rollout's environment appends its reset() observation to the prompt, so the dataset's prompts do
             # not tell the length; and TRL tokenizes them against the current batch's environments only.
             return None
-        dataset = self.train_dataset
-        names = getattr(dataset, "column_names", None) or []
-        if dataset is None or "prompt" not in names or len(dataset) > limit:
-            return None
-        longest = 0
-        starts = range(0, len(dataset), 1024)
-        quiet = len(dataset) < SCAN_PROGRESS_FROM or self.args.disable_tqdm or not self.accelerator.is_main_process
-        for start in tqdm(starts, desc="hf-grpo: longest prompt", unit="k prompts", disable=quiet):
-            prompt_ids, images, fields = self._tokenize_prompts(dataset[start:start + 1024]["prompt"])
-            if images is not None or fields:
-                return None
-            longest = max(longest, max((len(ids) for ids in prompt_ids), default=0))
-        return longest or None
+        quiet = self.args.disable_tqdm or not self.accelerator.is_main_process
+        return prompt_lengths.longest_prompt(self.train_dataset, self._tokenize_prompts, quiet=quiet)
 
     def _longest_row(self, inputs) -> int:
         """Tokens of the longest row the run can meet: longest prompt (the training set's, else this micro-batch's)

@@ -292,15 +292,15 @@ def test_the_decoder_cache_is_reserved_for_the_longest_training_prompt(tmp_path,
 @pytest.mark.parametrize("disable_tqdm", [False, True])
 def test_the_scan_for_the_longest_prompt_shows_progress_on_large_sets(tmp_path, monkeypatch, capsys, disable_tqdm):
     """Tokenizing every prompt once (to size the generation cache) takes a while on a large set: say so."""
-    import hf_grpo.trainer
+    from hf_grpo.memory import prompt_lengths
 
-    monkeypatch.setattr(hf_grpo.trainer, "SCAN_PROGRESS_FROM", 8)  # the 16-prompt test set counts as large
+    monkeypatch.setattr(prompt_lengths, "PROGRESS_FROM", 8)  # the 16-prompt test set counts as large
     trainer = make_trainer(tmp_path, disable_tqdm=disable_tqdm)
     capsys.readouterr()
     assert trainer._longest_prompt() > 0
     shown = "hf-grpo: longest prompt" in capsys.readouterr().err
     assert shown != disable_tqdm
-    monkeypatch.setattr(hf_grpo.trainer, "SCAN_PROGRESS_FROM", 17)  # below it: no bar
+    monkeypatch.setattr(prompt_lengths, "PROGRESS_FROM", 17)  # below it: no bar
     assert make_trainer(tmp_path / "small", disable_tqdm=False)._longest_prompt() > 0
     assert "hf-grpo: longest prompt" not in capsys.readouterr().err
 
