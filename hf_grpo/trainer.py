@@ -59,6 +59,7 @@ from .logprob_head import install_chunked_lm_head
 from .memory import autosize, token_budget, train_backoff
 from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
 from .memory.stats import PerformanceStats
+from . import reference_copy
 from .run_callbacks import RunCallbacks
 from .training.cudnn_attention import cudnn_attention
 
@@ -88,8 +89,11 @@ class GRPOTrainer(trl.GRPOTrainer):
             config.revalidate()  # fields written through config.optimization (the guide's API) are re-checked here
         self._check_inputs(*args, **kwargs)
         # inductor's compile workers boot while TRL sets up (reference, accelerator, data), not at the first rollout
-        compile_workers.start_early(config, kwargs.get("model", args[0] if args else None))
-        super().__init__(*args, **kwargs)
+        model = kwargs.get("model", args[0] if args else None)
+        compile_workers.start_early(config, model)
+        # a policy built in code: TRL loads the reference model (beta > 0) from a copy of it (hf_grpo.reference_copy)
+        with reference_copy.reference_loadable(model, config.beta, kwargs.get("peft_config")):
+            super().__init__(*args, **kwargs)
         checks.check_reward_outputs(self)
         token_budget.check_trainer(self)
         self.perf = PerformanceStats(self.accelerator.device)

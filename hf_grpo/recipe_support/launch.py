@@ -8,7 +8,6 @@ import logging
 import math
 import os
 import sys
-import tempfile
 from typing import Any
 
 import torch
@@ -112,24 +111,9 @@ def load_model_and_tokenizer(model_args: ModelConfig, recipe_args: RecipeArgumen
     """The tiny in-code model (``--tiny`` or no model name), else a checkpoint: a hub id or a local directory."""
     if recipe_args.tiny or model_args.model_name_or_path is None:
         tokenizer = build_char_tokenizer(alphabet) if alphabet else build_char_tokenizer()
-        model = build_tiny_model(tokenizer, shape=recipe_args.tiny_shape, seed=training_args.seed)
-        if training_args.beta != 0.0:
-            give_a_path(model)
-        return model, tokenizer
+        # with beta > 0 the trainer gives TRL a copy to load the reference model from (hf_grpo.reference_copy)
+        return build_tiny_model(tokenizer, shape=recipe_args.tiny_shape, seed=training_args.seed), tokenizer
     return load_pretrained(model_args, training_args)
-
-
-def give_a_path(model) -> str:
-    """Save an in-code model to a fresh directory and point its config there.
-
-    With ``beta > 0`` TRL loads the frozen reference model from the policy's path
-    (``config._name_or_path``); a model built in code has none. Every process saves its own
-    copy (the same seeded weights), so no shared disk is needed.
-    """
-    path = tempfile.mkdtemp(prefix="hf_grpo_initial_model_")
-    model.save_pretrained(path)
-    model.config._name_or_path = path
-    return path
 
 
 def pretrained_init_kwargs(model_args: ModelConfig, training_args: GRPOConfig) -> dict[str, Any]:
