@@ -59,7 +59,7 @@ from .logprob_head import install_chunked_lm_head
 from .memory import autosize, token_budget, train_backoff
 from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
 from .memory.stats import PerformanceStats
-from . import reference_copy
+from . import reference_copy, run_files
 from .run_callbacks import RunCallbacks
 from .training.cudnn_attention import cudnn_attention
 
@@ -124,6 +124,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._train_graphs: training_graphs.TrainingGraphs | None = None  # likewise
         self._prompt_grouping: str | None = None  # "on", or why a prompt's rows keep TRL's shuffle; decided once
         self.add_callback(RunCallbacks(self))
+        run_files.add_run_files(self)  # metrics.jsonl and performance.json, for library scripts as for recipes
         self.add_callback(autosize.SaveSizesCallback())
 
     # ---- public ------------------------------------------------------------------------

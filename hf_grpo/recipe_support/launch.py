@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import math
 import os
@@ -20,12 +19,11 @@ from ..distributed import before_deepspeed_starts
 from ..distributed.shutdown import close_distributed
 from ..trainer import GRPOTrainer
 from .recipe_args import RecipeArguments
-from .reporting import METRICS_FILE, PLOT_FILE, MetricsFileCallback, plot_metrics
+from .reporting import METRICS_FILE, PLOT_FILE, plot_metrics
 from .tasks import as_chat
 from .tiny import build_char_tokenizer, build_tiny_model
 
 logger = logging.getLogger("hf_grpo")
-PERFORMANCE_FILE = "performance.json"
 
 
 def cpu_launch_without_mixed_precision() -> None:
@@ -193,7 +191,6 @@ def run_recipe(defaults: dict[str, Any], reward_funcs, build_dataset, argv: list
         train_dataset=build_dataset(recipe_args, training_args, tokenizer),
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
-        callbacks=[MetricsFileCallback(training_args.output_dir)],
     )
     trainer.train(resume_from_checkpoint=resume_argument(training_args.resume_from_checkpoint))
     finish(trainer, recipe_args, plot_title)
@@ -218,21 +215,16 @@ def _rounded(value):
 
 
 def finish(trainer, recipe_args: RecipeArguments, plot_title: str | None = None) -> None:
-    """Save the model, the per-rank performance figures and the plot; end the distributed run."""
+    """Save the model and the plot; end the distributed run. (``metrics.jsonl`` and ``performance.json`` are
+    the trainer's: ``hf_grpo.run_files``.)"""
     trainer.save_model()
     output_dir = trainer.args.output_dir
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    stats = trainer.get_performance_stats()
-    per_rank = [None] * trainer.accelerator.num_processes if distributed else [stats]
-    if distributed:  # peak memory differs per GPU under ZeRO: keep every rank's figures
-        torch.distributed.all_gather_object(per_rank, stats)
     if trainer.is_world_process_zero():
-        with open(os.path.join(output_dir, PERFORMANCE_FILE), "w") as handle:
-            json.dump({"per_rank": per_rank}, handle, indent=1)
         metrics = os.path.join(output_dir, METRICS_FILE)
         if recipe_args.plot and os.path.exists(metrics):
             png = plot_metrics(metrics, os.path.join(output_dir, PLOT_FILE),
                                **({"title": plot_title} if plot_title else {}))
             logger.info("metrics: %s, plot: %s", metrics, png)
+        stats = trainer.get_performance_stats()
         logger.info("performance (rank 0): %s", _rounded({k: v for k, v in stats.items() if k != "batch_plan"}))
     close_distributed(trainer)
