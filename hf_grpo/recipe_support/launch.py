@@ -14,7 +14,7 @@ import yaml
 from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from ..checks.inputs import check_model_path
-from ..config import GRPOConfig, device_defaults, explicit_fields
+from ..config import GRPOConfig, cpu_launch_without_mixed_precision, device_defaults, explicit_fields
 from ..distributed import before_deepspeed_starts
 from ..distributed.shutdown import close_distributed
 from ..trainer import GRPOTrainer
@@ -24,20 +24,6 @@ from .tasks import as_chat
 from .tiny import build_char_tokenizer, build_tiny_model
 
 logger = logging.getLogger("hf_grpo")
-
-
-def cpu_launch_without_mixed_precision() -> None:
-    """On a machine without a GPU, turn off the launch config's bf16/fp16 (the shipped configs say bf16).
-
-    ``accelerate launch`` passes ``mixed_precision`` on as ACCELERATE_MIXED_PRECISION, which the
-    Trainer and DeepSpeed read; on a CPU the recipe trains in fp32, so the two would disagree.
-    """
-    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if launched != "no" and not torch.cuda.is_available():
-        if os.environ.get("RANK", "0") == "0":
-            logger.warning("no CUDA device: training in fp32, not the launch config's mixed_precision=%s "
-                           "(pass --mixed_precision no to accelerate launch to say so)", launched)
-        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
 
 
 def parse_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None, config_cls: type = GRPOConfig):
