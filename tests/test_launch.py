@@ -76,6 +76,8 @@ def test_tiny_model_with_a_reference_model_under_zero2_with_two_processes(tmp_pa
     # step 1 samples from the policy as built: a reference of the same weights gives a KL of 0 (fp32 rounding)
     assert abs(rows[0]["kl"]) < 1e-6, rows[0]
     assert sorted(p.name for p in scratch.glob("hf_grpo_*")) == []  # no copy left behind
+    per_rank = json.loads((tmp_path / "out" / "performance.json").read_text())["per_rank"]  # the trainer's
+    assert len(per_rank) == 2 and all(rank["peak_memory_gib"] > 0 for rank in per_rank), per_rank
 
 
 def _update(path, initial):
