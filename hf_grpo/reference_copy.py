@@ -56,7 +56,23 @@ def reference_loadable(model, beta: float, peft_config=None):
         with every_rank, torch.no_grad():
             model.save_pretrained(directory)
         model.config._name_or_path = directory
+        _deepspeed_comm_up_for_zero3()
         yield
     finally:
         model.config._name_or_path = ""
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _deepspeed_comm_up_for_zero3() -> None:
+    """Under ZeRO-3, TRL loads the reference inside ``zero.Init``, which reads the world size from DeepSpeed's
+    communication layer before starting it; a run whose policy was built in code has not started it yet (on a CPU
+    Accelerate leaves it to DeepSpeed), so it would read 1 and refuse the batch sizes. Started here on the
+    process group torch.distributed already has."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled() or not torch.distributed.is_initialized():
+        return
+    import deepspeed
+
+    if not deepspeed.comm.is_initialized():
+        deepspeed.comm.init_distributed(dist_backend=torch.distributed.get_backend(), verbose=False)
