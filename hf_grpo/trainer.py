@@ -30,8 +30,10 @@ rank's random state written before rank 0 marks a checkpoint complete: ``hf_grpo
 ``train`` (settles "auto" sizes first: ``hf_grpo.memory.autosize``; refuses a token budget the longest prompt
 cannot fit, a fresh run into another run's checkpoints (``hf_grpo.checks.output_dirs``) and a ZeRO checkpoint
 resumed in another launch shape (``hf_grpo.distributed.zero_resume``)). ``__init__`` checks the training set, a
-model path and the reward functions' outputs first (``hf_grpo.checks.inputs``). A generation chunk or a head chunk
-that runs out of memory is halved on every rank and retried (``hf_grpo.memory.oom``).
+model path and the reward functions' outputs first (``hf_grpo.checks.inputs``), gives a policy built in code a copy
+for TRL to load the reference model from (``hf_grpo.reference_copy``), and adds the writers of ``metrics.jsonl`` and
+``performance.json`` (``hf_grpo.run_files``). A generation chunk or a head chunk that runs out of memory is halved on
+every rank and retried (``hf_grpo.memory.oom``).
 """
 
 from __future__ import annotations
