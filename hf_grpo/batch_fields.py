@@ -86,6 +86,23 @@ def device_defaults() -> dict[str, Any]:
     return {"use_cpu": not cuda, "bf16": _bf16_available()}
 
 
+def cpu_launch_without_mixed_precision(trains_in_fp32: bool = True) -> None:
+    """On a machine without a GPU, turn off the launch config's bf16/fp16 when the run trains in fp32 (the shipped
+    configs say bf16).
+
+    ``accelerate launch`` passes ``mixed_precision`` on as ACCELERATE_MIXED_PRECISION, which DeepSpeed's config
+    and the Trainer read; on a CPU the run trains in fp32 (``device_defaults``), so the two would disagree
+    ("ds bf16.enabled=True vs hf bf16=False"). Called by ``GRPOConfig`` (a library script) and by the recipes
+    before they parse their flags.
+    """
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launched != "no" and trains_in_fp32 and not _cuda_available():
+        if os.environ.get("RANK", "0") == "0":
+            logger.warning("no CUDA device: training in fp32, not the launch config's mixed_precision=%s "
+                           "(pass --mixed_precision no to accelerate launch to say so)", launched)
+        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
+
+
 def env_override(variable: str) -> str | None:
     """The value of a ``DIFFU_*`` variable, or None when it is unset, empty or only whitespace: all three mean
     "no override" (``DIFFU_BATCH_SIZE= cmd`` or a blank line in a job file turns an override off)."""

@@ -22,6 +22,7 @@ from .batch_fields import (  # noqa: F401 (re-exported: names of hf_grpo.config 
     ENV_OVERRIDES,
     _bf16_available,
     check_generation_choices,
+    cpu_launch_without_mixed_precision,
     current_world_size,
     device_defaults,
     env_override,
@@ -329,6 +330,7 @@ class GRPOConfig(trl.GRPOConfig):
         for name, value in device_defaults().items():
             if name not in self._explicit_fields and not (name == "bf16" and self.fp16):
                 setattr(self, name, value)
+        cpu_launch_without_mixed_precision(trains_in_fp32=not (self.bf16 or self.fp16))  # before DeepSpeed reads it
 
     def batch_plan(self, world_size: int | None = None) -> BatchPlan:
         """The batch plan for ``world_size`` processes (default: this launch's)."""

@@ -28,8 +28,10 @@ Every override of TRL's and transformers' methods is here, written against trl 1
   complete checkpoint) and a token budget the longest prompt cannot fit, then settles "auto" sizes
   (``memory.autosize``).
 
-``__init__`` checks the training set, the model path and the reward functions first (``checks.inputs``). A
-generation or head chunk that runs out of memory is halved on every rank and retried (``memory.oom``).
+``__init__`` checks the training set, the model path and the reward functions first (``checks.inputs``), gives a
+policy built in code a copy for TRL to load the reference model from (``reference_copy``) and adds the writers of
+``metrics.jsonl`` and ``performance.json`` (``run_files``). A generation or head chunk that runs out of memory is
+halved on every rank and retried (``memory.oom``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from .logprob_head import install_chunked_lm_head
 from .memory import autosize, prompt_lengths, token_budget, train_backoff
 from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
 from .memory.stats import PerformanceStats
+from . import reference_copy, run_files
 from .run_callbacks import RunCallbacks
 from .training.cudnn_attention import cudnn_attention
 
@@ -85,9 +88,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             config.revalidate()  # fields written through config.optimization (the guide's API) are re-checked here
         self._check_inputs(*args, **kwargs)
         # inductor's compile workers boot while TRL sets up (reference, accelerator, data), not at the first rollout
-        compile_workers.start_early(config, kwargs.get("model", args[0] if args else None))
+        model = kwargs.get("model", args[0] if args else None)
+        compile_workers.start_early(config, model)
         exit_with_launcher()  # this process ends with its launcher (hf_grpo.distributed.launcher_watch)
-        super().__init__(*args, **kwargs)
+        # a policy built in code: TRL loads the reference model (beta > 0) from a copy of it (hf_grpo.reference_copy)
+        with reference_copy.reference_loadable(model, config.beta, kwargs.get("peft_config")):
+            super().__init__(*args, **kwargs)
         checks.check_reward_outputs(self)
         token_budget.check_trainer(self)
         self.perf = PerformanceStats(self.accelerator.device)
@@ -118,6 +124,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._train_graphs: training_graphs.TrainingGraphs | None = None  # likewise
         self._prompt_grouping: str | None = None  # "on", or why a prompt's rows keep TRL's shuffle; decided once
         self.add_callback(RunCallbacks(self))
+        run_files.add_run_files(self)  # metrics.jsonl and performance.json, for library scripts as for recipes
         self.add_callback(autosize.SaveSizesCallback())
 
     # ---- public ------------------------------------------------------------------------

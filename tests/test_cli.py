@@ -114,6 +114,14 @@ def test_console_script_is_installed():
     assert result.stdout.startswith("rollout: 1 prompt x 8 generations")
 
 
+@pytest.mark.parametrize("module", ["hf_grpo", "hf_grpo.cli"])
+def test_python_dash_m_runs_the_command(module):
+    result = subprocess.run([sys.executable, "-m", module, "plan", "--per_device_train_batch_size", "8"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("rollout: 1 prompt x 8 generations")
+
+
 def test_plan_help_documents_from():
     result = run_cli("plan", "--help")
     assert result.returncode == 0, result.stderr

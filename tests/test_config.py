@@ -1,6 +1,7 @@
 """GRPOConfig: the batch contract through the real config class, presets and env overrides."""
 
 import logging
+import os
 
 import pytest
 
@@ -298,3 +299,14 @@ def test_optimization_writes_are_checked_and_rederived(make_config):
     config.optimization.per_device_train_batch_size = 3
     with pytest.raises(ValueError, match=r"num_generations"):
         config.revalidate(world_size=1)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the launcher's bf16 stays on a GPU")
+def test_a_config_on_a_cpu_turns_off_the_launchers_bf16_and_says_so(tmp_path, monkeypatch, caplog):
+    """`accelerate launch --config_file accelerate_configs/zero2.yaml` passes its bf16 on; DeepSpeed would then
+    disagree with the fp32 CPU run (a library script builds no recipe that could turn it off)."""
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    with caplog.at_level(logging.WARNING, logger="hf_grpo"):
+        config = GRPOConfig(output_dir=str(tmp_path / "out"), report_to=[])
+    assert not config.bf16 and os.environ["ACCELERATE_MIXED_PRECISION"] == "no"
+    assert "no CUDA device: training in fp32, not the launch config's mixed_precision=bf16" in caplog.text

@@ -62,6 +62,25 @@ def test_quickstart_runs_under_each_config_with_two_processes(tmp_path, config, 
     assert len(per_rank) == 2 and all(rank["peak_memory_gib"] > 0 for rank in per_rank)
 
 
+@pytest.mark.launch
+@pytest.mark.parametrize("config", ["zero2", "zero3"])  # under ZeRO-3 the reference is partitioned as it loads
+def test_tiny_model_with_a_reference_model_with_two_processes(tmp_path, monkeypatch, config):
+    """--tiny builds the policy in code; with --beta each process loads the reference from its own copy of it,
+    which is gone after the run."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))  # where each process puts its copy
+    launch(config, "recipes/quickstart.py", *QUICK, "--output_dir", tmp_path / "out", "--max_steps", 2,
+           "--beta", 0.04)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["kl"]) for r in rows), rows
+    # step 1 samples from the policy as built: a reference of the same weights gives a KL of 0 (fp32 rounding)
+    assert abs(rows[0]["kl"]) < 1e-6, rows[0]
+    assert sorted(p.name for p in scratch.glob("hf_grpo_*")) == []  # no copy left behind
+    per_rank = json.loads((tmp_path / "out" / "performance.json").read_text())["per_rank"]  # the trainer's
+    assert len(per_rank) == 2 and all(rank["peak_memory_gib"] > 0 for rank in per_rank), per_rank
+
+
 def _update(path, initial):
     params = torch.load(path)
     return torch.cat([(params[k] - initial[k]).flatten() for k in sorted(params)])

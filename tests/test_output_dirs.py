@@ -1,5 +1,5 @@
 """An output_dir holding another run is never overwritten by surprise (hf_grpo.checks.output_dirs), and
-metrics.jsonl is only appended to, one run after another (hf_grpo.recipe_support.reporting)."""
+metrics.jsonl is only appended to, one run after another (hf_grpo.run_files)."""
 
 import json
 
@@ -7,14 +7,13 @@ import pytest
 from test_trainer import make_trainer
 
 from hf_grpo.checks.output_dirs import previous_checkpoints
-from hf_grpo.recipe_support.reporting import MetricsFileCallback, current_run_rows, read_metrics
+from hf_grpo.run_files import current_run_rows, read_metrics
 
 
 def run(tmp_path, resume=None, **overrides):
     values = dict(max_steps=2, save_strategy="steps", save_steps=2, save_total_limit=1, fixed=True)
     values.update(overrides)
-    trainer = make_trainer(tmp_path, **values)
-    trainer.add_callback(MetricsFileCallback(trainer.args.output_dir))
+    trainer = make_trainer(tmp_path, **values)  # writes metrics.jsonl itself (hf_grpo.run_files)
     trainer.train(resume_from_checkpoint=resume)
     return trainer
 

@@ -404,3 +404,24 @@ def test_a_yaml_key_given_again_on_the_command_line_is_overridden_not_doubled(tm
     config.write_text(VERL_YAML)
     assert main(["plan", "--from", "verl", "--config", str(config), "rollout.n=4"]) == 0
     assert "--num_generations 4" in capsys.readouterr().out.splitlines()[1]
+
+
+@pytest.mark.parametrize("framework, key, settings", [
+    ("verl", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+     ["data.train_batch_size=16", "rollout.n=4", "ppo_mini_batch_size=16", "ppo_micro_batch_size_per_gpu=8"]),
+    ("skyrl", "trainer.micro_forward_batch_size_per_gpu",
+     ["trainer.train_batch_size=16", "generator.n_samples_per_prompt=4", "trainer.policy_mini_batch_size=16",
+      "trainer.micro_train_batch_size_per_gpu=8"]),
+], ids=["verl", "skyrl"])
+def test_a_log_prob_micro_batch_is_answered_with_the_chunks_hf_grpo_scores_in(framework, key, settings):
+    """The note, batch_sizes.md and other_frameworks.md say what scoring_rows does: 2P rows, P under "eager"."""
+    from hf_grpo.memory.token_budget import SCORING_ROWS_PER_TRAINING_ROW, scoring_rows
+
+    note = next(n for n in translate(framework, parse_settings([*settings, f"{key}=4"]), 2).notes if key in n)
+    assert scoring_rows(8, 100, None, "sdpa") == SCORING_ROWS_PER_TRAINING_ROW * 8 == 16
+    assert scoring_rows(8, 100, None, "eager") == 8
+    assert f"chunks of {SCORING_ROWS_PER_TRAINING_ROW} x per_device_train_batch_size rows" in note, note
+    assert '1 x under "eager" attention' in note, note
+    for page in ("batch_sizes.md", "other_frameworks.md"):
+        text = " ".join((Path(__file__).resolve().parents[1] / "docs" / page).read_text().split())
+        assert f"chunks of {SCORING_ROWS_PER_TRAINING_ROW}P rows" in text, page

@@ -125,8 +125,7 @@ def from_skyrl(settings: Mapping[str, Any], world_size: int | None = None) -> Tr
     if "generator.sampling_params.max_generate_length" in v:
         fields["max_completion_length"] = v["generator.sampling_params.max_generate_length"]
     if "trainer.micro_forward_batch_size_per_gpu" in v:
-        notes.append("trainer.micro_forward_batch_size_per_gpu: no separate field; hf-grpo computes the old-policy "
-                     "and reference log-probs in micro-batches of per_device_train_batch_size")
+        notes.append(_SCORING_CHUNKS.format("trainer.micro_forward_batch_size_per_gpu"))
     if "trainer.max_prompt_length" in v:
         notes.append(_NO_PROMPT_LENGTH.format("trainer.max_prompt_length"))
     steps = Fraction(minis * epochs)
@@ -135,6 +134,11 @@ def from_skyrl(settings: Mapping[str, Any], world_size: int | None = None) -> Tr
     return finish_translation(name, fields, world, source, notes, mini * G, steps, prompts * G)
 
 
+# What hf_grpo.memory.token_budget.scoring_rows does (SCORING_ROWS_PER_TRAINING_ROW = 2), said where another
+# framework sizes its log-prob forwards itself; written out here because the command line never imports torch.
+_SCORING_CHUNKS = ("{}: no separate field; hf-grpo scores the old-policy and reference log-probs without grad in "
+                   "chunks of 2 x per_device_train_batch_size rows (1 x under \"eager\" attention; with "
+                   "max_tokens_per_micro_batch, at most twice its tokens)")
 _NO_PROMPT_LENGTH = ("{}: no equivalent; TRL 1.16 does not truncate prompts, so filter or truncate long prompts "
                      "in the dataset")
 
@@ -218,8 +222,7 @@ def from_verl(settings: Mapping[str, Any], world_size: int | None = None) -> Tra
     for key in ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
                 "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"):
         if key in v:
-            notes.append(f"{key}: no separate field; hf-grpo computes the old-policy and reference log-probs in "
-                         f"micro-batches of per_device_train_batch_size")
+            notes.append(_SCORING_CHUNKS.format(key))
     if "data.max_prompt_length" in v:
         notes.append(_NO_PROMPT_LENGTH.format("data.max_prompt_length"))
     steps = Fraction(minis * epochs)

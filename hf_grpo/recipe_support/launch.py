@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import math
 import os
 import sys
-import tempfile
 from typing import Any
 
 import torch
@@ -17,31 +15,16 @@ from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from ..checks import output_lock
 from ..checks.inputs import check_model_path
-from ..config import GRPOConfig, device_defaults, explicit_fields
+from ..config import GRPOConfig, cpu_launch_without_mixed_precision, device_defaults, explicit_fields
 from ..distributed import before_deepspeed_starts
 from ..distributed.shutdown import close_distributed
 from ..trainer import GRPOTrainer
 from .recipe_args import RecipeArguments
-from .reporting import METRICS_FILE, PLOT_FILE, MetricsFileCallback, plot_metrics
+from .reporting import METRICS_FILE, PLOT_FILE, plot_metrics
 from .tasks import as_chat
 from .tiny import build_char_tokenizer, build_tiny_model
 
 logger = logging.getLogger("hf_grpo")
-PERFORMANCE_FILE = "performance.json"
-
-
-def cpu_launch_without_mixed_precision() -> None:
-    """On a machine without a GPU, turn off the launch config's bf16/fp16 (the shipped configs say bf16).
-
-    ``accelerate launch`` passes ``mixed_precision`` on as ACCELERATE_MIXED_PRECISION, which the
-    Trainer and DeepSpeed read; on a CPU the recipe trains in fp32, so the two would disagree.
-    """
-    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if launched != "no" and not torch.cuda.is_available():
-        if os.environ.get("RANK", "0") == "0":
-            logger.warning("no CUDA device: training in fp32, not the launch config's mixed_precision=%s "
-                           "(pass --mixed_precision no to accelerate launch to say so)", launched)
-        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
 
 
 def parse_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None, config_cls: type = GRPOConfig):
@@ -113,24 +96,9 @@ def load_model_and_tokenizer(model_args: ModelConfig, recipe_args: RecipeArgumen
     """The tiny in-code model (``--tiny`` or no model name), else a checkpoint: a hub id or a local directory."""
     if recipe_args.tiny or model_args.model_name_or_path is None:
         tokenizer = build_char_tokenizer(alphabet) if alphabet else build_char_tokenizer()
-        model = build_tiny_model(tokenizer, shape=recipe_args.tiny_shape, seed=training_args.seed)
-        if training_args.beta != 0.0:
-            give_a_path(model)
-        return model, tokenizer
+        # with beta > 0 the trainer gives TRL a copy to load the reference model from (hf_grpo.reference_copy)
+        return build_tiny_model(tokenizer, shape=recipe_args.tiny_shape, seed=training_args.seed), tokenizer
     return load_pretrained(model_args, training_args)
-
-
-def give_a_path(model) -> str:
-    """Save an in-code model to a fresh directory and point its config there.
-
-    With ``beta > 0`` TRL loads the frozen reference model from the policy's path
-    (``config._name_or_path``); a model built in code has none. Every process saves its own
-    copy (the same seeded weights), so no shared disk is needed.
-    """
-    path = tempfile.mkdtemp(prefix="hf_grpo_initial_model_")
-    model.save_pretrained(path)
-    model.config._name_or_path = path
-    return path
 
 
 def pretrained_init_kwargs(model_args: ModelConfig, training_args: GRPOConfig) -> dict[str, Any]:
@@ -210,7 +178,6 @@ def run_recipe(defaults: dict[str, Any], reward_funcs, build_dataset, argv: list
         train_dataset=build_dataset(recipe_args, training_args, tokenizer),
         processing_class=tokenizer,
         peft_config=get_peft_config(model_args),
-        callbacks=[MetricsFileCallback(training_args.output_dir)],
     )
     # the folder is held from the first step to the final model and performance.json (hf_grpo.checks.output_lock)
     with output_lock.held_for_run(training_args.output_dir, trainer.accelerator):
@@ -237,21 +204,16 @@ def _rounded(value):
 
 
 def finish(trainer, recipe_args: RecipeArguments, plot_title: str | None = None) -> None:
-    """Save the model, the per-rank performance figures and the plot; end the distributed run."""
+    """Save the model and the plot; end the distributed run. (``metrics.jsonl`` and ``performance.json`` are
+    the trainer's: ``hf_grpo.run_files``.)"""
     trainer.save_model()
     output_dir = trainer.args.output_dir
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    stats = trainer.get_performance_stats()
-    per_rank = [None] * trainer.accelerator.num_processes if distributed else [stats]
-    if distributed:  # peak memory differs per GPU under ZeRO: keep every rank's figures
-        torch.distributed.all_gather_object(per_rank, stats)
     if trainer.is_world_process_zero():
-        with open(os.path.join(output_dir, PERFORMANCE_FILE), "w") as handle:
-            json.dump({"per_rank": per_rank}, handle, indent=1)
         metrics = os.path.join(output_dir, METRICS_FILE)
         if recipe_args.plot and os.path.exists(metrics):
             png = plot_metrics(metrics, os.path.join(output_dir, PLOT_FILE),
                                **({"title": plot_title} if plot_title else {}))
             logger.info("metrics: %s, plot: %s", metrics, png)
+        stats = trainer.get_performance_stats()
         logger.info("performance (rank 0): %s", _rounded({k: v for k, v in stats.items() if k != "batch_plan"}))
     close_distributed(trainer)

@@ -1,63 +1,17 @@
-"""Metrics a person looks at: a JSON-lines file per logging step and a PNG of reward and loss."""
+"""Metrics a person looks at: the PNG of reward and loss drawn from ``metrics.jsonl``.
+
+The files a run writes (``metrics.jsonl``, ``performance.json``) come from ``hf_grpo.run_files``, whose names
+are re-exported here.
+"""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
-from transformers import TrainerCallback
+from ..run_files import (  # noqa: F401 (re-exported)
+    METRICS_FILE, PERFORMANCE_FILE, MetricsFileCallback, PerformanceFileCallback, current_run_rows, read_metrics)
 
-METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "reward_loss.png"
-
-
-class MetricsFileCallback(TrainerCallback):
-    """Appends ``{"step", "reward", "loss", ..., "run", "run_start_step"}`` to ``output_dir/metrics.jsonl`` at
-    every training log.
-
-    The file is only ever appended to: each ``train()`` into the directory is a new ``run`` (1, 2, ...) whose
-    rows carry the step it started from (0 fresh, N resumed from ``checkpoint-N``). ``current_run_rows`` reads
-    back the rows of the latest run's history; nothing a failed or redone run logged is lost from the file.
-    """
-
-    def __init__(self, output_dir: str):
-        self.path = os.path.join(output_dir, METRICS_FILE)
-        self.run = None
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
-            earlier = read_metrics(self.path) if os.path.exists(self.path) else []
-            self.run = 1 + max((row.get("run", 0) for row in earlier), default=0)
-            self.run_start_step = state.global_step  # after a resume: the checkpoint's step
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs or "loss" not in logs:
-            return
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        row = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}
-        if self.run is not None:
-            row.update(run=self.run, run_start_step=self.run_start_step)
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(row) + "\n")
-
-
-def read_metrics(path: str) -> list[dict]:
-    """Every row of a metrics file, in the order written (all runs)."""
-    with open(path) as handle:
-        return [json.loads(line) for line in handle if line.strip()]
-
-
-def current_run_rows(rows: list[dict]) -> list[dict]:
-    """The history of the latest run: each run replaces the rows of earlier runs past the step it started from
-    (a fresh run, started at 0, replaces them all; a resumed one only the steps it redid)."""
-    kept: list[dict] = []
-    for row in rows:
-        start = row.get("run_start_step")
-        if start is not None and (not kept or kept[-1].get("run") != row.get("run")):
-            kept = [r for r in kept if r["step"] <= start]  # the first row of a new run
-        kept.append(row)
-    return kept
 
 
 def plot_metrics(metrics_path: str, png_path: str, title: str = "GRPO training") -> str:
