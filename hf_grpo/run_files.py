@@ -2,7 +2,7 @@
 logging step) and ``performance.json`` (every rank's timings and peak memory, at the end of training).
 
 ``GRPOTrainer`` adds both callbacks itself (``add_run_files``), once each: a callback of the same class passed in
-``callbacks=`` is used instead. To write neither, ``trainer.remove_callback(MetricsFileCallback)`` and
+``callbacks=`` is used instead, and a metrics writer added later for the same file stays silent. To write neither, ``trainer.remove_callback(MetricsFileCallback)`` and
 ``trainer.remove_callback(PerformanceFileCallback)`` before ``train()``.
 """
 
@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import json
 import os
+import weakref
 
 import torch
 from transformers import TrainerCallback
 
 METRICS_FILE = "metrics.jsonl"
 PERFORMANCE_FILE = "performance.json"
+# The one callback that writes each metrics file during a train() (keyed by path; the run told by its TrainerState):
+# a second MetricsFileCallback added to the same trainer, as scripts written before the trainer added its own do,
+# stays silent instead of writing every row twice.
+_WRITERS: dict[str, tuple[weakref.ref, "MetricsFileCallback"]] = {}
 
 
 class MetricsFileCallback(TrainerCallback):
@@ -32,13 +37,17 @@ class MetricsFileCallback(TrainerCallback):
         self.run = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero:
+        writer = _WRITERS.get(self.path)
+        if writer is None or writer[0]() is not state:  # the first writer of this path in this train()
+            _WRITERS[self.path] = (weakref.ref(state), self)
+        self.writing = _WRITERS[self.path][1] is self
+        if state.is_world_process_zero and self.writing:
             earlier = read_metrics(self.path) if os.path.exists(self.path) else []
             self.run = 1 + max((row.get("run", 0) for row in earlier), default=0)
             self.run_start_step = state.global_step  # after a resume: the checkpoint's step
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs or "loss" not in logs:
+        if not state.is_world_process_zero or not logs or "loss" not in logs or not getattr(self, "writing", True):
             return
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         row = {"step": state.global_step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))}}

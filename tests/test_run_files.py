@@ -43,3 +43,15 @@ def test_removing_the_callbacks_writes_neither_file(tmp_path):
     trainer.train()
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
     assert not (tmp_path / "out" / "performance.json").exists()
+
+
+def test_a_writer_added_after_construction_does_not_write_the_rows_twice(tmp_path):
+    """Scripts written before the trainer added its own writer call add_callback themselves: one line a step."""
+    trainer = make_trainer(tmp_path, max_steps=2)
+    trainer.add_callback(MetricsFileCallback(trainer.args.output_dir))
+    trainer.train()
+    rows = read_metrics(str(tmp_path / "out" / "metrics.jsonl"))
+    assert [row["step"] for row in rows] == [1, 2]
+    assert [row["run"] for row in rows] == [1, 1]
+    trainer.train()  # a second train() into the folder is run 2, still written once
+    assert [row["run"] for row in read_metrics(str(tmp_path / "out" / "metrics.jsonl"))] == [1, 1, 2, 2]
