@@ -48,7 +48,8 @@ import trl
 from tqdm.auto import tqdm
 from trl.models import unwrap_model_for_generation
 
-from .training import compiled_layers as training_compile, graphs as training_graphs, lora_forward, prompt_groups
+from .training import compiled_layers as training_compile, eager_packing, graphs as training_graphs, lora_forward
+from .training import prompt_groups
 from .checks import inputs as checks
 from .checks import output_dirs
 from .config import GRPOConfig
@@ -105,8 +106,14 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._oom_knobs[token_budget.FIELD], self.loss_type, self.accelerator,
             lambda: self.model.zero_grad(set_to_none=True), lambda: self._metrics["train"], self._longest_row)
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        # eager micro-batches packed or padded: the user's padding_free, else chosen at train begin, once the
+        # sizes are settled (eager_packing; padded until then, as the "auto" sizes' probes run)
+        self._eager_rows = eager_packing.Choice(False, "chosen at train begin")
+        packed_rows = self.args.padding_free
+        if packed_rows is None:
+            packed_rows = lambda: self._eager_rows.packed  # noqa: E731
         head = dict(temperature=self.temperature, chunk_rows=self._oom_knobs["tensor_batch_size"],
-                    cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32, padding_free_rows=self.args.padding_free)
+                    cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32, padding_free_rows=packed_rows)
         self._chunked_head_installed = install_chunked_lm_head(policy, return_entropy=True, **head)
         # LoRA layers on the fused forward (not where ZeRO-3 or FSDP gathers the adapters' weights by module hooks)
         fused = self.args.lora_fused_forward and self._sharding() is None
