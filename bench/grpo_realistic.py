@@ -48,6 +48,13 @@ one ``model.generate`` call for the whole rollout). ``--impl hf_grpo`` runs ``hf
 whole rollout). ``--max_seconds`` stops training after the step that crosses it (the record says
 ``stopped_early``), so a run under a hard time limit still reports.
 
+Under ``accelerate launch`` (``bench/run_launch_configs.sh``: ZeRO-2, ZeRO-3, any config, TRL alike) every
+process builds the same checkpoint in a directory of its own and trains on its own GPU (``LOCAL_RANK``); rank 0
+writes the run's one record, its own figures at the top level, every rank's steps, phases, peaks and stats under
+``per_rank``, and the launch under ``launch`` (world size, DeepSpeed's stage, the config ``--launch_config``
+names). ``--max_seconds`` stops every rank at the same step. Under DeepSpeed the optimizer step runs inside
+``accelerator.backward``, so ``--phases`` charges it to ``backward`` for both trainers.
+
 Prints one line ``RESULT {json}`` and appends the JSON to ``--out`` if given. On the GPU machine,
 from the repository root (``bench/run_realistic.sh`` runs all of these):
 
@@ -96,8 +103,38 @@ def cuda_sync(device: str):
         torch.cuda.synchronize()
 
 
+def launch_info() -> dict:
+    """This process's place in an ``accelerate launch`` (one process without it): rank, world size, and what
+    the launch config set up, as accelerate passes it to the processes."""
+    env = os.environ
+    return dict(rank=int(env.get("RANK", 0)), local_rank=int(env.get("LOCAL_RANK", 0)),
+                world_size=int(env.get("WORLD_SIZE", 1)), deepspeed=env.get("ACCELERATE_USE_DEEPSPEED") == "true",
+                zero_stage=int(env["ACCELERATE_DEEPSPEED_ZERO_STAGE"]) if env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+                else None, fsdp=env.get("ACCELERATE_USE_FSDP") == "true")
+
+
+def any_rank(flag: bool) -> bool:
+    """``flag`` on any rank (every rank must stop at the same step, or the others wait in a collective)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return flag
+    device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"
+    value = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def gather_ranks(part: dict) -> list[dict]:
+    """Every rank's ``part``, in rank order (on every rank); ``[part]`` in one process."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [part]
+    parts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(parts, part)
+    return parts
+
+
 class StepTimer(TrainerCallback):
-    """Wall time of every optimizer step; optionally stops training once ``max_seconds`` have passed."""
+    """Wall time of every optimizer step; optionally stops training once ``max_seconds`` have passed (on every
+    rank at the same step)."""
 
     def __init__(self, device: str, max_seconds: float | None = None):
         self.device, self.max_seconds = device, max_seconds
@@ -116,8 +153,8 @@ class StepTimer(TrainerCallback):
         cuda_sync(self.device)
         now = time.perf_counter()
         self.times.append(now - self.start)
-        if (self.max_seconds is not None and now - self.train_start > self.max_seconds
-                and state.global_step < state.max_steps):
+        if (self.max_seconds is not None and state.global_step < state.max_steps
+                and any_rank(now - self.train_start > self.max_seconds)):
             self.stopped_early = True
             control.should_training_stop = True
 
@@ -341,6 +378,9 @@ def parse_args(argv=None):
                         help="time each step's phases (bench/phase_timer.py; syncs the device at every boundary)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--label", default=None, help="free text kept in the record (e.g. 'cold compile cache')")
+    parser.add_argument("--launch_config", default=None,
+                        help="the accelerate config file this run was launched with, kept in the record (under "
+                        "accelerate launch: bench/run_launch_configs.sh passes it)")
     parser.add_argument("--out", default=None, help="append the JSON record to this file")
     parser.add_argument("--profile_step", type=int, default=None,
                         help="profile this optimizer step (1-based) with torch.profiler: a table and a trace")
@@ -350,6 +390,8 @@ def parse_args(argv=None):
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda but CUDA is not available (use --device cpu --shape tiny for a smoke test)")
     args.bf16 = args.device == "cuda"
+    if args.device == "cuda":  # under accelerate launch: this process's GPU, before anything is built on it
+        torch.cuda.set_device(launch_info()["local_rank"])
     return args
 
 
@@ -398,6 +440,12 @@ def main(argv=None) -> int:
 
     if args.impl == "trl":
         from trl import GRPOConfig, GRPOTrainer
+
+        from hf_grpo.distributed import before_deepspeed_starts
+
+        # as hf_grpo's trainer does first: under DeepSpeed on a CPU (--tiny launches), DeepSpeed would build a
+        # shared-memory communication op it never uses (minutes on a small machine); on a GPU, nothing
+        before_deepspeed_starts()
     else:
         from hf_grpo import GRPOConfig, GRPOTrainer
     field_names = {f.name for f in dataclasses.fields(GRPOConfig)}
@@ -538,6 +586,8 @@ def main(argv=None) -> int:
         per_device_generation_batch_size=(trainer.args.per_device_generation_batch_size
                                           if args.impl == "hf_grpo" else None),
         cudnn_attention=torch.backends.cuda.cudnn_sdp_enabled() if args.impl == "trl" else config.cudnn_attention,
+        eager_rows=str(getattr(trainer, "_eager_rows", None)) if args.impl == "hf_grpo" else None,
+        launch=dict(launch_info(), config=args.launch_config),
         label=args.label, compile_cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         max_steps=args.max_steps, steps_done=trainer.state.global_step, stopped_early=timer.stopped_early,
         # times: every step, the first (warm-up) included
@@ -577,11 +627,21 @@ def main(argv=None) -> int:
         stats = trainer.get_performance_stats()
         stats.pop("batch_plan", None)
         record["perf"] = {key: round(value, 4) if isinstance(value, float) else value for key, value in stats.items()}
+    # Each rank's own figures (the record's top level is rank 0's): its steps, phases, peaks and hf_grpo's stats
+    own = ("step_s", "generation_s", "phases", "perf", "weights_gib", "peak_mem_gib", "peak_generation_gib",
+           "peak_outside_generation_gib", "peak_reserved_gib", "gpu")
+    record["per_rank"] = gather_ranks({"rank": launch_info()["rank"], **{k: record[k] for k in own if k in record}})
     record["versions"] = dict(
         python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
         trl=trl.__version__, datasets=datasets.__version__,
         cuda=torch.version.cuda, cudnn=torch.backends.cudnn.version() if device == "cuda" else None,
     )
+    from hf_grpo import close_distributed
+
+    close_distributed(trainer)  # (under accelerate launch: every process exits cleanly; else nothing)
+    if launch_info()["rank"] != 0:  # rank 0 writes the run's one record, every rank's figures in it
+        shutil.rmtree(workdir, ignore_errors=True)
+        return 0
     line = json.dumps(with_provenance(record))
     print("RESULT", line, flush=True)
     if args.out:

@@ -88,8 +88,12 @@ class GRPOConfig(trl.GRPOConfig):
             Score micro-batches with their rows packed into one sequence (each row keeps its own
             positions and attends only to itself), so no layer computes over padding. Applies to the
             reference, old-policy and training forwards; models it cannot serve exactly keep padding.
-            ``None``: packed where the micro-batches replay from CUDA graphs (``training_cuda_graphs``),
-            padded where they run eagerly, where packing measured slower at small models (host-bound).
+            ``None``: packed where the micro-batches replay from CUDA graphs (``training_cuda_graphs``); where
+            they run eagerly (several processes, DeepSpeed, FSDP, graphs off), packed where the GPU is the bound
+            and padded where the host is: on CUDA, packed from ``2 x`` one decoder layer's parameters ``x`` a
+            padded micro-batch's tokens of 1.5e12 FLOPs (about 3B parameters at 8 rows of 1.5k tokens; 0.5B and
+            1.5B stay padded, where packing measured slower or equal), padded off CUDA
+            (``hf_grpo.training.eager_packing``). The log's "training micro-batches" line says which and why.
         cudnn_attention (`bool`, *optional*, defaults to `False`):
             Let PyTorch's SDPA use cuDNN's attention kernel during ``train()``. Off by default: cuDNN builds
             a kernel for each new sequence shape (0.07 to 1.2 s each on an H100), and varied prompt lengths
@@ -120,6 +124,8 @@ class GRPOConfig(trl.GRPOConfig):
             going on eagerly with a warning if torch cannot compile the layers; ``"cpp_wrapper"``: as "on", with
             the graphs' launch code in C++ (inductor's ``cpp_wrapper``): about a quarter off a host-bound
             training half, for a first compile more than a minute longer from a cold cache; ``"off"``: eager.
+            Under ZeRO-3 and FSDP no setting compiles: their hooks gather each layer's parameters around its
+            forward, which the compiled layers would bypass; the log's "training forward" line says so.
             Compiled, prompts and completions are padded to multiples of 8 (TRL's ``pad_to_multiple_of``,
             unless set), so that rollouts of any length share one compiled variant.
         training_cuda_graphs (`str`, *optional*, defaults to `"auto"`):
@@ -185,9 +191,11 @@ class GRPOConfig(trl.GRPOConfig):
             "help": "Score each micro-batch (reference, old and policy log-probs, and the training forward) with its "
             "rows packed into one sequence, so no layer runs over padding (hf_grpo.training.padding_free). "
             "None (default): "
-            "packed where the micro-batches replay from CUDA graphs (training_cuda_graphs), padded where they run "
-            "eagerly: there, at 0.5B on an H200, the step is bound by the host and packing made it slower "
-            "(docs/performance.md). Models it cannot serve exactly (no rotary positions, soft-capped or non-causal "
+            "packed where the micro-batches replay from CUDA graphs (training_cuda_graphs); where they run eagerly "
+            "(several processes, DeepSpeed, FSDP), packed on CUDA where the GPU is the bound (one layer's FLOPs on a "
+            "micro-batch from 1.5e12: about 3B parameters at 8 rows of 1.5k tokens) and padded where the host is "
+            "(0.5B and 1.5B, where packing measured slower or equal; every CPU run), as the log says "
+            "(hf_grpo.training.eager_packing, docs/performance.md). Models it cannot serve exactly (no rotary positions, soft-capped or non-causal "
             "attention, vision inputs) keep the padded path, with a warning where it was asked for."
         },
     )
@@ -240,7 +248,8 @@ class GRPOConfig(trl.GRPOConfig):
             "compiles a few graphs (perf/train_compiles); 'auto' does so on CUDA outside ZeRO-3 and FSDP for runs "
             "of 50 optimizer steps or more, where the compile (20-30 s once) pays for itself; 'cpp_wrapper' compiles "
             "as 'on' with the launch code in C++ (about a quarter off a host-bound training half; the first compile "
-            "takes more than a minute longer from a cold cache). See hf_grpo.training.compiled_layers."
+            "takes more than a minute longer from a cold cache). Never under ZeRO-3 or FSDP, whose hooks gather each "
+            "layer's parameters (the log says so). See hf_grpo.training.compiled_layers."
         },
     )
     training_cuda_graphs: str = field(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import types
+from collections.abc import Callable
 from contextlib import nullcontext
 
 import torch
@@ -76,25 +77,29 @@ def install_chunked_lm_head(
     chunk_rows: int | None | SizeKnob,
     return_entropy: bool,
     cast_lm_head_to_fp32: bool = False,
-    padding_free_rows: bool | None = False,
+    padding_free_rows: bool | None | Callable[[], bool] = False,
 ) -> bool:
     """Patch ``model.forward`` (the base model, after TRL's ``add_fused_lm_head``). Returns False if skipped.
 
     ``chunk_rows`` as a ``SizeKnob`` is read at every call and halved on every rank after an out-of-memory
     in the head (``hf_grpo.memory.oom``); the backbone's forward has run by then, so the retry redoes the head only.
     With ``padding_free_rows`` the backbone runs the micro-batch's rows packed into one sequence
-    (``hf_grpo.training.padding_free``) where the model and the batch allow it (None, the config's default, packs
-    only the static-shape form a CUDA graph replays, ``packed_rows``).
+    (``hf_grpo.training.padding_free``) where the model and the batch allow it (None packs only the static-shape
+    form a CUDA graph replays, ``packed_rows``; a callable is asked at every call: the trainer's choice for
+    ``padding_free=None``, made at train begin, ``hf_grpo.training.eager_packing``).
     """
     reason = unsupported_reason(model)
-    # Packing runs inside this head: a model the head refuses is refused packing too, and told so, with the
-    # attention's reason where there is one (Gemma2 soft-caps both its attention and its logits).
-    if padding_free_rows and (why := padding_free.unsupported_reason(model) or reason) is not None:
-        logger.warning("padding_free is not applied: %s; rows are scored padded.", why)
-        padding_free_rows = False
+    # Packing runs inside this head: a model the head refuses is refused packing too, and told so where packing was
+    # asked for, with the attention's reason where there is one (Gemma2 soft-caps both its attention and its logits).
+    refused = padding_free.unsupported_reason(model) or reason
+    if padding_free_rows is True and refused is not None:
+        logger.warning("padding_free is not applied: %s; rows are scored padded.", refused)
     if reason is not None:
         logger.warning("tensor_batch_size is not applied: %s; TRL's fused LM head is used instead.", reason)
         return False
+    rows_packed = padding_free_rows if callable(padding_free_rows) else (lambda: bool(padding_free_rows))
+    if refused is not None:
+        rows_packed = lambda: False  # noqa: E731
     previous_forward = model.forward
     backbone_name = model.base_model_prefix
     text_config = model.config.get_text_config()
@@ -114,7 +119,7 @@ def install_chunked_lm_head(
         backbone = getattr(self, backbone_name)
         packed = None
         # MoE router logits are scored against the padded rows' mask (TRL's aux loss): those stay padded
-        if (padding_free_rows and scored_window is None and not args and shift_labels is None
+        if (scored_window is None and rows_packed() and not args and shift_labels is None
                 and kwargs.get("attention_mask") is not None and not kwargs.get("output_router_logits")):
             # rows of one prompt share its states: the columns before the first scored one (TRL's prompt)
             shared = (labels != -100).any(dim=0).int().argmax() if padding_free.shares_prompts(self) else 0

@@ -7,7 +7,7 @@ import time
 
 from transformers import TrainerCallback
 
-from .training import graphs as training_graphs
+from .training import eager_packing, graphs as training_graphs
 
 logger = logging.getLogger("hf_grpo")
 
@@ -22,6 +22,9 @@ class RunCallbacks(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.trainer._train_layers = self.trainer._compiled_training_layers(state.max_steps)
         self.trainer._align_lengths_for_compiled_layers()
+        # eager micro-batches packed or padded (padding_free=None), now that the sizes are settled; logged below
+        self.trainer._eager_rows = eager_packing.for_trainer(
+            self.trainer, self.trainer.args.per_device_train_batch_size, self.trainer._longest_prompt())
         self.trainer._train_graphs = training_graphs.start(self.trainer)
         self.trainer._generation_mirror()  # decided on every rank before the plan is printed
         if state.is_world_process_zero:

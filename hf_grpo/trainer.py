@@ -17,8 +17,7 @@ Every override of TRL's and transformers' methods is here, written against trl 1
 - ``_prepare_inputs``: TRL's, then a prompt's rows kept in the same micro-batches where the gradient stays the same
   (``training.prompt_groups``), and the micro-batch's tokens counted. TRL's ``_tokenize_prompts`` runs once over the
   training prompts to size the ``cuda_graph`` cache (``_longest_prompt``).
-- ``training_step`` (time accounting; compiled decoder layers inside it, ``training.compiled_layers``) and ``log``
-  (``perf/`` figures).
+- ``training_step`` (time; compiled decoder layers inside it, ``training.compiled_layers``), ``log`` (``perf/``).
 - ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules, ``distributed.zero3_leaves``), ``_save_rng_state``
   (the run's sizes and every rank's random state written before rank 0 marks a checkpoint complete,
   ``distributed.rng_files``) and ``_prepare_for_training`` (a checkpoint without ZeRO state loaded under ZeRO-1/2,
@@ -47,7 +46,8 @@ import torch
 import trl
 from trl.models import unwrap_model_for_generation
 
-from .training import compiled_layers as training_compile, graphs as training_graphs, lora_forward, prompt_groups
+from .training import compiled_layers as training_compile, eager_packing, graphs as training_graphs, lora_forward
+from .training import prompt_groups
 from .checks import inputs as checks
 from .checks import output_lock, resume
 from .checks.unscored import METRIC as UNSCORED_METRIC, count_unscored
@@ -109,8 +109,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._oom_knobs[token_budget.FIELD], self.loss_type, self.accelerator,
             lambda: self.model.zero_grad(set_to_none=True), lambda: self._metrics["train"], self._longest_row)
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        # eager micro-batches packed or padded: the user's padding_free, else chosen at train begin, once the
+        # sizes are settled (eager_packing; padded until then, as the "auto" sizes' probes run)
+        self._eager_rows = eager_packing.Choice(False, "chosen at train begin")
+        packed_rows = (lambda: self._eager_rows.packed) if self.args.padding_free is None else self.args.padding_free
         head = dict(temperature=self.temperature, chunk_rows=self._oom_knobs["tensor_batch_size"],
-                    cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32, padding_free_rows=self.args.padding_free)
+                    cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32, padding_free_rows=packed_rows)
         self._chunked_head_installed = install_chunked_lm_head(policy, return_entropy=True, **head)
         # LoRA layers on the fused forward (not where ZeRO-3 or FSDP gathers the adapters' weights by module hooks)
         fused = self.args.lora_fused_forward and self._sharding() is None
@@ -406,14 +410,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         Decided once, the same on every rank: under ZeRO-3 its refresh gathers layer by layer, a collective."""
         if not self._mirror_decided:
             model = self.accelerator.unwrap_model(self.model_wrapped)
-            if dense_mirror.is_zero3_partitioned(model):
-                choice = dense_mirror.choose(self.args.zero3_generation_mirror, model, self.args.generation_backend,
-                                             self.accelerator.device, min_over_ranks)
-            elif self._zero3_configured():
+            zero3 = dense_mirror.is_zero3_partitioned(model)
+            if not zero3 and self._zero3_configured():
                 return None  # not partitioned yet (a model built in code, before DeepSpeed wraps it)
-            else:
-                choice = dense_mirror.choose_lora(self.args.lora_generation_mirror, model,
-                                                  self.args.generation_backend, self.accelerator.device, min_over_ranks)
+            choose, setting = ((dense_mirror.choose, self.args.zero3_generation_mirror) if zero3 else
+                               (dense_mirror.choose_lora, self.args.lora_generation_mirror))
+            choice = choose(setting, model, self.args.generation_backend, self.accelerator.device, min_over_ranks)
             self._mirror_decided = True
             self._mirror_choice = choice
             if choice is not None and self.accelerator.is_main_process:
@@ -422,9 +424,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _sharding(self) -> str | None:
         """What shards the policy's parameters across processes ("FSDP", "ZeRO-3"), or None."""
-        if self.is_fsdp_enabled:
-            return "FSDP"
-        return "ZeRO-3" if self._zero3_configured() else None
+        return "FSDP" if self.is_fsdp_enabled else "ZeRO-3" if self._zero3_configured() else None
 
     def _zero3_configured(self) -> bool:
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)

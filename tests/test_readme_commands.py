@@ -614,6 +614,13 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
             GPU_BENCHMARK,
         'python bench/logprobs.py --hidden 896 --tokens 8192 65536 --chunk-rows 1024 4096 --impls chunked trl':
             GPU_BENCHMARK,
+        "bash bench/run_launch_configs.sh":
+            GPU_BENCHMARK,
+        'IMPLS="hf_grpo_padded hf_grpo_packed" bash bench/run_launch_configs.sh':
+            GPU_BENCHMARK,
+        "bash bench/run_launch_configs.sh --tiny":
+            NotRun("two CPU launches of minutes each (the smoke run of the GPU benchmark above)",
+                   a_gpu_benchmark_as_its_script_reads_it),
         'STEPS=6 CONFIGS="zero2 zero3" bash bench/run_multi_gpu.sh':
             GPU_BENCHMARK,
         'STEPS=7 CONFIGS=zero3 TAG=leaves_off EXTRA="--zero3_leaf_modules off" bash bench/run_multi_gpu.sh':

@@ -229,7 +229,10 @@ def test_suspended_layers_run_their_own_forward():
         ("off", "cuda", None, 1000, "compile_training='off'"),
         ("auto", "cpu", None, 1000, "compiles on CUDA only"),
         ("auto", "cuda", None, 20, "this run has 20: set 'on' to compile"),
-        ("on", "cuda", "ZeRO-3", 1000, "ZeRO-3 shards the parameters"),
+        ("on", "cuda", "ZeRO-3", 1000, "ZeRO-3 shards the parameters: each layer's are gathered by hooks"),
+        # the sharding is named first: a short run under ZeRO-3 or FSDP is not told that "on" would compile it
+        ("auto", "cuda", "ZeRO-3", 20, "ZeRO-3 shards the parameters"),
+        ("auto", "cpu", "FSDP", 1000, "FSDP shards the parameters"),
     ],
 )
 def test_choose_says_why_not(setting, device, sharded, steps, reason):

@@ -1,6 +1,7 @@
 """The training half of a step: how a micro-batch's forward and backward run once TRL hands it over.
 
-``padding_free`` packs a micro-batch's rows into one sequence (variable-length attention, per-row positions),
+``padding_free`` packs a micro-batch's rows into one sequence (variable-length attention, per-row positions;
+``eager_packing`` decides it for eager micro-batches where the user left it to "auto"),
 ``graph_inputs`` brings it to the static shape of a bucket (``shape_reuse``: a new shape's first micro-batches in a
 captured larger one), ``graphs`` replays its forward and backward (and the rollout's reference and old-policy
 scoring) from CUDA graphs (``graph_buckets``) through ``cuda_graph_recorder``, ``compiled_layers``

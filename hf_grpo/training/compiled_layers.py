@@ -196,6 +196,13 @@ def validate_setting(value: str) -> None:
         raise ValueError(f"compile_training must be one of {list(SETTINGS)}, got {value!r}")
 
 
+def sharding_reason(sharded: str) -> str:
+    """Why layers are not compiled where ``sharded`` (ZeRO-3, FSDP) holds the parameters."""
+    return (f"{sharded} shards the parameters: each layer's are gathered by hooks around its forward, which the "
+            "compiled layers (one compiled function for every layer of a class) would bypass; compiled layers run "
+            "in one process and under DDP and ZeRO-1/2")
+
+
 def choose(setting: str, models: list[torch.nn.Module], device: torch.device, sharded: str | None,
            planned_steps: int):
     """``(CompiledTrainingLayers or None, why not)`` for the ``compile_training`` setting. ``sharded`` names a
@@ -203,13 +210,13 @@ def choose(setting: str, models: list[torch.nn.Module], device: torch.device, sh
     ``planned_steps`` is the run's number of optimizer steps."""
     if setting == "off":
         return None, "compile_training='off'"
+    if sharded is not None:  # first: no other setting or run length would make it compile
+        return None, sharding_reason(sharded)
     if setting == "auto" and device.type != "cuda":
         return None, f"compile_training='auto' compiles on CUDA only (device {device.type})"
     if setting == "auto" and planned_steps < AUTO_MIN_STEPS:
         return None, (f"compile_training='auto' compiles runs of {AUTO_MIN_STEPS} optimizer steps or more, where the "
                       f"compile (20-30 s once) pays for itself; this run has {planned_steps}: set 'on' to compile")
-    if sharded is not None:
-        return None, f"{sharded} shards the parameters that the layers would read"
     for model in models:
         reason = CompiledLayers.unavailable_reason(model)  # the decode step's conditions: one class, forwards intact
         if reason is not None:

@@ -148,7 +148,9 @@ def start(trainer) -> TrainingGraphs | None:
     """The run's graphs at train begin (``choose``), the choice logged beside the compile's."""
     graphs, reason = choose(trainer)
     if trainer.accelerator.is_main_process:
-        how = f"eager launches ({reason})"
+        # the eager micro-batches' layout (eager_packing), chosen before
+        eager_rows = getattr(trainer, "_eager_rows", None)
+        how = f"eager launches ({reason})" + (f", {eager_rows}" if eager_rows is not None else "")
         if graphs is not None:
             how = "replayed from CUDA graphs, " + ("rows packed" if graphs.packed else
                                                    f"rows padded ({unpacked_reason(trainer)})")

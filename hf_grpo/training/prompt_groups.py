@@ -35,8 +35,10 @@ def unavailable_reason(trainer) -> str | None:
     graphs = getattr(trainer, "_train_graphs", None)
     if graphs is not None and graphs.failure is None:
         packed = graphs.packed
-    else:  # eager micro-batches pack only where asked, for a model that packs (causal, rotary: padding_free)
-        packed = args.padding_free is True and padding_free.unsupported_reason(trainer.model) is None
+    else:  # eager micro-batches as chosen at train begin (the user's padding_free, else eager_packing's rule)
+        eager_rows = getattr(trainer, "_eager_rows", None)
+        packed = eager_rows.packed if eager_rows is not None else (
+            args.padding_free is True and padding_free.unsupported_reason(trainer.model) is None)
     if not packed:
         return "rows are scored padded, where they share nothing"
     if args.steps_per_generation != args.gradient_accumulation_steps:

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The realistic run (bench/grpo_realistic.py) launched as users launch it: `accelerate launch --config_file
+# accelerate_configs/<config>.yaml --num_processes N`, TRL's trainer under the same config, each run in its own
+# launch under a hard time limit. The 1.5B + LoRA r16 run of bench/README.md: prompts 64-1024 tokens, completions of
+# up to 512, activation checkpointing (TRL's default), 6 steps, every step split by phase on every rank, peak memory
+# per rank. From the repository root:
+#
+#   bash bench/run_launch_configs.sh                         # GPU: CONFIGS x IMPLS, one process on one GPU
+#   IMPLS="hf_grpo_padded hf_grpo_packed" bash bench/run_launch_configs.sh   # packed against padded under DeepSpeed
+#   bash bench/run_launch_configs.sh --tiny                  # CPU smoke: tiny model, 2 steps, same launches
+#
+# Env: CONFIGS (default "zero2 zero3"; any accelerate_configs/<name>.yaml), IMPLS (default "trl hf_grpo"; also
+# hf_grpo_padded, hf_grpo_packed: hf_grpo with padding_free forced False / True), NUM_PROCESSES (1), STEPS (6),
+# TOTAL_SECONDS (540: the whole call, split evenly between its runs), RUN_TIMEOUT (a run's hard limit, default
+# TOTAL_SECONDS / runs), STARTUP (seconds a run's launch, imports and model build may take, default 90 on a GPU),
+# MAX_SECONDS (a run stops training after the step that passes this many seconds, default RUN_TIMEOUT - STARTUP,
+# so that a slow run still writes its record; such a record says stopped_early), EXTRA (more grpo_realistic.py
+# flags), RESULTS (default $OUT if set, else bench/results/raw), PYTHON (python3).
+# Four runs in 540 s leave a 1.5B TRL run about a minute of training (a few steps): for all 6 steps give each run
+# its own call, e.g. CONFIGS=zero2 IMPLS=trl bash bench/run_launch_configs.sh.
+# Records (one JSON line a run, rank 0's figures at the top level and every rank's under per_rank, with provenance)
+# are appended to $RESULTS/launch_configs.jsonl; a run that fails or passes its limit appends a line saying so.
+# Under DeepSpeed the optimizer step runs inside accelerator.backward: the phases charge it to "backward".
+set -u
+export PYTHONUNBUFFERED=1
+TINY=0
+[ "${1:-}" = "--tiny" ] && TINY=1
+CONFIGS=${CONFIGS:-zero2 zero3}
+IMPLS=${IMPLS:-trl hf_grpo}
+NUM_PROCESSES=${NUM_PROCESSES:-1}
+PY=${PYTHON:-python3}
+RESULTS=${RESULTS:-${OUT:-bench/results/raw}}
+mkdir -p "$RESULTS"
+JSONL="$RESULTS/launch_configs.jsonl"
+set -- $CONFIGS; configs=$#
+set -- $IMPLS; impls=$#
+runs=$(( configs * impls ))
+TOTAL_SECONDS=${TOTAL_SECONDS:-540}
+RUN_TIMEOUT=${RUN_TIMEOUT:-$(( TOTAL_SECONDS / (runs > 0 ? runs : 1) ))}
+if [ "$TINY" = 1 ]; then
+  STEPS=${STEPS:-2}
+  STARTUP=${STARTUP:-60}
+  SHAPE_FLAGS="--device cpu --shape tiny --lora_r 4 --min_prompt 8 --max_prompt 24 --max_completion_length 16
+    --per_device_train_batch_size 4 --num_generations 4 --steps_per_generation 2 --gradient_accumulation_steps 2"
+  LAUNCH_FLAGS="--mixed_precision no"  # fp32 on the CPU, whatever the config says
+else
+  STEPS=${STEPS:-6}
+  STARTUP=${STARTUP:-90}
+  SHAPE_FLAGS="--shape 1.5b --lora_r 16 --min_prompt 64 --max_prompt 1024 --max_completion_length 512
+    --per_device_generation_batch_size 32"
+  LAUNCH_FLAGS=""
+fi
+MAX_SECONDS=${MAX_SECONDS:-$(( RUN_TIMEOUT > STARTUP + 10 ? RUN_TIMEOUT - STARTUP : 10 ))}
+echo "$runs runs, each under $RUN_TIMEOUT s (training stops after the step past $MAX_SECONDS s); results: $JSONL"
+
+for config in $CONFIGS; do
+  for impl in $IMPLS; do
+    case $impl in
+      trl)            flags="--impl trl" ;;
+      hf_grpo)        flags="--impl hf_grpo" ;;
+      hf_grpo_padded) flags="--impl hf_grpo --padding_free off" ;;
+      hf_grpo_packed) flags="--impl hf_grpo --padding_free on" ;;
+      *) echo "unknown impl $impl (from: trl hf_grpo hf_grpo_padded hf_grpo_packed)"; continue ;;
+    esac
+    label="$config x$NUM_PROCESSES, $impl"
+    echo "=== $label: $flags"
+    start=$(date +%s)
+    # shellcheck disable=SC2086
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout -k 10 "$RUN_TIMEOUT" $PY -m accelerate.commands.launch \
+        --config_file "accelerate_configs/$config.yaml" --num_processes "$NUM_PROCESSES" $LAUNCH_FLAGS \
+        bench/grpo_realistic.py $flags $SHAPE_FLAGS --max_steps "$STEPS" --max_seconds "$MAX_SECONDS" --phases \
+        --launch_config "accelerate_configs/$config.yaml" --label "$label" --out "$JSONL" ${EXTRA:-} \
+        > "$RESULTS/launch_configs_run.log" 2>&1
+    rc=$?
+    echo "=== $label: exit $rc after $(( $(date +%s) - start )) s"
+    if [ "$rc" -ne 0 ]; then
+      tail -n 25 "$RESULTS/launch_configs_run.log"
+      # the run left no record: say so in the results, with where it came from
+      $PY - "$JSONL" "$config" "$impl" "$NUM_PROCESSES" "$rc" "$RUN_TIMEOUT" <<'EOF'
+import json, sys
+sys.path.insert(0, "bench")
+from provenance import with_provenance
+path, config, impl, processes, rc, limit = sys.argv[1:]
+timed_out = rc in ("124", "137")
+row = dict(bench="grpo_realistic", impl=impl, launch=dict(config=f"accelerate_configs/{config}.yaml",
+           world_size=int(processes)), failed=True, exit_code=int(rc), timed_out=timed_out,
+           note=f"passed its {limit} s limit" if timed_out else "exited with an error: see the call's output")
+with open(path, "a") as handle:
+    handle.write(json.dumps(with_provenance(row)) + "\n")
+EOF
+    fi
+  done
+done
+
+$PY - "$JSONL" <<'EOF'
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+print(f"\n{'config':28} {'impl':8} {'rows':8} {'steps':>5} {'later step s':>12} {'training half s':>15}  peak GiB by rank")
+for r in rows:
+    config = (r.get("launch") or {}).get("config") or "-"
+    if r.get("failed"):
+        print(f"{config:28} {r['impl']:8} failed: {r['note']}")
+        continue
+    later = r["step_s"][1:]
+    half = ((r.get("phases") or {}).get("median_with_rollout") or {}).get("training_half")
+    peaks = [rank.get("peak_mem_gib") for rank in r.get("per_rank", [])]
+    layout = "-" if r["impl"] == "trl" else (r.get("eager_rows") or "-").split(" (")[0].replace("rows ", "")
+    print(f"{config:28} {r['impl']:8} {layout:8} {r['steps_done']:5} "
+          f"{statistics.median(later) if later else float('nan'):12.3f} {half if half is not None else float('nan'):15.3f}"
+          f"  {peaks}")
+print(f"({len(rows)} records in {sys.argv[1]}, this call's and any before it)")
+EOF
