@@ -30,9 +30,15 @@ def test_an_unmarked_test_runs_one_process(tmp_path):
     assert result.returncode == 0 and started.exists()
 
 
-def test_the_marker_is_read_from_the_running_test(request):
+@pytest.fixture
+def test_seen_by_a_fixture():
+    return launching._running_test
+
+
+def test_the_marker_is_read_from_the_running_test(request, test_seen_by_a_fixture):
     """tests/conftest.py names the running test to tests/launching.py before its fixtures are set up: a fixture
     that launches (conftest's zero2_quickstart_run) is checked against the test that asked for it."""
+    assert test_seen_by_a_fixture is request.node
     assert launching._running_test is request.node
     with pytest.raises(launching.UnmarkedLaunch):
         launching.refuse_unless_marked(2, ["accelerate", "launch"])
