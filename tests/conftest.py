@@ -6,6 +6,7 @@ import pathlib
 import sys
 
 import pytest
+from launching import note_running_test
 
 from hf_grpo.config import ENV_OVERRIDES
 
@@ -24,6 +25,18 @@ def _activate_this_virtualenv() -> None:
 
 
 _activate_this_virtualenv()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Before the test's fixtures are set up: a fixture that launches processes checks the test that asked for it
+    (tests/launching.py refuses a multi-process launch for a test not marked ``launch``)."""
+    note_running_test(item)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    note_running_test(None)
 
 
 @pytest.fixture(autouse=True)
@@ -50,7 +63,8 @@ def make_config(tmp_path):
 def zero2_quickstart_run(tmp_path_factory):
     """The quickstart launched once under the shipped zero2.yaml on 2 processes (test_launch.ZERO2_QUICKSTART: 6 steps,
     a checkpoint every 2, all kept): the uninterrupted run a killed-and-resumed one must equal (test_fault_resume),
-    and a checkpoint of 2 ZeRO partitions that a 1-process resume must refuse (test_zero_resume)."""
+    and a checkpoint of 2 ZeRO partitions that a 1-process resume must refuse (test_zero_resume). Launched by the
+    first test that asks for it: each of those is marked ``launch``."""
     from test_launch import ZERO2_QUICKSTART, launch
 
     output_dir = tmp_path_factory.mktemp("zero2_quickstart") / "out"

@@ -6,11 +6,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from launching import accelerate_command, start_launch
 from side_by_side import stop
 from test_launch import ROOT, ZERO2_QUICKSTART, ZERO2_QUICKSTART_STEPS, _final_state, launch
 
@@ -22,9 +22,9 @@ COMMON = ZERO2_QUICKSTART  # the uninterrupted run is conftest's zero2_quickstar
 
 
 def zero2_command(output_dir, *extra):
-    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--config_file",
-            str(ROOT / "accelerate_configs" / "zero2.yaml"), "--mixed_precision", "no",
-            str(ROOT / "recipes" / "quickstart.py"), *COMMON, "--output_dir", str(output_dir), *map(str, extra)]
+    return accelerate_command("--config_file", ROOT / "accelerate_configs" / "zero2.yaml", "--mixed_precision", "no",
+                              ROOT / "recipes" / "quickstart.py", *COMMON, "--output_dir", output_dir, *extra,
+                              processes=2)
 
 
 def complete_checkpoints(output_dir):
@@ -47,8 +47,8 @@ def rank_process(launcher, rank):
 
 def kill_rank_after_first_checkpoint(output_dir, rank=1, timeout=600):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))}
-    launcher = subprocess.Popen(zero2_command(output_dir), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    launcher = start_launch(zero2_command(output_dir), processes=2, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + timeout
         while not complete_checkpoints(output_dir):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from side_by_side import run_to_end
+from launching import accelerate_command, run_launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -16,19 +16,16 @@ pytestmark = pytest.mark.slow
 
 def launch(config, script, *args, processes=2):
     """``accelerate launch`` with CPU overrides kept on the command line, out of the shipped configs."""
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes),
-        "--config_file", str(ROOT / "accelerate_configs" / f"{config}.yaml"), "--mixed_precision", "no",
-    ]
-    command += [str(ROOT / script), *map(str, args)]
+    command = accelerate_command("--config_file", ROOT / "accelerate_configs" / f"{config}.yaml",
+                                 "--mixed_precision", "no", ROOT / script, *args, processes=processes)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))}
-    result = run_to_end(command, 900, cwd=ROOT, env=env)
+    result = run_launch(command, processes=processes, timeout=900, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     return result
 
 
 def python(script, *args):
-    result = run_to_end([sys.executable, str(ROOT / script), *map(str, args)], 900, cwd=ROOT)
+    result = run_launch([sys.executable, str(ROOT / script), *map(str, args)], processes=1, timeout=900, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-6000:]
     return result
 
@@ -50,6 +47,7 @@ ZERO2_QUICKSTART = [*QUICK, "--save_steps", "2", "--save_total_limit", "10", "--
      ("zero3", ["--ds3_gather_for_generation", "false"])],  # generation without gathering the whole model
     ids=["zero1", "zero3-no-gather"],
 )
+@pytest.mark.launch
 def test_quickstart_runs_under_each_config_with_two_processes(tmp_path, config, extra):
     result = launch(config, "recipes/quickstart.py", *QUICK, "--output_dir", tmp_path, "--max_steps", 2,
                     "--gradient_accumulation_steps", 2, *extra)
@@ -97,6 +95,7 @@ def single_process_params(tmp_path_factory):
     return out / "params.pt"
 
 
+@pytest.mark.launch
 @pytest.mark.parametrize("config", ["zero2", "zero3"])
 def test_zero_stages_match_a_single_process_run(tmp_path, config, single_process_params):
     from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model

@@ -8,11 +8,11 @@ import json
 import math
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 import yaml
+from launching import accelerate_command, start_launch
 from side_by_side import free_port, wait_for_all
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -66,18 +66,18 @@ def launch_two_nodes(config: str, tmp_path: pathlib.Path):
     nodes = []
     for rank in (0, 1):
         output_dir = tmp_path / f"node{rank}"
-        command = [
-            sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"accelerate_configs/{config}.yaml",
-            "--num_machines", "2", "--machine_rank", str(rank), "--main_process_ip", "127.0.0.1",
-            "--main_process_port", str(port), "--num_processes", "2",
-            "recipes/quickstart.py", "--output_dir", str(output_dir), "--max_steps", "2",
+        command = accelerate_command(
+            "--config_file", f"accelerate_configs/{config}.yaml",
+            "--num_machines", "2", "--machine_rank", rank, "--main_process_ip", "127.0.0.1",
+            "--main_process_port", port,
+            "recipes/quickstart.py", "--output_dir", output_dir, "--max_steps", "2",
             "--per_device_train_batch_size", "8", "--logging_steps", "1", "--disable_tqdm", "true",
-            "--save_strategy", "no",
-        ]
+            "--save_strategy", "no", processes=2,
+        )
         stdout, stderr = tmp_path / f"node{rank}.out", tmp_path / f"node{rank}.err"
         # log files, not pipes: a full pipe would stall a node; own session: stop() reaches its children
         with open(stdout, "w") as out, open(stderr, "w") as err:
-            process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+            process = start_launch(command, processes=2, cwd=ROOT, env=env, stdout=out, stderr=err)
         nodes.append((process, stderr, output_dir))
 
     problem = wait_for_all([process for process, _, _ in nodes], LAUNCH_TIMEOUT_S)
@@ -89,6 +89,7 @@ def launch_two_nodes(config: str, tmp_path: pathlib.Path):
 
 # multi_node_zero2.yaml: the README's and docs/multi_node.md's two-node commands run it as written, with these
 # checks (tests/test_readme_commands.py, two_nodes_as_one_world); a third launch here would add no path.
+@pytest.mark.launch
 @pytest.mark.parametrize("config", ["multi_node"])
 def test_two_nodes_train_as_one_world(config, tmp_path):
     (main_err, main_dir), (other_err, other_dir) = launch_two_nodes(config, tmp_path)

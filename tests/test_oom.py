@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 import torch.multiprocessing as mp
+from launching import spawn_ranks
 from test_trainer import TOKENIZER, make_trainer, train_one_step
 from transformers import GenerationConfig
 
@@ -194,9 +195,11 @@ def _two_rank_worker(rank, port, results):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
+@pytest.mark.launch
 def test_two_ranks_agree_when_only_one_runs_out_of_memory():
     results = mp.Manager().dict()
-    context = mp.spawn(_two_rank_worker, args=(_free_port(), results), nprocs=2, join=False)
+    context = spawn_ranks(_two_rank_worker, (_free_port(), results), processes=2)
     for process in context.processes:
         process.join(timeout=90)
     hung = [p.pid for p in context.processes if p.is_alive()]
@@ -208,6 +211,7 @@ def test_two_ranks_agree_when_only_one_runs_out_of_memory():
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 def test_ddp_run_where_only_rank_1_runs_out_of_memory_equals_the_smaller_sizes_from_the_start(tmp_path):
     """Two processes under DDP (accelerate launch, gloo): rank 1 alone fails in generation and in the head; both
     ranks back off together, and the trained weights equal a run that used the smaller sizes from the start."""

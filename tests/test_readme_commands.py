@@ -32,6 +32,7 @@ from typing import Callable
 
 import pytest
 from in_process import run_hf_grpo
+from launching import start_launch
 from side_by_side import free_port, wait_for_all
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -155,6 +156,7 @@ class Run:
     replace: tuple[Sub, ...] = ()
     offline: str = ""  # why the command as written cannot run here: what runs is the closest offline variant
     nodes: int = 1  # 2: two processes side by side, NODE_RANK=0 and 1, MAIN_IP=127.0.0.1
+    processes: int = 1  # in all, over the nodes; 2 or more: the test is marked launch (tests/launching.py)
     cwd: str = "root"  # or "tmp": a command that writes into its working directory
     setup: Callable[[pathlib.Path], None] | None = None
     slow: bool = True
@@ -208,8 +210,8 @@ def run_documented(doc: Documented, run: Run, tmp: pathlib.Path) -> Ran:
         node_env = {**env, "NODE_RANK": str(rank)} if run.nodes > 1 else env
         out, err = tmp / f"node{rank}.out", tmp / f"node{rank}.err"
         with open(out, "w") as stdout, open(err, "w") as stderr:  # files, not pipes: a full pipe stalls a run
-            processes.append(subprocess.Popen(["bash", "-c", command], cwd=cwd, env=node_env, stdout=stdout,
-                                              stderr=stderr, start_new_session=True))
+            processes.append(start_launch(["bash", "-c", command], processes=run.processes, cwd=cwd, env=node_env,
+                                          stdout=stdout, stderr=stderr))
     problem = wait_for_all(processes, run.timeout)
     outputs = [((tmp / f"node{r}.out").read_text(errors="replace"), (tmp / f"node{r}.err").read_text(errors="replace"))
                for r in range(run.nodes)]
@@ -328,23 +330,31 @@ def _ci_commands() -> list[str]:
     return [_normalise(line) for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
 
+LAUNCH = "python -m pytest tests -q -m launch"
 CONVERGENCE = "python -m pytest tests -q -m convergence"
 
 
 def the_ci_runs_it(doc: Documented, tmp: pathlib.Path) -> None:
-    """.ci/run is the README's command, one `&&` part a line: its set-up (pip's -q aside), then the tests, and last,
-    the convergence tests the README's test command leaves out (docs/testing.md)."""
+    """.ci/run is the README's command, one `&&` part a line: its set-up (pip's -q aside), then the tests, then the
+    multi-process launches and last the convergence tests, which the README's test command leaves out
+    (docs/testing.md)."""
     parts = [part.strip() for part in doc.command.split("&&")]
     ci = _ci_commands()
-    assert ci[-2:] == [parts[-1], CONVERGENCE], (ci[-2:], parts[-1])
+    assert ci[-3:] == [parts[-1], LAUNCH, CONVERGENCE], (ci[-3:], parts[-1])
     quiet = [re.sub(r"^pip install -q ", "pip install ", line) for line in ci]
     for part in parts[:-1]:
         assert part in quiet, (part, ci)
 
 
 def the_ci_runs_it_last(doc: Documented, tmp: pathlib.Path) -> None:
-    """The convergence run is .ci/run's last command, after the README's."""
+    """The convergence run is .ci/run's last command, after the README's and the launches."""
     assert _ci_commands()[-1] == doc.command == CONVERGENCE, _ci_commands()[-2:]
+
+
+def the_ci_runs_it_after_the_readmes(doc: Documented, tmp: pathlib.Path) -> None:
+    """The launch run follows the README's command in .ci/run, before the convergence run."""
+    assert _ci_commands()[-3:] == ["python -m pytest tests -q", doc.command, CONVERGENCE] and doc.command == LAUNCH, \
+        _ci_commands()[-3:]
 
 
 def the_pdsh_launch_reaches_deepspeeds_runner(doc: Documented, tmp: pathlib.Path) -> None:
@@ -466,19 +476,20 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
             NotRun("runs this test suite (it would recurse); .ci/run runs exactly this, one part a line",
                    the_ci_runs_it),
         "python -m pytest tests -q":
-            NotRun("runs this test suite (it would recurse); it is .ci/run's last command", the_ci_runs_it),
+            NotRun("runs this test suite (it would recurse); .ci/run runs it after the set-up", the_ci_runs_it),
         "accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes 8 recipes/gsm8k.py "
         "--config recipes/gsm8k.yaml":
             Run(trained(2, "kl", "rewards/gsm8k_format_reward/mean", "rewards/gsm8k_correctness_reward/mean",
                         bf16_config=True),
                 offline="needs the hub (model Qwen/Qwen2.5-0.5B-Instruct, dataset openai/gsm8k) and 8 GPUs",
+                processes=2,
                 setup=_checkpoint_and_gsm8k,
                 replace=(Sub("--num_processes 8", "--num_processes 2", "2 CPU processes over gloo"),),
                 # a saved checkpoint, not --tiny: gsm8k.yaml's beta 0.04 needs a reference model loaded from a path
                 append=SHORT + " --model_name_or_path {tmp}/my-checkpoint --dataset_name {tmp}/gsm8k.jsonl"
                                " --max_completion_length 12 --save_strategy no"),
         MULTI_NODE_CONFIG:
-            Run(two_nodes_as_one_world, nodes=2, replace=(FREE_PORT, ONE_PROCESS_PER_NODE), append=NODE_OUTPUT,
+            Run(two_nodes_as_one_world, nodes=2, processes=2, replace=(FREE_PORT, ONE_PROCESS_PER_NODE), append=NODE_OUTPUT,
                 offline="needs 2 machines x 8 GPUs; run as 2 one-process 'nodes' on 127.0.0.1 "
                         "(NODE_RANK=0/1 side by side, MAIN_IP=127.0.0.1)"),
         # "Masked-diffusion models": the diffusion quickstart, as written
@@ -532,6 +543,9 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
                 append=SHORT + " --max_completion_length 12 --num_train_samples 64"),
     },
     "docs/testing.md": {
+        LAUNCH:
+            NotRun("runs this test suite's multi-process launches (minutes; it would recurse); .ci/run runs it after "
+                   "the README's command", the_ci_runs_it_after_the_readmes),
         CONVERGENCE:
             NotRun("runs this test suite's convergence tests (minutes; it would recurse); .ci/run runs it last",
                    the_ci_runs_it_last),
@@ -541,7 +555,7 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
             NotRun("node 0's address for the launch below it (10.0.0.1 is a placeholder); the two-node run here "
                    "sets MAIN_IP=127.0.0.1. Checked: the line sets it", sets_a_variable_for_the_launch),
         MULTI_NODE_CONFIG + " --config recipes/quickstart.yaml":
-            Run(two_nodes_as_one_world, nodes=2, replace=(FREE_PORT, ONE_PROCESS_PER_NODE), append=NODE_OUTPUT,
+            Run(two_nodes_as_one_world, nodes=2, processes=2, replace=(FREE_PORT, ONE_PROCESS_PER_NODE), append=NODE_OUTPUT,
                 offline="needs 2 machines x 8 GPUs; run as 2 one-process 'nodes' on 127.0.0.1"),
         "export NCCL_SOCKET_IFNAME=eth0":
             NotRun("NCCL network setting for a GPU cluster (no NCCL here)", sets_a_variable_for_the_launch),
@@ -670,7 +684,9 @@ def _cases():
             if entry is None:
                 continue  # reported by test_every_documented_command_is_registered
             slow = isinstance(entry, Run) and entry.slow
-            yield pytest.param(doc, documented, marks=[pytest.mark.slow] if slow else [],
+            launch = isinstance(entry, Run) and entry.processes >= 2
+            marks = [pytest.mark.slow] * slow + [pytest.mark.launch] * launch
+            yield pytest.param(doc, documented, marks=marks,
                                id=_id(doc, index, documented.command))
 
 

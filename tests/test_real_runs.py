@@ -19,7 +19,8 @@ import sys
 
 import pytest
 import torch
-from side_by_side import free_port, run_to_end
+from launching import accelerate_command, run_launch
+from side_by_side import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -123,13 +124,13 @@ def _command(launch: str | None, recipe: str, args) -> list[str]:
     if launch is None:  # one process: plain python, as the recipes' docstrings show
         return [sys.executable, script, *map(str, args)]
     # the shipped config as is (bf16, 8 processes): only the process count and a free port on the command line
-    return [sys.executable, "-m", "accelerate.commands.launch",
-            "--config_file", str(ROOT / "accelerate_configs" / f"{launch}.yaml"),
-            "--num_processes", "2", "--main_process_port", str(free_port()), script, *map(str, args)]
+    return accelerate_command("--config_file", ROOT / "accelerate_configs" / f"{launch}.yaml",
+                              "--main_process_port", free_port(), script, *args, processes=2)
 
 
 def _run(launch: str | None, recipe: str, *args, timeout: int = 300) -> subprocess.CompletedProcess:
-    return run_to_end(_command(launch, recipe, args), timeout, cwd=ROOT, env=_clean_env())
+    return run_launch(_command(launch, recipe, args), processes=1 if launch is None else 2, timeout=timeout,
+                      cwd=ROOT, env=_clean_env())
 
 
 def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -158,7 +159,12 @@ def _case_id(case) -> str:
     return f"{launch or 'python'}-beta{beta:g}-{'lora' if lora else 'full'}"
 
 
-@pytest.mark.parametrize("launch, beta, lora", CASES, ids=map(_case_id, CASES))
+def _param(case):
+    """A case launched on two processes is marked ``launch`` (tests/launching.py)."""
+    return pytest.param(*case, id=_case_id(case), marks=[pytest.mark.launch] if case[0] is not None else [])
+
+
+@pytest.mark.parametrize("launch, beta, lora", [_param(case) for case in CASES])
 def test_gsm8k_recipe_on_a_checkpoint(tmp_path, checkpoint, launch, beta, lora):
     directory, data = checkpoint
     output_dir = tmp_path / "out"

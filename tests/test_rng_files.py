@@ -11,6 +11,7 @@ from hf_grpo.memory.autosize import SIZES_FILE
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 def test_rank_zero_marks_a_checkpoint_complete_only_after_every_rank_saved_its_random_state(tmp_path):
     # Rank 1 takes 3 s to write its random state, as a rank being stopped might: transformers alone writes rank 0's
     # trainer_state.json meanwhile, and a kill in that gap leaves a checkpoint that looks whole without it. The run's

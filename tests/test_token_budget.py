@@ -358,6 +358,7 @@ def test_training_with_a_token_budget_matches_one_pass(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.parametrize("config, rtol", [("multi_gpu", 1e-12), ("zero2", 1e-5), ("zero3", 1e-5)])
 def test_two_processes_needing_different_pass_counts_run_equally_many_and_match(tmp_path, config, rtol):
     """DDP over gloo (float64: exact) and DeepSpeed ZeRO-2/3 (whose own reductions differ from DDP by ~1e-7; ZeRO-3

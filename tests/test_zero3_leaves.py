@@ -12,13 +12,13 @@ import json
 import math
 import os
 import pathlib
-import sys
 
 import pytest
 import torch
 from datasets import Dataset
 from deepspeed.utils import get_z3_leaf_modules
-from side_by_side import free_port, run_to_end
+from launching import accelerate_command, run_launch
+from side_by_side import free_port
 
 from hf_grpo import GRPOConfig, GRPOTrainer
 from hf_grpo.distributed import zero3_leaves
@@ -181,13 +181,13 @@ def zero3_runs(tmp_path_factory, checkpoint):
     by ``_train``."""
     out_dir = tmp_path_factory.mktemp("zero3_runs")
     scenarios = [f"{setting}:{variant}" for variant in VARIANTS for setting in ("auto", "off")]
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
-               "--main_process_port", str(free_port()),
-               "--config_file", str(ROOT / "accelerate_configs" / "zero3.yaml"), "--mixed_precision", "no",
-               str(ROOT / "tests" / "scripts" / "zero3_leaves_train.py"), str(out_dir), checkpoint, *scenarios]
+    command = accelerate_command("--main_process_port", free_port(),
+                                 "--config_file", ROOT / "accelerate_configs" / "zero3.yaml", "--mixed_precision", "no",
+                                 ROOT / "tests" / "scripts" / "zero3_leaves_train.py", out_dir, checkpoint, *scenarios,
+                                 processes=2)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_", "ACCELERATE_"))}
-    result = run_to_end(command, 600, cwd=ROOT, env=env)
+    result = run_launch(command, processes=2, timeout=600, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     return out_dir
 
@@ -204,6 +204,7 @@ ROLLOUT = ("reward", "reward_std", "num_tokens", "completions/mean_length", "fra
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_zero3_run_with_leaf_decoder_layers_trains_as_without(zero3_runs, checkpoint, variant):
     """``full`` has a reference model (beta > 0) that TRL prepares inside its ``__init__``; ``lora`` has none;

@@ -5,7 +5,7 @@ import json
 import sys
 
 import pytest
-from side_by_side import run_to_end
+from launching import accelerate_command, run_launch
 from test_launch import QUICK, ROOT
 from test_trainer import make_trainer
 
@@ -53,6 +53,7 @@ def test_a_one_process_run_without_deepspeed_refuses_before_any_step(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 def test_a_two_process_zero2_checkpoint_is_refused_by_a_one_process_resume(tmp_path, zero2_quickstart_run):
     """As a user does it: save under 2-process ZeRO-2 (CPU, gloo; conftest's zero2_quickstart_run), resume with plain
     python and with the ZeRO-2 config on 1 process; both stop with the reason instead of training on with a fresh
@@ -62,10 +63,11 @@ def test_a_two_process_zero2_checkpoint_is_refused_by_a_one_process_resume(tmp_p
     checkpoint = zero2_quickstart_run / "checkpoint-2"
     assert saved_partitions(str(checkpoint)) == 2
     resume = [*map(str, common), "--max_steps", "4", "--resume_from_checkpoint", str(checkpoint)]
-    plain = run_to_end([sys.executable, str(ROOT / "recipes" / "quickstart.py"), *resume], 900, cwd=ROOT)
-    one_zero2 = run_to_end([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
-                            "--config_file", str(ROOT / "accelerate_configs" / "zero2.yaml"), "--mixed_precision",
-                            "no", str(ROOT / "recipes" / "quickstart.py"), *resume], 900, cwd=ROOT)
+    plain = run_launch([sys.executable, str(ROOT / "recipes" / "quickstart.py"), *resume], processes=1, timeout=900,
+                       cwd=ROOT)
+    one_zero2 = run_launch(accelerate_command("--config_file", ROOT / "accelerate_configs" / "zero2.yaml",
+                                              "--mixed_precision", "no", ROOT / "recipes" / "quickstart.py", *resume,
+                                              processes=1), processes=1, timeout=900, cwd=ROOT)
     for result, reason in ((plain, "this run does not use DeepSpeed"), (one_zero2, "this run has 1 process,")):
         assert result.returncode != 0
         assert reason in result.stderr and "ZeRO run of 2 processes" in result.stderr, result.stderr[-3000:]

@@ -7,12 +7,11 @@ import os
 import pathlib
 import shutil
 import string
-import sys
 
 import pytest
 import torch
 from project_files import load_file, load_recipe
-from side_by_side import run_to_end
+from launching import accelerate_command, run_launch
 from transformers import GenerationConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -152,14 +151,15 @@ def test_diffu_countdown_tiny_with_its_yaml(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 def test_diffu_quickstart_under_zero2_with_two_processes(tmp_path):
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--config_file",
-               str(ROOT / "accelerate_configs" / "zero2.yaml"), "--mixed_precision", "no",
-               str(ROOT / "recipes" / "diffu_quickstart.py"), "--use_cpu", "true", "--bf16", "false",
-               "--output_dir", str(tmp_path), "--max_steps", "2", "--per_device_train_batch_size", "8",
-               "--gradient_accumulation_steps", "2", "--num_iterations", "2", "--beta", "0.04", *QUICK]
+    command = accelerate_command("--config_file", ROOT / "accelerate_configs" / "zero2.yaml", "--mixed_precision", "no",
+                                 ROOT / "recipes" / "diffu_quickstart.py", "--use_cpu", "true", "--bf16", "false",
+                                 "--output_dir", tmp_path, "--max_steps", "2", "--per_device_train_batch_size", "8",
+                                 "--gradient_accumulation_steps", "2", "--num_iterations", "2", "--beta", "0.04",
+                                 *QUICK, processes=2)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))}
-    result = run_to_end(command, 900, cwd=ROOT, env=env)
+    result = run_launch(command, processes=2, timeout=900, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     assert "hf-grpo batch plan (world size 2)" in result.stderr
     assert "hf-grpo diffusion plan" in result.stderr
@@ -170,6 +170,7 @@ def test_diffu_quickstart_under_zero2_with_two_processes(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 def test_released_llada_style_checkpoint_under_zero3_with_two_processes(tmp_path):
     """A checkpoint that attends to padding (as the released LLaDA code) under ZeRO-3, two processes: the ranks
     group their prompts by length into different numbers of forwards, which are collective under ZeRO-3; they
@@ -178,17 +179,17 @@ def test_released_llada_style_checkpoint_under_zero3_with_two_processes(tmp_path
     under ZeRO-3 fails in its second backward on the CPU with or without the padding handling."""
     checkpoint = write_remote_checkpoint(tmp_path / "released_llada", "AutoModelForCausalLM",
                                          ignores_attention_mask=True)
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--config_file",
-               str(ROOT / "accelerate_configs" / "zero3.yaml"), "--mixed_precision", "no",
-               str(ROOT / "recipes" / "diffu_countdown.py"), "--use_cpu", "true", "--bf16", "false",
-               "--model_name_or_path", str(checkpoint), "--trust_remote_code", "true", "--use_peft", "true",
-               "--output_dir", str(tmp_path / "out"), "--max_steps", "8", "--max_completion_length", "8",
-               "--block_length", "4", "--diffusion_steps", "4", "--num_iterations", "2", "--beta", "0.0",
-               "--per_device_train_batch_size", "6", "--per_device_generation_batch_size", "3",
-               "--num_generations", "2",  # three prompts per rank: lengths differ, so do the ranks' group counts
-               "--num_train_samples", "48", "--dtype", "float32", "--learning_rate", "1e-3", *QUICK]
+    command = accelerate_command(
+        "--config_file", ROOT / "accelerate_configs" / "zero3.yaml", "--mixed_precision", "no",
+        ROOT / "recipes" / "diffu_countdown.py", "--use_cpu", "true", "--bf16", "false",
+        "--model_name_or_path", checkpoint, "--trust_remote_code", "true", "--use_peft", "true",
+        "--output_dir", tmp_path / "out", "--max_steps", "8", "--max_completion_length", "8",
+        "--block_length", "4", "--diffusion_steps", "4", "--num_iterations", "2", "--beta", "0.0",
+        "--per_device_train_batch_size", "6", "--per_device_generation_batch_size", "3",
+        "--num_generations", "2",  # three prompts per rank: lengths differ, so do the ranks' group counts
+        "--num_train_samples", "48", "--dtype", "float32", "--learning_rate", "1e-3", *QUICK, processes=2)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))}
-    result = run_to_end(command, 900, cwd=ROOT, env=env)
+    result = run_launch(command, processes=2, timeout=900, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     assert "attends to padding whatever mask it is given" in result.stderr
     rows = metrics(tmp_path / "out")

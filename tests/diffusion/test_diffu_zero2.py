@@ -15,28 +15,27 @@ import json
 import math
 import os
 import pathlib
-import sys
 
 import pytest
 import torch
 
-from side_by_side import free_port, run_to_end
+from launching import accelerate_command, run_launch
+from side_by_side import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def launch_zero2(out_dir: pathlib.Path, *, cpu: bool) -> dict:
     out_dir.mkdir()
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
-               "--main_process_port", str(free_port()),
-               "--config_file", str(ROOT / "accelerate_configs" / "zero2.yaml"),
-               *(["--mixed_precision", "no"] if cpu else []),
-               str(ROOT / "tests" / "scripts" / "diffu_zero2_train.py"), str(out_dir)]
+    command = accelerate_command("--main_process_port", free_port(),
+                                 "--config_file", ROOT / "accelerate_configs" / "zero2.yaml",
+                                 *(["--mixed_precision", "no"] if cpu else []),
+                                 ROOT / "tests" / "scripts" / "diffu_zero2_train.py", out_dir, processes=2)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_", "ACCELERATE_"))}
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
-    result = run_to_end(command, 540, cwd=ROOT, env=env)
+    result = run_launch(command, processes=2, timeout=540, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     return json.loads((out_dir / "result.json").read_text())
 
@@ -54,6 +53,7 @@ def check_zero2_run(result: dict, device_type: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.launch
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_diffusion_trainer_under_zero2_on_two_gpus(tmp_path):
     result = launch_zero2(tmp_path / "run", cpu=False)
@@ -63,5 +63,6 @@ def test_diffusion_trainer_under_zero2_on_two_gpus(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 def test_diffusion_trainer_under_zero2_on_two_cpu_processes(tmp_path):
     check_zero2_run(launch_zero2(tmp_path / "run", cpu=True), "cpu")

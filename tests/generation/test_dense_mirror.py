@@ -14,11 +14,10 @@ import copy
 import json
 import os
 import pathlib
-import sys
 
 import pytest
 import torch
-from side_by_side import run_to_end
+from launching import accelerate_command, run_launch
 from transformers import GenerationConfig, Qwen2ForCausalLM
 
 from hf_grpo.generation import dense_mirror
@@ -288,16 +287,17 @@ def zero3_mirror_runs(tmp_path_factory):
     """Both variants trained in turn in one launch: 2 CPU processes under the shipped zero3.yaml; the script asserts
     the mirror path (see its docstring) and writes each variant's result.json."""
     out_dir = tmp_path_factory.mktemp("zero3_mirror")
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
-               "--config_file", str(ROOT / "accelerate_configs" / "zero3.yaml"), "--mixed_precision", "no",
-               str(ROOT / "tests" / "scripts" / "zero3_dense_mirror.py"), str(out_dir), "plain", "lora-tied"]
+    command = accelerate_command("--config_file", ROOT / "accelerate_configs" / "zero3.yaml", "--mixed_precision", "no",
+                                 ROOT / "tests" / "scripts" / "zero3_dense_mirror.py", out_dir, "plain", "lora-tied",
+                                 processes=2)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))}
-    result = run_to_end(command, 900, cwd=ROOT, env=env)
+    result = run_launch(command, processes=2, timeout=900, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
     return out_dir
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 @pytest.mark.parametrize("variant, gathers", [("plain", 5), ("lora-tied", 4)])
 def test_zero3_grpo_run_generates_from_a_layerwise_refreshed_mirror(zero3_mirror_runs, variant, gathers):
     found = json.loads((zero3_mirror_runs / variant / "result.json").read_text())
