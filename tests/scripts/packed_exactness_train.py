@@ -1,0 +1,128 @@
+"""Train a saved tiny checkpoint with LoRA, a reference (beta > 0) and num_iterations 2, padded and then packed with a
+prompt's rows grouped, in turn in the processes of one launch (tests/scripts/one_launch.py); each run writes its
+logged losses and grad norms, its trained weights and what it chose.
+
+    accelerate launch --num_processes 2 --config_file accelerate_configs/zero2.yaml --mixed_precision no \
+        tests/scripts/packed_exactness_train.py OUT_DIR CHECKPOINT_DIR padded packed
+
+(or multi_gpu.yaml, zero3.yaml). A variant is ``padded`` (padding_free=False) or ``packed`` (padding_free=True);
+each trains into OUT_DIR/<variant>. Prompts of 2 to 12 tokens, completions of 1 to 5, several of each per prompt.
+"""
+
+import contextlib
+import json
+import os
+import sys
+
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import PreTrainedTokenizerFast
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+from hf_grpo import GRPOConfig, GRPOTrainer, close_distributed
+from hf_grpo.generation import HFGenerateBackend
+from hf_grpo.training import padding_free
+
+GROUP = 4
+PROMPTS = ["a>", "bcdefghijk>", "c>", "defghijklmn>", "e>", "fg>", "hijklmnopq>", "r>"]
+
+
+class FixedBackend(HFGenerateBackend):
+    """Completions of 1-5 tokens that differ within a prompt's group (so its advantages do too)."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.letters = tokenizer.convert_tokens_to_ids(list("abcab"))
+        self.eos = tokenizer.eos_token_id
+
+    def generate(self, model, prompt_ids, **kwargs):
+        return [[self.letters[(len(p) + row) % 5]] * ((row * 3 + len(p)) % 5) + [self.eos]
+                for row, p in enumerate(prompt_ids)]
+
+
+def reward(completions, **kwargs):
+    return [text.count("a") / 4 for text in completions]
+
+
+def count_shared_packs(counts):
+    """Count the micro-batches the head packed with a prompt shared by several rows (``key_index`` set)."""
+    real = padding_free.pack_rows
+
+    def counting(*args, **kwargs):
+        rows = real(*args, **kwargs)
+        counts["packed"] += rows is not None
+        counts["shared"] += rows is not None and rows.key_index is not None
+        return rows
+
+    padding_free.pack_rows = counting
+    return real
+
+
+def gathered(params):
+    if is_deepspeed_zero3_enabled():
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params)
+    return contextlib.nullcontext()
+
+
+def trained_weights(trainer) -> dict:
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    with gathered([p for _, p in trained]):  # ZeRO-3 holds a shard of each parameter on each rank
+        return {n: p.detach().clone() for n, p in trained}
+
+
+def main(out_dir, checkpoint, variant):
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint)
+    args = GRPOConfig(
+        output_dir=out_dir, report_to=[], use_cpu=True, bf16=False, max_steps=3, seed=3,
+        per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=GROUP, num_iterations=2,
+        max_completion_length=6, beta=0.1, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
+        save_strategy="no", logging_steps=1, disable_tqdm=True, gradient_checkpointing=False,
+        padding_free={"padded": False, "packed": True}[variant],
+    )
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(  # the model by its path, as users pass a checkpoint (loaded by TRL, fp32 as saved)
+        model=checkpoint, reward_funcs=reward, args=args,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=tokenizer, peft_config=lora,
+    )
+    trainer._backend = FixedBackend(tokenizer)
+    initial = trained_weights(trainer)
+    counts = {"packed": 0, "shared": 0}
+    real = count_shared_packs(counts)
+    try:
+        trainer.train()
+    finally:
+        padding_free.pack_rows = real
+    rank = trainer.accelerator.process_index
+    chosen = dict(eager_rows=str(trainer._eager_rows), eager_packed=trainer._eager_rows.packed,
+                  grouping=trainer._prompt_grouping, **counts)
+    with open(f"{out_dir}/chosen_rank{rank}.json", "w") as handle:
+        json.dump(chosen, handle)
+    state = trained_weights(trainer)
+    if trainer.is_world_process_zero():
+        torch.save({"initial": initial, "trained": state}, f"{out_dir}/params.pt")
+        logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+        with open(f"{out_dir}/logged.json", "w") as handle:
+            json.dump([{key: entry[key] for key in ("step", "loss", "grad_norm")} for entry in logged], handle)
+    return trainer
+
+
+if __name__ == "__main__":
+    import logging
+
+    from one_launch import release_for_the_next_run  # next to this file
+
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("hf_grpo").setLevel(logging.INFO)  # the choices the run logs (as the recipes show them)
+
+    out, checkpoint, *variants = sys.argv[1:]
+    for index, variant in enumerate(variants):
+        run_dir = os.path.join(out, variant)
+        os.makedirs(run_dir, exist_ok=True)
+        trainer = main(run_dir, checkpoint, variant)
+        if index < len(variants) - 1:
+            release_for_the_next_run(trainer)
+    close_distributed(trainer)

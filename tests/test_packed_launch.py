@@ -1,0 +1,54 @@
+"""Packed rows with a prompt's rows grouped (padding_free=True) train as padded rows under DDP, ZeRO-2 and ZeRO-3:
+two processes over gloo, LoRA, a reference (beta > 0), num_iterations 2, a checkpoint saved in the test."""
+
+import json
+
+import pytest
+import torch
+from test_launch import launch
+
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.launch]
+SCRIPT = "tests/scripts/packed_exactness_train.py"
+# fp32 on CPU: packing and grouping only reorder sums (measured differences about 1e-7)
+RTOL = 1e-5
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("config", ["multi_gpu", "zero2", "zero3"])
+def test_packed_and_grouped_micro_batches_train_as_padded_ones(tmp_path, config):
+    checkpoint = tmp_path / "checkpoint"
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(tokenizer, seed=0).save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    result = launch(config, SCRIPT, tmp_path, checkpoint, "padded", "packed")  # both variants in one launch
+    padded, packed = tmp_path / "padded", tmp_path / "packed"
+
+    for rank in (0, 1):
+        chose_padded = json.loads((padded / f"chosen_rank{rank}.json").read_text())
+        chose_packed = json.loads((packed / f"chosen_rank{rank}.json").read_text())
+        assert chose_padded["packed"] == 0 and "scored padded" in chose_padded["grouping"]
+        assert chose_packed["eager_rows"] == "rows packed (padding_free=True)"
+        assert chose_packed["grouping"] == "on"
+        assert chose_packed["shared"] > 0, "some micro-batches ran a prompt once for its rows"
+    if config == "zero3":  # the compiled layers' refusal is named in the log
+        assert "training forward: eager (ZeRO-3 shards the parameters" in result.stderr
+
+    want, got = (json.loads((run / "logged.json").read_text()) for run in (padded, packed))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [1, 2, 3]
+    for key in ("loss", "grad_norm"):
+        expected, actual = torch.tensor([r[key] for r in want]), torch.tensor([r[key] for r in got])
+        assert expected.abs().sum() > 0
+        torch.testing.assert_close(actual, expected, rtol=RTOL, atol=1e-7, msg=key)
+
+    want, got = torch.load(padded / "params.pt"), torch.load(packed / "params.pt")
+    assert got["trained"].keys() == want["trained"].keys() and any("lora_" in name for name in want["trained"])
+    flat = lambda state: torch.cat([state[name].flatten() for name in sorted(state)])  # noqa: E731
+    assert torch.equal(flat(got["initial"]), flat(want["initial"]))  # the same adapters to start from
+    update = lambda run: flat(run["trained"]) - flat(run["initial"])  # noqa: E731
+    assert update(want).norm() > 0
+    assert relative(update(got), update(want)) < RTOL
