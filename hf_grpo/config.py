@@ -193,10 +193,9 @@ class GRPOConfig(trl.GRPOConfig):
             "None (default): "
             "packed where the micro-batches replay from CUDA graphs (training_cuda_graphs); where they run eagerly "
             "(several processes, DeepSpeed, FSDP), packed on CUDA where the GPU is the bound (one layer's FLOPs on a "
-            "micro-batch from 1.5e12: about 3B parameters at 8 rows of 1.5k tokens) and padded where the host is "
-            "(0.5B and 1.5B, where packing measured slower or equal; every CPU run), as the log says "
-            "(hf_grpo.training.eager_packing, docs/performance.md). Models it cannot serve exactly (no rotary positions, soft-capped or non-causal "
-            "attention, vision inputs) keep the padded path, with a warning where it was asked for."
+            "micro-batch from 1.5e12: about 3B parameters at 8 rows of 1.5k tokens), padded where the host is (0.5B, "
+            "1.5B, CPU runs), as the log says (hf_grpo.training.eager_packing). Models it cannot serve exactly (no "
+            "rotary positions, soft-capped or non-causal attention, vision inputs) stay padded, warned if asked for."
         },
     )
     cudnn_attention: bool = field(

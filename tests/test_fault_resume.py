@@ -91,8 +91,8 @@ def kill_every_rank_during_a_save(output_dir, step, timeout=600):
     import psutil
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))}
-    launcher = subprocess.Popen(zero2_command(output_dir), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    launcher = start_launch(zero2_command(output_dir), processes=2, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     target = output_dir / f"checkpoint-{step}"
     try:
         ranks = []

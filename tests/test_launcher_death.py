@@ -14,7 +14,8 @@ import time
 
 import psutil
 import pytest
-from side_by_side import run_to_end, stop
+from launching import accelerate_command, run_launch, start_launch
+from side_by_side import stop
 from test_launch import QUICK, ROOT
 
 from hf_grpo.checks.output_lock import LOCK_FILE
@@ -27,9 +28,9 @@ LONG_RUN = [*QUICK, "--max_steps", "100000", "--save_steps", "1", "--save_total_
 
 def launch_command(output_dir, processes, *extra):
     config = "single_gpu" if processes == 1 else "multi_gpu"
-    return [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", str(processes), "--config_file",
-            str(ROOT / "accelerate_configs" / f"{config}.yaml"), "--mixed_precision", "no",
-            str(ROOT / "recipes" / "quickstart.py"), *LONG_RUN, "--output_dir", str(output_dir), *map(str, extra)]
+    return accelerate_command("--config_file", ROOT / "accelerate_configs" / f"{config}.yaml", "--mixed_precision",
+                              "no", ROOT / "recipes" / "quickstart.py", *LONG_RUN, "--output_dir", output_dir, *extra,
+                              processes=processes)
 
 
 def clean_env():
@@ -40,9 +41,9 @@ def start_and_wait_for_the_lock(output_dir, processes, timeout=600):
     """The launcher, once the run holds output_dir (every worker has built its config, so is watching)."""
     log = output_dir.parent / "launch.log"  # a file, not a pipe: a full pipe would block the workers' logging
     with open(log, "w") as handle:
-        launcher = subprocess.Popen(launch_command(output_dir, processes), cwd=ROOT, env=clean_env(),
-                                    stdout=handle, stderr=subprocess.STDOUT,
-                                    start_new_session=True)  # a signal reaches the launcher's pid only
+        # a session of its own: a signal reaches the launcher's pid only
+        launcher = start_launch(launch_command(output_dir, processes), processes=processes, cwd=ROOT,
+                                env=clean_env(), stdout=handle, stderr=subprocess.STDOUT)
     launcher.log = log
     deadline = time.monotonic() + timeout
     while not (output_dir / LOCK_FILE).exists():
@@ -85,7 +86,8 @@ def test_one_process_a_resume_meanwhile_is_refused_on_every_process_and_sigint_t
         worker = workers_of(launcher, 1)[0]
         lock = (out / LOCK_FILE).read_text()
         # a resume into the same folder, two processes: both refuse before training, naming the run that writes it
-        second = run_to_end(launch_command(out, 2, "--resume_from_checkpoint", "true"), 600, cwd=ROOT, env=clean_env())
+        second = run_launch(launch_command(out, 2, "--resume_from_checkpoint", "true"), processes=2, timeout=600,
+                            cwd=ROOT, env=clean_env())
         assert second.returncode != 0
         refusal = f"is in use by another run (pid {worker.pid} on host"
         assert second.stderr.count(refusal) >= 2, second.stderr[-6000:]  # raised on both processes, none waits

@@ -6,10 +6,10 @@ import json
 import logging
 import os
 import socket
-import subprocess
 import sys
 
 import pytest
+from launching import start_launch
 from test_trainer import make_trainer
 from transformers import TrainerCallback
 
@@ -36,7 +36,7 @@ def write_lock(out, **record):
 @pytest.fixture
 def other_process():
     """A live process of this host other than this one, as a run holding the folder would be."""
-    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    process = start_launch([sys.executable, "-c", "import time; time.sleep(120)"], processes=1)
     yield process
     process.kill()
     process.wait()
@@ -78,7 +78,7 @@ def test_a_run_into_a_folder_a_live_run_holds_is_refused_naming_it_and_trains_no
 
 def test_a_lock_from_another_host_is_refused_and_says_how_to_clear_it(tmp_path):
     out = tmp_path / "out"
-    write_lock(out, host="node-7", pid=4242, started="2026-01-02 03:04:05 UTC", command="torchrun train.py")
+    write_lock(out, host="node-7", pid=4242, started="2026-01-02 03:04:05 UTC", command="python train.py")
     with pytest.raises(OutputDirLocked) as err:
         make_trainer(tmp_path, max_steps=1).train()
     message = str(err.value)
@@ -88,7 +88,7 @@ def test_a_lock_from_another_host_is_refused_and_says_how_to_clear_it(tmp_path):
 
 
 def test_a_lock_whose_holder_is_gone_is_taken_over_with_a_log_line(tmp_path, caplog, other_process):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead = start_launch([sys.executable, "-c", "pass"], processes=1)
     dead.wait()
     out = tmp_path / "out"
     write_lock(out, host=socket.gethostname(), pid=dead.pid, started="2026-01-02 03:04:05 UTC", command="old run")

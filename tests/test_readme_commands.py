@@ -632,6 +632,8 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
             GPU_BENCHMARK,
         'IMPLS="hf_grpo_padded hf_grpo_packed" bash bench/run_launch_configs.sh':
             GPU_BENCHMARK,
+        'CONFIGS=zero2 IMPLS="hf_grpo_padded hf_grpo_packed trl" TOTAL_SECONDS=510 bash bench/run_launch_configs.sh':
+            GPU_BENCHMARK,
         "bash bench/run_launch_configs.sh --tiny":
             NotRun("two CPU launches of minutes each (the smoke run of the GPU benchmark above)",
                    a_gpu_benchmark_as_its_script_reads_it),

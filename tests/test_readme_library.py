@@ -8,10 +8,10 @@ import math
 import os
 import pathlib
 import re
-import sys
 
 import pytest
-from side_by_side import free_port, run_to_end
+from launching import accelerate_command, run_launch
+from side_by_side import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.launch]
@@ -47,12 +47,11 @@ def test_the_library_snippet_runs_under_zero2_on_two_processes(tmp_path):
         script = script.replace(documented, stand_in.format(checkpoint=checkpoint, data=data, out=out))
     (tmp_path / "train.py").write_text(script)
 
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(ROOT / "accelerate_configs" / "zero2.yaml"), "--num_processes", "2",
-               "--main_process_port", str(free_port()), str(tmp_path / "train.py")]
+    command = accelerate_command("--config_file", ROOT / "accelerate_configs" / "zero2.yaml",
+                                 "--main_process_port", free_port(), tmp_path / "train.py", processes=2)
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_", "ACCELERATE_"))}
-    result = run_to_end(command, 900, cwd=tmp_path, env=env)
+    result = run_launch(command, processes=2, timeout=900, cwd=tmp_path, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
 
     # the launch config's bf16 is turned off, and said, on a machine without a GPU
