@@ -180,15 +180,21 @@ def test_probe_picks_the_largest_fitting_sizes_and_trains_as_if_they_were_set(tm
 
 
 # ---- saving and resuming ------------------------------------------------------------------------
-def test_checkpoints_hold_the_sizes_and_a_resume_reads_them_instead_of_probing(tmp_path, monkeypatch):
+def head_out_of_memory_above(monkeypatch, rows: int):
+    """The LM head runs out of memory on chunks of more than ``rows`` rows; returns the real head."""
     real = hf_grpo.logprob_head.chunked_logprobs
 
     def failing(hidden, *args, chunk_rows, **kwargs):
-        if chunk_rows > 8:
+        if chunk_rows > rows:
             raise torch.OutOfMemoryError("injected")
         return real(hidden, *args, chunk_rows=chunk_rows, **kwargs)
 
     monkeypatch.setattr(hf_grpo.logprob_head, "chunked_logprobs", failing)
+    return real
+
+
+def test_checkpoints_hold_the_sizes_and_a_resume_reads_them_instead_of_probing(tmp_path, monkeypatch):
+    real = head_out_of_memory_above(monkeypatch, 8)
     first = make_trainer(tmp_path, tensor_batch_size=32, save_strategy="steps", save_steps=1)
     first.train()
     checkpoint = tmp_path / "out" / "checkpoint-1"
@@ -259,14 +265,7 @@ def test_a_resume_with_a_larger_batch_generates_its_rollout_in_one_chunk(tmp_pat
 
 
 def test_a_back_off_is_kept_where_this_run_starts_the_chunk_from_the_same_size(tmp_path, monkeypatch, caplog):
-    real = hf_grpo.logprob_head.chunked_logprobs
-
-    def failing(hidden, *args, chunk_rows, **kwargs):
-        if chunk_rows > 16:
-            raise torch.OutOfMemoryError("injected")
-        return real(hidden, *args, chunk_rows=chunk_rows, **kwargs)
-
-    monkeypatch.setattr(hf_grpo.logprob_head, "chunked_logprobs", failing)
+    real = head_out_of_memory_above(monkeypatch, 16)
     make_trainer(tmp_path, tensor_batch_size=32, save_strategy="steps", save_steps=1).train()  # halved to 16
     monkeypatch.setattr(hf_grpo.logprob_head, "chunked_logprobs", real)
     same = make_trainer(tmp_path, tensor_batch_size=32, per_device_train_batch_size=16, max_steps=2,
