@@ -282,6 +282,17 @@ def test_a_back_off_is_kept_where_this_run_starts_the_chunk_from_the_same_size(t
     assert "tensor_batch_size=16 (lowered after an out-of-memory from 32; this run starts from 64)" in caplog.text
 
 
+def test_a_back_off_is_kept_under_deepspeed_too(tmp_path, monkeypatch):
+    """A chunk an out-of-memory lowered changes no engine's batch: a resume under DeepSpeed keeps it (only "auto"
+    sizes, which would need a probe of the bare model, are refused there)."""
+    head_out_of_memory_above(monkeypatch, 16)
+    make_trainer(tmp_path, tensor_batch_size=32, save_strategy="steps", save_steps=1).train()  # halved to 16
+    resumed = make_trainer(tmp_path, tensor_batch_size=32, max_steps=2)
+    resumed.is_deepspeed_enabled = True  # as the trainer reads it under a DeepSpeed launch
+    autosize.resolve_auto_sizes(resumed, str(tmp_path / "out" / "checkpoint-1"))
+    assert resumed.args.tensor_batch_size == 16
+
+
 def test_auto_sizes_chosen_for_another_batch_are_probed_again(tmp_path, monkeypatch, caplog):
     make_trainer(tmp_path, save_strategy="steps", save_steps=1).train()  # per-device batch per step 8
     checkpoint = str(tmp_path / "out" / "checkpoint-1")

@@ -218,10 +218,11 @@ def resolve_auto_sizes(trainer, checkpoint: str | None = None) -> dict[str, Any]
     if not auto and not reuse.backoffs:
         args._configured_sizes = {name: getattr(args, name) for name in BACKOFF_FIELDS}
         return {}
-    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+    if auto and (getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False)):
         # Their engines take the micro-batch and accumulation at init and partition the model; a probe of the
-        # bare model would measure neither their memory nor their batch sizes.
-        fields = ", ".join(dict.fromkeys([*auto, *reuse.backoffs]))
+        # bare model would measure neither their memory nor their batch sizes. (A chunk size an out-of-memory
+        # lowered in the saved run is kept as anywhere: it changes no engine's batch.)
+        fields = ", ".join(auto)
         raise ValueError(
             f"{fields}='auto' is supported on one GPU and under DDP, not under DeepSpeed or FSDP; set "
             f"integers there (an out-of-memory in a generation or log-prob chunk still halves that chunk)"
