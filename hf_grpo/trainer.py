@@ -53,7 +53,6 @@ from .checks import output_lock, resume
 from .checks.unscored import METRIC as UNSCORED_METRIC, count_unscored
 from .config import GRPOConfig
 from .distributed import before_deepspeed_starts, plain_to_zero, zero3_leaves
-from .distributed.launcher_watch import exit_with_launcher
 from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, resolve_backend
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
@@ -90,7 +89,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         # inductor's compile workers boot while TRL sets up (reference, accelerator, data), not at the first rollout
         model = kwargs.get("model", args[0] if args else None)
         compile_workers.start_early(config, model)
-        exit_with_launcher()  # this process ends with its launcher (hf_grpo.distributed.launcher_watch)
         # a policy built in code: TRL loads the reference model (beta > 0) from a copy of it (hf_grpo.reference_copy)
         with reference_copy.reference_loadable(model, config.beta, kwargs.get("peft_config")):
             super().__init__(*args, **kwargs)
@@ -195,7 +193,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         plain_to_zero.load_weights(self, resume_from_checkpoint)
         prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
         plain_to_zero.load_optimizer_state(self.model_wrapped, resume_from_checkpoint, self.accelerator.is_main_process)
-        self._load_optimizer_and_scheduler(resume_from_checkpoint)  # the schedule (DeepSpeed leaves it to us)
+        if plain_to_zero.has_schedule(resume_from_checkpoint, self.accelerator.is_main_process):
+            self._load_optimizer_and_scheduler(resume_from_checkpoint)  # the schedule (DeepSpeed leaves it to us)
         self._load_scaler(resume_from_checkpoint)
         return prepared
 

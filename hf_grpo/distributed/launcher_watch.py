@@ -29,13 +29,29 @@ POLL_S = 0.5
 OPT_OUT = "HF_GRPO_EXIT_WITH_LAUNCHER"  # "0": keep training when the launcher dies
 # set by torchrun's agent (also behind accelerate launch --num_processes N > 1) and by accelerate's one-process launcher
 LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "ACCELERATE_USE_CPU")
+# words of the parent's command line that name a launcher: accelerate's (its console script or -m
+# accelerate.commands.launch, which also runs torchrun's agent in-process) and torchrun's
+LAUNCHER_WORDS = ("accelerate", "torchrun", "torch.distributed.run", "torch.distributed.launch")
 _watching: int | None = None  # the parent pid watched, once started
 
 
+def _parent_command(parent: int) -> str:
+    try:
+        with open(f"/proc/{parent}/cmdline", "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""  # no /proc: not known to be a launcher, so not watched
+
+
 def launched_by_launcher() -> bool:
-    """Whether this process was started by ``accelerate launch`` or torchrun (not ``python script.py`` in a shell,
-    whose parent shell may end on purpose, as with ``nohup``)."""
-    return any(name in os.environ for name in LAUNCHER_ENV)
+    """Whether this process was started by ``accelerate launch`` or torchrun: a launcher's variable in the
+    environment AND a launcher as the parent. The variables alone are not enough: ``ACCELERATE_USE_CPU`` is also a
+    setting users export, and a launched process's own children inherit them; a ``python script.py`` whose parent
+    shell may end on purpose (``nohup``) is never watched."""
+    if not any(name in os.environ for name in LAUNCHER_ENV):
+        return False
+    command = _parent_command(os.getppid())
+    return any(word in command for word in LAUNCHER_WORDS)
 
 
 def exit_with_launcher() -> bool:

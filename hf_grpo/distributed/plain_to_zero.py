@@ -43,6 +43,15 @@ def load_weights(trainer, checkpoint: str) -> None:
     trainer._load_from_checkpoint(checkpoint)
 
 
+def has_schedule(checkpoint: str, is_main_process: bool) -> bool:
+    """Whether ``checkpoint`` holds the learning-rate schedule (``scheduler.pt``; not with ``save_only_model``)."""
+    if os.path.isfile(os.path.join(checkpoint, "scheduler.pt")):
+        return True
+    if is_main_process:
+        logger.warning("%s holds no scheduler.pt: the learning-rate schedule restarts from its first step", checkpoint)
+    return False
+
+
 def load_optimizer_state(engine, checkpoint: str, is_main_process: bool) -> None:
     """``optimizer.pt``'s state into the ZeRO-1/2 optimizer of ``engine``, each rank its own partition."""
     path = os.path.join(checkpoint, OPTIMIZER_FILE)
