@@ -24,7 +24,7 @@ class RunCallbacks(TrainerCallback):
         self.trainer._align_lengths_for_compiled_layers()
         # eager micro-batches packed or padded (padding_free=None), now that the sizes are settled; logged below
         self.trainer._eager_rows = eager_packing.for_trainer(
-            self.trainer, self.trainer.args.per_device_train_batch_size, self.trainer._longest_prompt())
+            self.trainer, self.trainer.args.per_device_train_batch_size, self.trainer._longest_prompt)
         self.trainer._train_graphs = training_graphs.start(self.trainer)
         self.trainer._generation_mirror()  # decided on every rank before the plan is printed
         if state.is_world_process_zero:

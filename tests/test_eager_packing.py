@@ -1,5 +1,7 @@
 """padding_free=None on eager micro-batches (hf_grpo.training.eager_packing): packed where the GPU is the bound."""
 
+import types
+
 import pytest
 import torch
 
@@ -76,3 +78,13 @@ def test_a_model_that_cannot_pack_stays_padded_whatever_the_rule_says(tmp_path, 
     trainer, _ = grouped_step(tmp_path, monkeypatch, True, padding_free=None,
                               model=build_tiny_model(TOKENIZER, seed=0, attn_implementation="eager"))
     assert not trainer._eager_rows.packed and "attn_implementation='eager'" in trainer._eager_rows.reason
+
+
+def test_a_model_on_trls_fused_head_stays_padded(tmp_path, monkeypatch):
+    """Where the chunked head is not installed (a model it refuses), TRL's head scores rows padded: the log and the
+    grouping must not say packed."""
+    monkeypatch.setattr(eager_packing, "choose", lambda **sizes: eager_packing.Choice(True, "bound by the GPU"))
+    trainer = types.SimpleNamespace(args=types.SimpleNamespace(padding_free=None),
+                                    model=build_tiny_model(TOKENIZER, seed=0), _chunked_head_installed=False)
+    choice = eager_packing.for_trainer(trainer, 8, lambda: pytest.fail("the training set was scanned"))
+    assert not choice.packed and "TRL's fused head" in choice.reason

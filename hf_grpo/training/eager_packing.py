@@ -26,6 +26,7 @@ drawn from two sizes: a measurement of eager packed against padded at 3B or 7B s
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
@@ -71,9 +72,10 @@ def layer_parameters(model: torch.nn.Module) -> int:
     return max(total // layers, 1)
 
 
-def for_trainer(trainer, rows: int, longest_prompt: int | None) -> Choice:
+def for_trainer(trainer, rows: int, longest_prompt: Callable[[], int | None]) -> Choice:
     """The eager micro-batches' layout for this run: the user's ``padding_free`` where set, else ``choose``;
-    padded wherever the model cannot pack (``padding_free.unsupported_reason``)."""
+    padded wherever the model cannot pack (``padding_free.unsupported_reason``) or keeps TRL's fused head, which
+    scores rows padded. ``longest_prompt`` is asked only where the choice needs it (it may scan the training set)."""
     from . import padding_free
 
     setting = trainer.args.padding_free
@@ -82,8 +84,12 @@ def for_trainer(trainer, rows: int, longest_prompt: int | None) -> Choice:
         return Choice(False, "padding_free=False")
     if unsupported is not None:
         return Choice(False, unsupported)
+    if getattr(trainer, "_chunked_head_installed", True) is False:
+        return Choice(False, "the model keeps TRL's fused head, which scores rows padded")
     if setting is True:
         return Choice(True, "padding_free=True")
-    tokens = rows * ((longest_prompt or 0) + trainer.max_completion_length)
+    device_type = trainer.accelerator.device.type
+    # the longest prompt may scan the whole training set: asked only on CUDA, where choose reads the tokens
+    tokens = rows * ((longest_prompt() or 0) + trainer.max_completion_length) if device_type == "cuda" else rows
     return choose(layer_parameters=layer_parameters(trainer.model), micro_batch_tokens=tokens,
-                  device_type=trainer.accelerator.device.type)
+                  device_type=device_type)
