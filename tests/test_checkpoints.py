@@ -42,7 +42,7 @@ def test_resume_true_takes_the_newest_complete_checkpoint_and_says_what_it_skipp
     assert f"resuming from {out / 'checkpoint-2'}, the newest complete checkpoint" in caplog.text
     # the resumed run saved step 3 anew into an empty directory; the broken one is kept aside, not deleted
     assert complete_checkpoints(str(out)) == ["checkpoint-1", "checkpoint-2", "checkpoint-3", "checkpoint-4"]
-    assert (out / "interrupted-checkpoint-3").is_dir()
+    assert (out / "_interrupted-checkpoint-3").is_dir()
 
 
 def test_a_checkpoint_killed_while_writing_trainer_state_is_skipped(tmp_path, caplog):
@@ -91,7 +91,7 @@ def test_rotation_never_keeps_an_incomplete_checkpoint_in_place_of_the_last_comp
     # transformers' rotation orders by step where mtimes are within a second: checkpoint-9 would have been kept
     # as "the newest" and checkpoint-3, the only complete one, deleted
     assert complete_checkpoints(str(out)) == ["checkpoint-3"]
-    assert not (out / "checkpoint-9").exists() and (out / "interrupted-checkpoint-9").is_dir()
+    assert not (out / "checkpoint-9").exists() and (out / "_interrupted-checkpoint-9").is_dir()
 
 
 def test_resume_true_with_no_complete_checkpoint_is_refused_clearly(tmp_path):

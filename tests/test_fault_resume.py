@@ -138,4 +138,4 @@ def test_a_run_killed_during_a_save_resumes_with_true_from_the_last_complete_che
         torch.testing.assert_close(final[name], expected[name], rtol=1e-6, atol=1e-7)
     # the resumed run saved step 4 again, whole; the interrupted save is kept aside
     assert [p.name for p in complete_checkpoints(interrupted)] == [f"checkpoint-{s}" for s in (2, 4, 6)]
-    assert (interrupted / "interrupted-checkpoint-4").is_dir()
+    assert (interrupted / "_interrupted-checkpoint-4").is_dir()

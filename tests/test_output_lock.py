@@ -107,3 +107,15 @@ def test_a_lock_whose_holder_is_gone_is_taken_over_with_a_log_line(tmp_path, cap
     with caplog.at_level(logging.WARNING, logger="hf_grpo"):
         make_trainer(tmp_path, max_steps=1).train()
     assert f"taking over the lock of a run that is gone (pid {other_process.pid} " in caplog.text
+
+
+def test_the_lock_appears_whole_and_leaves_no_draft_behind(tmp_path):
+    """The record is written before the lock's name exists (a reader never finds it empty), and a second create
+    of the same name fails without touching the first."""
+    from hf_grpo.checks import output_lock
+
+    path = str(tmp_path / LOCK_FILE)
+    assert output_lock._create(path, {"pid": 1, "host": "a"})
+    assert not output_lock._create(path, {"pid": 2, "host": "b"})
+    assert json.loads((tmp_path / LOCK_FILE).read_text()) == {"pid": 1, "host": "a"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE]

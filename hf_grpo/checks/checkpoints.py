@@ -6,7 +6,7 @@ rank's random state, then process 0's ``trainer_state.json``, after a barrier on
 a run killed during a save leaves ``checkpoint-N`` without it (or with half of it, which does not parse). Such a
 directory is never resumed from: ``resume_from_checkpoint=True`` takes the newest complete checkpoint and says
 which it skipped; a resume by name from an incomplete one stops naming what is missing and the checkpoint to use
-instead. When a run resumes, the incomplete directories are moved aside (``interrupted-checkpoint-N``), so that
+instead. When a run resumes, the incomplete directories are moved aside (``_interrupted-checkpoint-N``), so that
 its own save of step N starts in an empty directory and the checkpoint rotation (``save_total_limit``), which
 counts every ``checkpoint-N`` directory, never keeps a broken one in place of a complete one.
 """
@@ -24,7 +24,9 @@ from ..memory.oom import max_over_ranks, min_over_ranks
 logger = logging.getLogger("hf_grpo")
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 MARK = "trainer_state.json"  # written last, by process 0, once every rank's files are written
-SET_ASIDE_PREFIX = "interrupted-"  # not matched by transformers' checkpoint-* glob nor its ^checkpoint-N$ regex
+# not matched by transformers' checkpoint-* glob nor its ^checkpoint-N$ regex; a leading "_" keeps it (as the lock)
+# out of what transformers pushes to the Hub (its ignore_patterns "_*", "checkpoint-*")
+SET_ASIDE_PREFIX = "_interrupted-"
 
 
 def checkpoint_step(path: str) -> int | None:
@@ -110,7 +112,7 @@ def resolve_resume(resume_from_checkpoint, output_dir: str, is_main_process: boo
 
 
 def set_aside_incomplete(output_dir: str, args, accelerator) -> list[str]:
-    """Move ``output_dir``'s incomplete checkpoints to ``interrupted-checkpoint-N`` (logged); returns the names.
+    """Move ``output_dir``'s incomplete checkpoints to ``_interrupted-checkpoint-N`` (logged); returns the names.
     A resumed run calls it on every rank before its first save."""
     moved = []
     if args.should_save:  # the processes that write trainer_state.json: process 0, or each node's first
@@ -122,6 +124,7 @@ def set_aside_incomplete(output_dir: str, args, accelerator) -> list[str]:
             target = os.path.join(output_dir, SET_ASIDE_PREFIX + name)
             try:
                 if os.path.isdir(target):  # an earlier interrupted save of the same step
+                    logger.warning("%s: deleting an earlier interrupted save of the same step", target)
                     shutil.rmtree(target)
                 os.rename(path, target)
             except FileNotFoundError:  # another node's first process moved it (a shared disk)

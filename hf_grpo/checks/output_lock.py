@@ -2,7 +2,7 @@
 
 Two runs writing one folder at once (a resume started while the first run still trains, or a training process
 left running by a launcher that died) save and rotate each other's checkpoints. So the main process of a run
-writes ``hf_grpo.lock`` into ``output_dir`` before the first step (host, pid, the process's start time, the
+writes ``_hf_grpo.lock`` into ``output_dir`` before the first step (host, pid, the process's start time, the
 command) and removes it when the run ends, normally or by an exception. A run that finds the file is refused,
 naming the holder, unless the holder is gone: on the same host a dead pid (or a pid reused by another process,
 told apart by its start time) is taken over, with a log line. A lock from another host cannot be checked from
@@ -21,7 +21,7 @@ import socket
 import sys
 
 logger = logging.getLogger("hf_grpo")
-LOCK_FILE = "hf_grpo.lock"
+LOCK_FILE = "_hf_grpo.lock"
 # output_dir (real path) -> the record this process wrote there
 _held: dict[str, dict] = {}
 
@@ -90,13 +90,18 @@ def _read(path: str) -> dict | None:
 
 
 def _create(path: str, record: dict) -> bool:
-    """Write the lock file only if none exists (atomic on local and NFSv3+ disks); False if one does."""
+    """Put the lock file in place, whole, only if none exists; False if one does. The record is written to a file
+    of this process's own first and then hard-linked to the lock's name (atomic, on local and NFS disks), so a run
+    that reads the lock never sees it empty."""
+    draft = f"{path}.new-{os.getpid()}"
+    with open(draft, "w") as handle:
+        json.dump(record, handle, indent=1)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.link(draft, path)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as handle:
-        json.dump(record, handle, indent=1)
+    finally:
+        os.unlink(draft)
     return True
 
 
@@ -107,11 +112,13 @@ def _take_over(path: str, stale: dict) -> None:
         os.rename(path, aside)
     except FileNotFoundError:
         return  # another run moved it first; the caller reads the folder again
-    if _read(aside) != stale:  # a newer holder's lock was moved: restore it unless yet another took its place
+    if _read(aside) != stale:  # a newer holder's lock was moved: restore it
         try:
             os.link(aside, path)
         except FileExistsError:
-            pass
+            # yet another run took the name meanwhile: two live records, so leave the moved one beside it and stop
+            raise OutputDirLocked(f"{path}: several runs are taking this folder's lock at once; start one run per "
+                                  f"folder (the lock moved aside is kept as {aside})") from None
     os.unlink(aside)
 
 
@@ -188,7 +195,12 @@ def take_for_run(output_dir: str, accelerator) -> bool:
     if accelerator.num_processes > 1:
         from accelerate.utils import broadcast_object_list
 
-        error = broadcast_object_list([error], from_process=0)[0]  # one answer for all processes
+        try:
+            error = broadcast_object_list([error], from_process=0)[0]  # one answer for all processes
+        except BaseException:
+            if taken:  # a peer is gone: no run follows, so the folder is not held
+                release(output_dir)
+            raise
     if error is not None:
         raise OutputDirLocked(error)
     return taken
