@@ -9,7 +9,8 @@ the mask admits per ms (``gb_per_s``). The op is called directly, so the kernel 
 where a decoder keeps the matmul attention (fewer programs than SMs, ``filled_attention.serves``).
 
 The sweep in ``bench/results/decode_attention_sweep_h100.jsonl`` was taken with an earlier form of the
-kernel that also split the cache over several programs per row (``programs_per_sm``), since removed.
+kernel that split every cache, however short, over several programs per row; the kernel now splits only long
+caches (``filled_attention.splits``), and the 768-position shapes here run unsplit.
 
 ``--lengths`` times long caches instead (reasoning-length rollouts): at each length L the cache is filled to
 L (the last decode step of a rollout) and to L / 2 (its average step), with 32 rows of 0.5B's heads and 8 rows

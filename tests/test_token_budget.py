@@ -409,3 +409,14 @@ def test_scoring_keeps_trls_chunks_where_dropout_is_active():
     assert token_budget.active_dropout(model) is None
     assert token_budget.scoring_chunk_rows(model, 4, 12, None)[0] == 8
     assert token_budget.scoring_rows(4, 12, 24, "sdpa", dropout="drop (p=0.1)") == 2  # within the budget still
+
+
+def test_attention_dropout_is_named_with_what_lifts_it():
+    """A float ``attention_dropout`` is read by the attention function, not an nn.Dropout: disable_dropout leaves it,
+    so the reason names the config field instead."""
+    from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
+
+    model = build_tiny_model(build_char_tokenizer(), attention_dropout=0.1).train()
+    rows, why = token_budget.scoring_chunk_rows(model, 4, 12, None)
+    assert rows == 4 and "attention_dropout" in why and "attention_dropout=0 in the model's config" in why
+    assert "disable_dropout=True" not in why

@@ -6,5 +6,7 @@ found and what is needed.
 into a folder another run is writing, ``checkpoints`` and ``resume`` resume only from complete checkpoints, ``unscored``
 refuses a rollout no reward function scored and counts the completions none scored.
 
-May import: torch, numpy, the standard library. Never the trainer or the config class (they call in here).
+May import: torch, numpy, accelerate, the standard library, and ``hf_grpo.memory`` and ``hf_grpo.distributed``
+(ranks agreeing on a checkpoint, a ZeRO checkpoint's shape). Never the trainer or the config class (they call in
+here).
 """

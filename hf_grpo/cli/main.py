@@ -77,7 +77,7 @@ def framework_flags_as_settings(argv: Sequence[str], own_flags: Sequence[str]) -
         takes_next = "=" not in token and following is not None
         if name in own_flags or not token.startswith("--"):
             out.append(token)
-            if name in own_flags and takes_next and name != "--help":
+            if name in own_flags and takes_next and name not in ("--help", "-h"):
                 out.append(following)  # the flag's value
                 i += 1
         elif "=" in token:

@@ -198,7 +198,8 @@ def active_dropout(model: torch.nn.Module) -> str | None:
         p = module.p if isinstance(module, torch.nn.modules.dropout._DropoutNd) else getattr(
             module, "attention_dropout", None)
         if isinstance(p, float) and p > 0:
-            return f"{name or type(module).__name__} (p={p})"
+            kind = "" if isinstance(module, torch.nn.modules.dropout._DropoutNd) else ", its attention_dropout"
+            return f"{name or type(module).__name__} (p={p}{kind})"
     return None
 
 
@@ -208,8 +209,10 @@ def scoring_chunk_rows(model: torch.nn.Module, rows: int, width: int, budget: in
     dropout = active_dropout(model)
     chunk = scoring_rows(rows, width, budget, attention, dropout)
     if dropout:
+        lift = ("attention_dropout=0 in the model's config lifts this" if "attention_dropout" in dropout
+                else "disable_dropout=True lifts this")
         why = (f"TRL's chunks of per_device_train_batch_size rows: dropout is active in train mode ({dropout}) and "
-               f"another chunking would draw other masks than TRL's (disable_dropout=True lifts this)")
+               f"another chunking would draw other masks than TRL's ({lift})")
     elif attention in _SCORES_MATERIALISED:
         why = f"chunks of per_device_train_batch_size rows: attn_implementation={attention!r} materialises its scores"
     else:
