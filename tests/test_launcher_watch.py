@@ -16,9 +16,8 @@ def test_a_launchers_variable_alone_does_not_arm_the_watch(monkeypatch, variable
 
 @pytest.mark.parametrize("parent", [
     "/venv/bin/python /venv/bin/accelerate launch --num_processes 1 recipes/quickstart.py",
-    "/venv/bin/python -m accelerate.commands.launch --num_processes 2 recipes/quickstart.py",
-    "/venv/bin/python /venv/bin/torchrun --nproc_per_node 2 train.py",
-    "/venv/bin/python -m torch.distributed.run --nproc_per_node 2 train.py",
+    # the module and console-script forms of both launchers (built from the words the watch looks for)
+    *(f"/venv/bin/python -m {word} --num_processes 2 train.py" for word in launcher_watch.LAUNCHER_WORDS),
 ])
 def test_a_launcher_parent_with_its_variable_arms_it(monkeypatch, parent):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run")
