@@ -9,7 +9,6 @@ logged losses and grad norms, its trained weights and what it chose.
 each trains into OUT_DIR/<variant>. Prompts of 2 to 12 tokens, completions of 1 to 5, several of each per prompt.
 """
 
-import contextlib
 import json
 import os
 import sys
@@ -18,7 +17,6 @@ import torch
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import PreTrainedTokenizerFast
-from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from hf_grpo import GRPOConfig, GRPOTrainer, close_distributed
 from hf_grpo.generation import HFGenerateBackend
@@ -59,15 +57,9 @@ def count_shared_packs(counts):
     return real
 
 
-def gathered(params):
-    if is_deepspeed_zero3_enabled():
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params)
-    return contextlib.nullcontext()
-
-
 def trained_weights(trainer) -> dict:
+    from one_launch import gathered  # next to this file
+
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     with gathered([p for _, p in trained]):  # ZeRO-3 holds a shard of each parameter on each rank

@@ -11,14 +11,12 @@ tokens), so the ranks need different numbers of token-budget passes; each rank w
 angles are computed in float64, so packing is exact to rounding.
 """
 
-import contextlib
 import json
 import os
 import sys
 
 import torch
 from datasets import Dataset
-from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from hf_grpo import GRPOConfig, GRPOTrainer, close_distributed
 from hf_grpo.generation import HFGenerateBackend
@@ -56,14 +54,6 @@ def float64_rope(model):
 
     rotary.forward = forward
     return model
-
-
-def gathered(params):
-    if is_deepspeed_zero3_enabled():
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params)
-    return contextlib.nullcontext()
 
 
 PLAN_PASSES = packing.plan_passes  # the real one: a second run in the process records around it, not around the first's
@@ -107,6 +97,8 @@ def main(out_dir, budget):
     rank = trainer.accelerator.process_index
     with open(f"{out_dir}/passes_rank{rank}.json", "w") as handle:
         json.dump(counts, handle)
+    from one_launch import gathered  # next to this file
+
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     with gathered(list(model.parameters())):  # ZeRO-3 holds a shard of each parameter on each rank
         state = {n: p.detach().clone() for n, p in model.named_parameters()}
