@@ -32,6 +32,11 @@ class CudaGraphRecorder:
     def __init__(self):
         self._stream: torch.cuda.Stream | None = None
 
+    @staticmethod
+    def device_reason(device: torch.device) -> str | None:
+        """Why graphs cannot be recorded on ``device``; None when they can."""
+        return None if device.type == "cuda" else f"CUDA graphs need a CUDA device (device {device.type})"
+
     def new_pool(self):
         return torch.cuda.graph_pool_handle()
 
