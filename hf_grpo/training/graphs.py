@@ -60,9 +60,8 @@ SETTINGS = ("auto", "on", "off")
 # kernels and sets up cuBLAS for the stream. Eager layers need no more for another shape (a later pass cost 0.25 s
 # and 0.6 GiB of peak); compiled layers may compile or tune again for a new shape, impossible inside a capture.
 WARMUP_PASSES = {"eager": (1, 0), "compiled": (2, 1)}
-# Captured shapes kept per table (training, scoring); the least recently used is dropped beyond. Over a long run
-# packed rows meet some 30 shapes at prompts of 32-384 tokens, about 100 at 64-1024 (95% of the micro-batches in
-# the 64 most used); a kept shape holds little more than its inputs and outputs.
+# Captured shapes kept per table (training, scoring), the least recently used dropped beyond: packed rows meet ~30
+# shapes at prompts of 32-384 tokens, ~100 at 64-1024 (95% of micro-batches in the 64 most used); each is small.
 MAX_BUCKETS = 64
 _CAPTURABLE_ATTENTION = ("sdpa", "eager")  # flash-attention's varlen path reads sequence lengths on the host
 
@@ -183,7 +182,7 @@ def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size
     model = model if engine is None else graphs.model  # under DeepSpeed, the module its engine wraps
     if batch_size is not None or model is not graphs.model or not torch.is_grad_enabled() or not model.training:
         return None
-    if engine is not None:
+    if engine is not None:  # (as the engine's forward would)
         deepspeed_replay.begin_forward(engine)
     result = graphs.logps(score, input_ids, attention_mask, logits_to_keep, compute_entropy)
     if result is not None and engine is not None:
@@ -198,9 +197,7 @@ class TrainingGraphs:
                  recorder: CudaGraphRecorder | None = None, compiled_layers: bool = False, packed: bool = False,
                  reuse: shape_reuse.ShapeReuse | None = None, hand_over: bool = False):
         self.model = model
-        # DeepSpeed holds the gradients: the backward graph writes them into its buffers and the replay's autograd
-        # node hands them over (HandedOverReplay); else it accumulates straight into the parameters' .grad
-        self.hand_over = hand_over
+        self.hand_over = hand_over  # DeepSpeed holds .grad: the replay's node hands gradients over (module doc)
         self.packed = packed  # rows packed into one sequence where they allow it (padding_free), else padded
         self.warmup_passes = WARMUP_PASSES["compiled" if compiled_layers else "eager"]
         self.eager_on_failure = eager_on_failure
@@ -246,7 +243,10 @@ class TrainingGraphs:
             self._entries.move_to_end(shape)
             entry.load(batch.inputs)
         if self.hand_over:
-            logps, entropy = HandedOverReplay.apply(self, entry, *self._reached_params(self.params))
+            # on the capture stream: autograd's accumulation nodes of the parameters keep the stream they were
+            # made on, and a later capture reaching them would wait on the default stream (an error)
+            with self.recorder.side_stream():
+                logps, entropy = HandedOverReplay.apply(self, entry, *self._reached_params(self.params))
         else:
             logps, entropy = Replay.apply(self._anchor, self, entry)
         return batch.spread(logps), (batch.spread(entropy) if entropy is not None else None)
