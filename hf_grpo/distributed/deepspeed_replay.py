@@ -18,6 +18,16 @@ def is_engine_of(model, module: torch.nn.Module) -> bool:
     return type(model).__name__ == "DeepSpeedEngine" and getattr(model, "module", None) is module
 
 
+def forward_as_engine(engine, run):
+    """``run()`` (a replayed forward: ``(logps, entropies)`` or None) between what ``DeepSpeedEngine.forward`` does
+    before and after the module."""
+    begin_forward(engine)
+    result = run()
+    if result is not None:
+        end_forward(engine, result[0])
+    return result
+
+
 def begin_forward(engine) -> None:
     """What ``DeepSpeedEngine.forward`` does before the module runs that the backward depends on."""
     from deepspeed.runtime.base_optimizer import ZeROOptimizer

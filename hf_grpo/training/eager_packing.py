@@ -1,6 +1,6 @@
 """Whether eager training micro-batches run packed (``padding_free=None``): where the GPU is the bound, not the host.
 
-Micro-batches replayed from CUDA graphs always pack (``graphs``). Eager ones - DDP, ZeRO-3, FSDP,
+Micro-batches replayed from CUDA graphs always pack (``graphs``). Eager ones - several processes, DeepSpeed, FSDP,
 graphs off - pay the host's time per layer call whatever the rows hold, and packing adds host work of its own
 (the packed layout, a gather of the scored states). Where the host is the bound that extra work is the step's
 time, and packing loses; where the GPU is, packing's fewer tokens (no padding, a prompt run once for its rows) are

@@ -25,7 +25,8 @@ How (``training_cuda_graphs``, "auto" by default):
   optimizer step. The replay is an autograd node of the loss, so TRL's loss, the Trainer's backward and the
   out-of-memory back-off work unchanged. The gradients therefore stay allocated through the rollout.
   Under DeepSpeed ZeRO-1/2 the node hands the buffers to autograd instead, whose accumulation runs DeepSpeed's
-  reduction hooks after the replay (``HandedOverReplay``). ZeRO-3 and FSDP gather in hooks: eager.
+  reduction hooks after the replay (``HandedOverReplay``; its capture is refused on a GPU for now, see
+  ``CudaGraphRecorder.hand_over_reason``). ZeRO-3 and FSDP gather in hooks: eager.
 * Every graph, training and scoring, shares one memory pool: they run one at a time (a bucket's forward then its
   backward), so one may reuse another's memory. Between steps the pool keeps what the largest bucket needs at
   its peak, which the rollout then does not get back: with activation checkpointing its layer inputs and one
@@ -76,12 +77,14 @@ def unavailable_reason(trainer) -> str | None:
     if getattr(trainer, "training_graphs_unavailable", None):
         return trainer.training_graphs_unavailable
     args, accelerator = trainer.args, trainer.accelerator
-    if CudaGraphRecorder.device_reason(accelerator.device) is not None:
-        return CudaGraphRecorder.device_reason(accelerator.device)
+    if (reason := CudaGraphRecorder.device_reason(accelerator.device)) is not None:
+        return reason
     if trainer.is_fsdp_enabled:
         return "FSDP gathers and reduces each layer's parameters in hooks a graph cannot hold"
     if trainer.is_deepspeed_enabled and trainer._zero3_configured():
         return "ZeRO-3 gathers each layer's parameters in hooks a graph cannot hold"
+    if trainer.is_deepspeed_enabled and CudaGraphRecorder.hand_over_reason() is not None:
+        return CudaGraphRecorder.hand_over_reason()
     if not trainer.is_deepspeed_enabled and (accelerator.num_processes > 1 or getattr(args, "n_gpu", 1) > 1):
         return "several processes without DeepSpeed: DDP's gradient reductions would run inside the backward"
     if args.max_tokens_per_micro_batch is not None:
@@ -182,11 +185,8 @@ def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size
     model = model if engine is None else graphs.model  # under DeepSpeed, the module its engine wraps
     if batch_size is not None or model is not graphs.model or not torch.is_grad_enabled() or not model.training:
         return None
-    if engine is not None:  # (as the engine's forward would)
-        deepspeed_replay.begin_forward(engine)
-    result = graphs.logps(score, input_ids, attention_mask, logits_to_keep, compute_entropy)
-    if result is not None and engine is not None:
-        deepspeed_replay.end_forward(engine, result[0])
+    run = lambda: graphs.logps(score, input_ids, attention_mask, logits_to_keep, compute_entropy)  # noqa: E731
+    result = run() if engine is None else deepspeed_replay.forward_as_engine(engine, run)
     return counted(None if result is None else (*result, None))
 
 
