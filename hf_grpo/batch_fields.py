@@ -1,7 +1,7 @@
 """Where the batch fields' values come from, before ``GRPOConfig`` checks them: presets, ``DIFFU_*``
 environment overrides, the fields the user set explicitly, the device's defaults and the world size.
 
-May import: ``hf_grpo.plan`` and ``hf_grpo.memory.autosize`` (the "auto" sizes); no trainer, no torch at import.
+May import: ``hf_grpo.plan`` (which parses the "auto" sizes); no trainer, no ``hf_grpo.memory``, no torch at import.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from typing import Any
 
 import trl
 
-from .memory.autosize import AUTO, take_auto
-from .plan import BatchPlan
+from .plan import AUTO, BatchPlan, take_auto
 
 logger = logging.getLogger("hf_grpo")
 

@@ -140,7 +140,7 @@ class GRPOConfig(trl.GRPOConfig):
     """
 
     # `int | str | None` (not `int | str`) so that HfArgumentParser reads the flag as text and "auto" gets through;
-    # autosize.coerce_size turns the text back into an int and rejects anything else.
+    # plan.coerce_size turns the text back into an int and rejects anything else.
     per_device_train_batch_size: int | str | None = field(
         default=8,
         metadata={

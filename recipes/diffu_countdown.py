@@ -15,7 +15,7 @@ Reward: 1.0 for a correct equation using every number once, 0.1 for a well-forme
 
 import string
 
-from hf_grpo.diffusion.launch import run_diffu_recipe
+from hf_grpo.recipe_support.diffusion_launch import run_diffu_recipe
 from hf_grpo.recipe_support.launch import chat_prompts_if_templated
 from hf_grpo.recipe_support.rewards import countdown_reward
 from hf_grpo.recipe_support.tasks import countdown_dataset

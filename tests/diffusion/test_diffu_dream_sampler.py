@@ -21,7 +21,7 @@ from hf_grpo.diffusion.config import DiffuGRPOConfig
 from hf_grpo.diffusion.dream_sampler import dream_commit_count, dream_generate, dream_timesteps
 from hf_grpo.diffusion.model import left_pad_tensors
 from hf_grpo.diffusion.sampler import DiffusionSampler, resolve_sampler
-from hf_grpo.diffusion.tiny import build_tiny_diffusion_model
+from hf_grpo.recipe_support.diffusion_tiny import build_tiny_diffusion_model
 
 MASK, PAD = TOKENIZER.mask_token_id, TOKENIZER.pad_token_id
 GEN, STEPS, EPS = 12, 5, 1e-3
