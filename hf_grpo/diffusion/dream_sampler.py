@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import HeadBypass, accepts_kwarg, pack_rows, padding_kwargs, slot_columns
+from .model import HeadBypass, accepts_kwarg, full_forward, pack_rows, padding_kwargs, slot_columns
 
 CONFIDENCE_ALGORITHMS = ("maskgit_plus", "topk_margin", "entropy")
 ENTROPY_EPSILON = 1e-10  # Dream's: log(p + 1e-10)
@@ -162,8 +162,6 @@ def dream_generate(
 
     ``step_callback(step, canvas, slot_columns)``, if given, sees the canvas after every step.
     """
-    from .sampler import full_forward
-
     if algorithm not in CONFIDENCE_ALGORITHMS:
         raise ValueError(f"Dream's confidence algorithm must be one of {CONFIDENCE_ALGORITHMS}, got {algorithm!r}")
     if steps < 1:

@@ -56,6 +56,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..generation.base import GenerationBackend, cut_after_eos, is_zero3_partitioned, iter_chunks, model_device
+from . import dream_sampler
 from .block_cache import (
     BlockKVCache,
     cache_kwarg,
@@ -68,10 +69,11 @@ from .model import (
     HeadBypass,
     accepts_kwarg,
     base_module,
-    model_family,
     equal_length_groups,
+    full_forward,
     left_pad_tensors,
     max_over_ranks,
+    model_family,
     pack_rows,
     padding_kwargs,
     slot_columns,
@@ -244,28 +246,6 @@ def diffusion_generate(
     return canvas.gather(1, slot_columns(start, 0, gen_length, shift=False))
 
 
-def full_forward(model, inputs: torch.Tensor, kwargs: dict, read_from: torch.Tensor, piece_rows: int | None,
-                 cache: BlockKVCache | None) -> torch.Tensor:
-    """``[B, n, ...]``: the model's outputs (``.logits``) at columns ``read_from`` [B, n] of a full forward over
-    ``inputs`` [B, T], ``piece_rows`` rows at a time (rows never attend to each other, so the pieces give
-    the one forward's outputs); a block cache keeps each piece's keys/values in its rows."""
-    total = inputs.size(0)
-    piece_rows = piece_rows or total
-    picked = []
-    for begin in range(0, total, piece_rows):
-        rows = slice(begin, begin + piece_rows)
-        piece_kwargs = {name: value[rows] if torch.is_tensor(value) and value.dim() and value.size(0) == total
-                        else value for name, value in kwargs.items()}
-        if cache is not None:
-            cache.rows = rows
-        output = model(input_ids=inputs[rows], **piece_kwargs)
-        states = output.logits if hasattr(output, "logits") else output[0]
-        index = read_from[rows]
-        picked.append(states.gather(1, index.unsqueeze(-1).expand(-1, -1, states.size(-1))))
-        del output, states  # before the next piece's forward
-    return picked[0] if len(picked) == 1 else torch.cat(picked)
-
-
 class DiffusionSampler(GenerationBackend):
     """Generation backend for masked-diffusion models: ``diffusion_generate`` on ``chunk_size`` prompts at a time.
 
@@ -376,9 +356,7 @@ class DiffusionSampler(GenerationBackend):
         return completions
 
     def _dream(self, model, ids, mask, padded, generation_config, temperature, pad_token_id):
-        from .dream_sampler import dream_generate
-
-        return dream_generate(
+        return dream_sampler.dream_generate(  # looked up at call time (tests wrap it)
             model, ids, mask, gen_length=generation_config.max_new_tokens, steps=self.steps,
             mask_token_id=self.mask_token_id, pad_token_id=pad_token_id, temperature=temperature,
             top_p=generation_config.top_p, top_k=generation_config.top_k, algorithm=self.confidence_algorithm,
