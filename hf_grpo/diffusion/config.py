@@ -36,12 +36,11 @@ from ..config import (  # noqa: F401 (OptimizationView, set_checkpointing: this 
     set_checkpointing,
 )
 from .block_cache import BLOCK_CACHES, check_block_cache_name
+from .sampling_settings import CONFIDENCE_ALGORITHMS, REMASKING
 
 logger = logging.getLogger("hf_grpo")
 
-REMASKING = ("low_confidence", "random")
 SAMPLER_CHOICES = ("auto", "llada", "dream")
-CONFIDENCE_ALGORITHMS = ("maskgit_plus", "topk_margin", "entropy")
 ESTIMATORS = ("mean_field", "coupled")
 LOGITS_SHIFT = ("auto", True, False)
 
