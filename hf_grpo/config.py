@@ -132,10 +132,11 @@ class GRPOConfig(trl.GRPOConfig):
         training_cuda_graphs (`str`, *optional*, defaults to `"auto"`):
             ``"on"``: each training micro-batch's forward and backward are replayed from CUDA graphs captured per
             shape bucket (``hf_grpo.training.graphs``; rows packed into one sequence, ``padding_free``, or padded,
-            to a few lengths an octave, positions kept), on one CUDA process without DeepSpeed, FSDP or a token
-            budget, for dense models with sdpa or eager attention; ``"auto"``: so where the run allows it and
-            activation checkpointing is on (without it the graphs' pool would keep a micro-batch's activations
-            through the rollout), going on eagerly with a warning if a capture fails; ``"off"``: eager launches.
+            to a few lengths an octave, positions kept), on one CUDA process without DeepSpeed (under ZeRO-1/2
+            with ``"on"`` only), FSDP or a token budget, for dense models with sdpa or eager attention;
+            ``"auto"``: so where the run allows it and activation checkpointing is on (without it the graphs' pool
+            would keep a micro-batch's activations through the rollout), going on eagerly with a warning if a
+            capture fails; ``"off"``: eager launches.
             The graphs' memory pool and the parameters' gradients stay allocated between steps (through the
             rollout; see ``docs/performance.md``).
     """
@@ -256,9 +257,10 @@ class GRPOConfig(trl.GRPOConfig):
         default="auto",
         metadata={
             "help": "off, auto or on. 'on' replays each training micro-batch's forward and backward from CUDA graphs "
-            "captured per shape bucket, rows packed unless padding_free=False (one CUDA process, no DeepSpeed/FSDP "
-            "or token budget; dense models, sdpa or eager attention); 'auto' does so where the run allows and "
-            "activation checkpointing is on, eagerly after a failed capture. See hf_grpo.training.graphs."
+            "captured per shape bucket, rows packed unless padding_free=False (one CUDA process, no DeepSpeed "
+            "(ZeRO-1/2: 'on' only), FSDP or token budget; dense models, sdpa or eager attention); 'auto' does so "
+            "where the run allows and activation checkpointing is on, eagerly after a failed capture. See "
+            "hf_grpo.training.graphs."
         },
     )
     overwrite_output_dir: bool = field(

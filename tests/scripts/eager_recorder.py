@@ -44,10 +44,6 @@ class EagerRecorder:
     def device_reason(device):
         return None  # any device: nothing is captured
 
-    @staticmethod
-    def hand_over_reason():
-        return None  # (what the real capture refuses under DeepSpeed is the capture itself)
-
 
 def record_eagerly() -> None:
     """Training graphs in this process "recorded" by ``EagerRecorder``, on any device."""

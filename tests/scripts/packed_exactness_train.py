@@ -7,7 +7,8 @@ logged losses and grad norms, its trained weights and what it chose.
 
 (or multi_gpu.yaml, zero3.yaml). A variant is ``padded`` (padding_free=False), ``packed`` (padding_free=True) or
 ``graphs`` (padded micro-batches replayed through hf_grpo.training.graphs, "recorded" by tests/scripts/eager_recorder.py
-on the CPU); each trains into OUT_DIR/<variant>. Prompts of 2 to 12 tokens, completions of 1 to 5, several of each per prompt.
+on the CPU); each trains into OUT_DIR/<variant>. With EXACTNESS_ON_GPU=1 the runs are on the GPU (fp32) and ``graphs``
+captures and replays real CUDA graphs. Prompts of 2 to 12 tokens, completions of 1 to 5, several of each per prompt.
 """
 
 import json
@@ -24,6 +25,7 @@ from hf_grpo.generation import HFGenerateBackend
 from hf_grpo.training import padding_free
 
 GROUP = 4
+ON_GPU = os.environ.get("EXACTNESS_ON_GPU") == "1"
 PROMPTS = ["a>", "bcdefghijk>", "c>", "defghijklmn>", "e>", "fg>", "hijklmnopq>", "r>"]
 
 
@@ -70,7 +72,7 @@ def trained_weights(trainer) -> dict:
 def main(out_dir, checkpoint, variant):
     tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint)
     args = GRPOConfig(
-        output_dir=out_dir, report_to=[], use_cpu=True, bf16=False, max_steps=3, seed=3,
+        output_dir=out_dir, report_to=[], use_cpu=not ON_GPU, bf16=False, max_steps=3, seed=3,
         per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=GROUP, num_iterations=2,
         max_completion_length=6, beta=0.1, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
         save_strategy="no", logging_steps=1, disable_tqdm=True, gradient_checkpointing=False,
@@ -112,7 +114,8 @@ if __name__ == "__main__":
     from eager_recorder import record_eagerly  # next to this file
     from one_launch import release_for_the_next_run
 
-    record_eagerly()
+    if not ON_GPU:
+        record_eagerly()
 
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("hf_grpo").setLevel(logging.INFO)  # the choices the run logs (as the recipes show them)
