@@ -10,21 +10,17 @@ model must reload and differ from the checkpoint it started from.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import logging
 import math
 import os
 import pathlib
 import subprocess
 import sys
-import traceback
 
 import pytest
 import torch
+from in_process import run_recipe
 from launching import accelerate_command, run_launch
-from project_files import load_recipe
 from side_by_side import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -132,54 +128,9 @@ def _command(launch: str, recipe: str, args) -> list[str]:
 
 
 def _run(launch: str | None, recipe: str, *args, timeout: int = 300) -> subprocess.CompletedProcess:
-    if launch is None:
-        return _run_in_process(recipe, args)
+    if launch is None:  # python recipes/RECIPE.py ARGS, in this process (tests/in_process.py)
+        return run_recipe(recipe, args, env=_clean_env(), cwd=ROOT)
     return run_launch(_command(launch, recipe, args), processes=2, timeout=timeout, cwd=ROOT, env=_clean_env())
-
-
-def _run_in_process(recipe: str, args) -> subprocess.CompletedProcess:
-    """``python recipes/RECIPE.py ARGS`` as the recipe's ``main(ARGS)`` in this process, in the environment and
-    directory a subprocess got: a subprocess paid ~10 s of imports per run and checked nothing more. stderr holds
-    the log records (the batch plan, the fp32 warning) and what was written to the stream; an exception gives
-    exit code 1 and its traceback at stderr's end, as Python's would."""
-    saved_env, saved_cwd = dict(os.environ), os.getcwd()
-    records = _Records()
-    root_logger = logging.getLogger()
-    root_logger.addHandler(records)
-    stdout, stderr = io.StringIO(), io.StringIO()
-    code = 0
-    try:
-        os.environ.clear()
-        os.environ.update(_clean_env())
-        os.chdir(ROOT)
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            try:
-                load_recipe(recipe).main([str(arg) for arg in args])
-            except Exception:  # noqa: BLE001 (a subprocess would exit 1 printing this traceback)
-                code = 1
-                traceback.print_exc(file=sys.stderr)
-    finally:
-        root_logger.removeHandler(records)
-        os.chdir(saved_cwd)
-        os.environ.clear()
-        os.environ.update(saved_env)
-    text = records.text() + stderr.getvalue()
-    return subprocess.CompletedProcess([recipe, *map(str, args)], code, stdout.getvalue(), text)
-
-
-class _Records(logging.Handler):
-    """Every log record of the run, formatted as the recipes' ``logging.basicConfig`` writes them to stderr."""
-
-    def __init__(self):
-        super().__init__(level=logging.NOTSET)
-        self.lines: list[str] = []
-        self.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s"))
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(self.format(record))
-
-    def text(self) -> str:
-        return "".join(line + "\n" for line in self.lines)
 
 
 def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
