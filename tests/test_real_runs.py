@@ -15,7 +15,6 @@ import math
 import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 import torch
