@@ -115,11 +115,17 @@ def test_console_script_is_installed():
 
 
 @pytest.mark.parametrize("module", ["hf_grpo", "hf_grpo.cli"])
-def test_python_dash_m_runs_the_command(module):
-    result = subprocess.run([sys.executable, "-m", module, "plan", "--per_device_train_batch_size", "8"],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("rollout: 1 prompt x 8 generations")
+def test_python_dash_m_runs_the_command(module, monkeypatch, capsys):
+    """``python -m MODULE plan ...`` as the interpreter runs it (``runpy``, which ``-m`` uses, with the command's
+    argv), in this process: a subprocess paid ~10 s of imports each; test_console_script_is_installed starts one."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", [module, "plan", "--per_device_train_batch_size", "8"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 0, err
+    assert out.startswith("rollout: 1 prompt x 8 generations")
 
 
 def test_plan_help_documents_from():

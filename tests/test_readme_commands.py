@@ -7,7 +7,9 @@ joined, a trailing ``# comment`` dropped) to what the test does with it:
   ``bin`` first on PATH (what ``. .venv/bin/activate`` does), after the listed substitutions
   (placeholders the user fills in, CPU stand-ins, each with its reason) and with flags appended that
   only keep it short (``--max_steps 2``, an ``--output_dir`` in tmp). ``offline`` says why the command
-  as written cannot run here; the test then runs this closest offline variant.
+  as written cannot run here; the test then runs this closest offline variant. A plain one-process
+  ``hf-grpo ...`` or ``python recipes/X.py ...`` runs in the test process instead, with the same argv,
+  environment and directory (tests/in_process.py).
 - ``NotRun``: why it is not run, and ``check``: what is verified instead.
 
 The set of documented commands must equal the registry's keys (``test_every_documented_command_is_registered``):
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import pytest
-from in_process import run_hf_grpo
+from in_process import run_hf_grpo, run_recipe
 from launching import start_launch
 from side_by_side import free_port, wait_for_all
 
@@ -205,6 +207,8 @@ def run_documented(doc: Documented, run: Run, tmp: pathlib.Path) -> Ran:
             env["GLOO_SOCKET_IFNAME"] = "lo"
     if _is_hf_grpo(command) and run.nodes == 1:
         return _run_hf_grpo_in_process(command, doc, run, tmp, cwd, env)
+    if _python_recipe(command) and run.nodes == 1:
+        return _run_recipe_in_process(command, doc, tmp, cwd, env)
     processes = []
     for rank in range(run.nodes):
         node_env = {**env, "NODE_RANK": str(rank)} if run.nodes > 1 else env
@@ -227,6 +231,24 @@ def run_documented(doc: Documented, run: Run, tmp: pathlib.Path) -> Ran:
 def _is_hf_grpo(command: str) -> bool:
     """A plain ``hf-grpo ...`` command: no pipes, redirections, variables or chained commands for a shell to run."""
     return command.startswith("hf-grpo ") and not re.search(r"[|&;<>$`\n]", command)
+
+
+def _python_recipe(command: str) -> str | None:
+    """RECIPE of a plain ``python recipes/RECIPE.py ARGS`` (one process, nothing for a shell to run), else None."""
+    match = re.fullmatch(r"python recipes/(\w+)\.py( .*)?", command)
+    return match.group(1) if match and not re.search(r"[|&;<>$`\n]", command) else None
+
+
+def _run_recipe_in_process(command: str, doc: Documented, tmp: pathlib.Path, cwd: pathlib.Path,
+                           env: dict[str, str]) -> Ran:
+    """The recipe's main with the argv a shell gives ``python recipes/RECIPE.py``, in the same environment and
+    directory (tests/in_process.py: ~10 s of imports saved; the README's ``accelerate launch recipes/quickstart.py``
+    is launched as written)."""
+    result = run_recipe(_python_recipe(command), shlex.split(command)[2:], env=env, cwd=cwd)
+    if result.returncode != 0:
+        pytest.fail(f"{command!r}: exit {result.returncode}\n--- stdout tail:\n{_tail(result.stdout, 2000)}"
+                    f"\n--- stderr tail:\n{_tail(result.stderr)}")
+    return Ran(command, tmp, doc, stdout=result.stdout, stderr=result.stderr)
 
 
 def _run_hf_grpo_in_process(command: str, doc: Documented, run: Run, tmp: pathlib.Path, cwd: pathlib.Path,

@@ -1,8 +1,8 @@
 """The shipped recipes run as users run them, on a pretrained checkpoint directory (not ``--tiny``).
 
-One process (``python recipes/X.py``) or two over gloo (``accelerate launch --config_file
-accelerate_configs/<cfg>.yaml``, the shipped config untouched: it says ``mixed_precision: bf16``, and on
-this CPU machine the recipe must say so and train in fp32), with and without a reference model
+One process (``python recipes/X.py ARGS``, run as the recipe's ``main(ARGS)`` in this process) or two over
+gloo (``accelerate launch --config_file accelerate_configs/<cfg>.yaml``, the shipped config untouched: it says
+``mixed_precision: bf16``, and on this CPU machine the recipe must say so and train in fp32), with and without a reference model
 (beta), full fine-tuning and LoRA. Each run trains 2 steps of GSM8K from a local JSON-lines file whose
 questions are of clearly different lengths (so prompts are padded inside a batch), then the saved
 model must reload and differ from the checkpoint it started from.
@@ -15,10 +15,10 @@ import math
 import os
 import pathlib
 import subprocess
-import sys
 
 import pytest
 import torch
+from in_process import run_recipe
 from launching import accelerate_command, run_launch
 from side_by_side import free_port
 
@@ -119,18 +119,17 @@ def _clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(dropped)}
 
 
-def _command(launch: str | None, recipe: str, args) -> list[str]:
-    script = str(ROOT / "recipes" / f"{recipe}.py")
-    if launch is None:  # one process: plain python, as the recipes' docstrings show
-        return [sys.executable, script, *map(str, args)]
-    # the shipped config as is (bf16, 8 processes): only the process count and a free port on the command line
+def _command(launch: str, recipe: str, args) -> list[str]:
+    """The shipped config as is (bf16, 8 processes): only the process count and a free port on the command line."""
     return accelerate_command("--config_file", ROOT / "accelerate_configs" / f"{launch}.yaml",
-                              "--main_process_port", free_port(), script, *args, processes=2)
+                              "--main_process_port", free_port(), ROOT / "recipes" / f"{recipe}.py", *args,
+                              processes=2)
 
 
 def _run(launch: str | None, recipe: str, *args, timeout: int = 300) -> subprocess.CompletedProcess:
-    return run_launch(_command(launch, recipe, args), processes=1 if launch is None else 2, timeout=timeout,
-                      cwd=ROOT, env=_clean_env())
+    if launch is None:  # python recipes/RECIPE.py ARGS, in this process (tests/in_process.py)
+        return run_recipe(recipe, args, env=_clean_env(), cwd=ROOT)
+    return run_launch(_command(launch, recipe, args), processes=2, timeout=timeout, cwd=ROOT, env=_clean_env())
 
 
 def _ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
