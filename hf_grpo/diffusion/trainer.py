@@ -242,7 +242,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
                 block_length=args.block_length, steps=args.diffusion_steps, mask_token_id=self.mask_token_id,
                 remasking=args.remasking, cfg_scale=args.cfg_scale, logits_shift=self.logits_shift,
                 padding_style=self.estimator.padding_style, autocast=self.accelerator.autocast,
-                block_cache=args.block_cache, tensor_batch_size=args.tensor_batch_size,
+                block_cache=args.block_cache, tensor_batch_size=self.sizes.tensor_batch_size,
                 algorithm=self.sampler_algorithm, confidence_algorithm=args.confidence_algorithm,
                 confidence_temperature=args.confidence_temperature, schedule_eps=args.schedule_eps,
                 forbid_mask_token=args.forbid_mask_token,
@@ -281,7 +281,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
     def _generation_mirror(self):
         # The sampler runs LoRA adapters as they are (merging serves the cuda_graph decoder only): of the
         # dense mirrors only ZeRO-3's applies.
-        return super()._generation_mirror() if self._zero3_configured() else None
+        return super()._generation_mirror() if self.facts.zero3 else None
 
     def _compiled_training_layers(self, planned_steps: int):
         # The compiled layers were built and measured for causal decoders; the estimator's forwards stay eager.

@@ -89,8 +89,8 @@ def main(out_dir, checkpoint, variant):
     finally:
         padding_free.pack_rows = real
     rank = trainer.accelerator.process_index
-    chosen = dict(eager_rows=str(trainer._eager_rows), eager_packed=trainer._eager_rows.packed,
-                  grouping=trainer._prompt_grouping, **counts)
+    chosen = dict(eager_rows=str(trainer.decisions.eager_rows), eager_packed=trainer.decisions.eager_rows.packed,
+                  grouping=trainer.decisions.prompt_grouping, **counts)
     with open(f"{out_dir}/chosen_rank{rank}.json", "w") as handle:
         json.dump(chosen, handle)
     state = trained_weights(trainer)
