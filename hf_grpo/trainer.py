@@ -176,7 +176,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if not plain_to_zero.applies(resume_from_checkpoint, self.is_deepspeed_enabled):
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         # a checkpoint without ZeRO state under ZeRO-1/2: weights before DeepSpeed, optimizer into its partitions
-        plain_to_zero.load_weights(self, resume_from_checkpoint)
+        self._load_from_checkpoint(resume_from_checkpoint)  # (before DeepSpeed builds its fp32 master copy)
         prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
         plain_to_zero.load_optimizer_state(self.model_wrapped, resume_from_checkpoint, self.accelerator.is_main_process)
         if plain_to_zero.has_schedule(resume_from_checkpoint, self.accelerator.is_main_process):

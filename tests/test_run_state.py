@@ -84,3 +84,17 @@ def test_auto_sizes_and_an_out_of_memory_change_the_run_sizes_never_the_config(t
     assert (saved["per_device_train_batch_size"], saved["tensor_batch_size"],
             saved["per_device_generation_batch_size"]) == (16, 256, 4)
     assert saved["configured"]["per_device_generation_batch_size"] == 8  # where the halved chunk started
+
+
+def test_only_the_trainer_modules_read_the_trainers_private_state():
+    """TRL's private attributes change between releases: their reads stay where the overrides are pinned."""
+    allowed = {PACKAGE / "trainer.py", PACKAGE / "diffusion" / "trainer.py"}
+    found = []
+    for path in sorted(set(PACKAGE.rglob("*.py")) - allowed):
+        for node in ast.walk(ast.parse(path.read_text())):
+            holder = node.value if isinstance(node, ast.Attribute) else None
+            named_trainer = isinstance(holder, ast.Name) and holder.id == "trainer" or (
+                isinstance(holder, ast.Attribute) and holder.attr == "trainer")
+            if named_trainer and node.attr.startswith("_") and not node.attr.startswith("__"):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {ast.unparse(node)}")
+    assert not found, "\n".join(found)
