@@ -296,7 +296,7 @@ def run_one(args, scenario) -> dict:
         rollout_tokens_per_s=round(stats["rollout_tokens_per_s"], 1),
         train_tokens_per_s=round(stats["train_tokens_per_s"], 1),
         oom_backoffs=sum(entry.get("perf/oom_backoffs", 0) for entry in logged),
-        generation_backend=getattr(trainer._backend, "name", None),
+        generation_backend=getattr(trainer.decisions.backend, "name", None),
         train_micro_batches_rerun=getattr(trainer._train_backoff, "replays", None),
     )
     if scenario == "oom_train" and args.device == "cuda":

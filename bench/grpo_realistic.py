@@ -577,7 +577,7 @@ def main(argv=None) -> int:
         training_graphs_failure=getattr(getattr(decisions, "train_graphs", None), "failure", None),
         shape_reuse_capture_cost=getattr(getattr(getattr(decisions, "train_graphs", None), "reuse", None),
                                          "capture_cost", None),
-        generation_mirror=str(getattr(trainer, "_mirror_choice", None)) if args.impl == "hf_grpo" else None,
+        generation_mirror=str(decisions.mirror) if decisions else None,
         lora_fused_layers=getattr(decisions, "lora_fused_layers", None),
         share_prompts=args.share_prompts == "on" if args.impl == "hf_grpo" else None,
         prompt_grouping=getattr(decisions, "prompt_grouping", None),

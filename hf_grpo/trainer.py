@@ -88,8 +88,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.facts, self.sizes, self.decisions = self._run_facts(), RunSizes.from_config(self.args), RunDecisions()
         token_budget.check_run(self.facts, self.sizes.max_tokens_per_micro_batch)
         self.perf = PerformanceStats(self.accelerator.device)
-        # the generation backend, and ZeRO-3's or LoRA's dense mirror (a dense_mirror.MirrorChoice), decided once
-        self._backend, self._mirror_choice, self._mirror_decided = None, None, False
         # chunk sizes halved on every rank after an out-of-memory, and kept so (hf_grpo.memory.oom)
         self._oom_knobs = {name: SizeKnob(self.sizes, name, lambda *_: self.perf.add("oom_backoffs", 1))
                            for name in BACKOFF_FIELDS}
@@ -134,8 +132,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def batch_plan(self):
         """The batch plan with this run's real world size (and ZeRO-3's generation mirror, once decided)."""
         plan = BatchPlan.from_fields({**vars(self.args), **self.sizes.plan_fields()}, self.accelerator.num_processes)
-        if self._mirror_choice is not None:
-            plan = dataclasses.replace(plan, **self._mirror_choice.plan_fields())
+        if self.decisions.mirror is not None:
+            plan = dataclasses.replace(plan, **self.decisions.mirror.plan_fields())
         if self.zero3_leaf_marking.count:
             plan = dataclasses.replace(plan, leaf_module_classes=self.zero3_leaf_marking.classes,
                                        leaf_module_count=self.zero3_leaf_marking.count)
@@ -144,10 +142,10 @@ class GRPOTrainer(trl.GRPOTrainer):
     def get_performance_stats(self) -> dict[str, Any]:
         """Peak memory, seconds per optimizer step by phase, tokens/s, decoder compiles and captures, the
         memory the generation backend keeps between rollouts, and the batch plan, over the run."""
-        cache = getattr(self._backend, "cache_bytes", lambda: 0)()
+        cache = getattr(self.decisions.backend, "cache_bytes", lambda: 0)()
         stats = {**self.perf.summary(), "generation_cache_gib": cache / 2**30,
                  "batch_plan": self.batch_plan().to_dict()}
-        if self._mirror_choice is not None and self._mirror_choice.mirror is not None:
+        if self.decisions.mirror is not None and self.decisions.mirror.mirror is not None:
             stats["mirror_refresh_s"] = self.perf.total("mirror_refresh_s")  # whole run, inside generation
         return stats
 
@@ -431,19 +429,19 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _generation_mirror(self) -> dense_mirror.DenseMirror | InPlaceLoraMerge | None:
         """The dense copy of the weights generation reads, or None (``generation.dense_mirror_choice``). Decided
         once, the same on every rank: under ZeRO-3 its refresh gathers layer by layer, a collective."""
-        if not self._mirror_decided:
+        if not self.decisions.mirror_decided:
             model = self.accelerator.unwrap_model(self.model_wrapped)
-            self._mirror_decided, self._mirror_choice = dense_mirror_choice(
+            self.decisions.mirror_decided, self.decisions.mirror = dense_mirror_choice(
                 self.args, model, self.facts.zero3, self.accelerator.device, min_over_ranks,
                 self.accelerator.is_main_process)
-        return None if self._mirror_choice is None else self._mirror_choice.mirror
+        return None if self.decisions.mirror is None else self.decisions.mirror.mirror
 
     def _generation_backend(self, model: torch.nn.Module) -> GenerationBackend:
-        if self._backend is None:
+        if self.decisions.backend is None:
             mirror = self._generation_mirror()  # under ZeRO-3 the backend serves the mirror, whoever asks first
             longest, multiple = self._longest_prompt(), self.pad_to_multiple_of or 1  # one cache for the whole run
-            self._backend = open_backend(
+            self.decisions.backend = open_backend(
                 self.args.generation_backend, model if mirror is None else mirror.module,
                 None if longest is None else -(-longest // multiple) * multiple + self.max_completion_length,
                 self.accelerator.is_main_process)
-        return self._backend
+        return self.decisions.backend

@@ -160,7 +160,7 @@ def test_probe_picks_the_largest_fitting_sizes_and_trains_as_if_they_were_set(tm
 
     trainer.model.generate = small_generate
     monkeypatch.setattr(hf_grpo.logprob_head, "chunked_logprobs", small_train)
-    trainer._backend = None  # the probe generates with the run's real backend
+    trainer.decisions.backend = None  # the probe generates with the run's real backend
     chosen = trainer._settle_sizes(None)  # as train start does
     assert chosen == {"per_device_train_batch_size": 4, "per_device_generation_batch_size": 4,
                       "tensor_batch_size": 256, "gradient_accumulation_steps": 4, "steps_per_generation": 4}
@@ -171,7 +171,7 @@ def test_probe_picks_the_largest_fitting_sizes_and_trains_as_if_they_were_set(tm
 
     from test_trainer import FixedBackend
 
-    trainer._backend = FixedBackend()
+    trainer.decisions.backend = FixedBackend()
     got = train_one_step(trainer)
     explicit = make_trainer(tmp_path / "explicit", per_device_train_batch_size=4, gradient_accumulation_steps=4,
                             per_device_generation_batch_size=4, tensor_batch_size=256, num_generations=4)
@@ -235,13 +235,13 @@ def test_a_model_only_checkpoint_holds_the_sizes_too(tmp_path):
 
 def recording_chunks(trainer):
     """The chunk sizes the trainer's generation backend is called with."""
-    chunks, generate = [], trainer._backend.generate
+    chunks, generate = [], trainer.decisions.backend.generate
 
     def record(model, prompt_ids, **kwargs):
         chunks.append(kwargs["chunk_size"])
         return generate(model, prompt_ids, **kwargs)
 
-    trainer._backend.generate = record
+    trainer.decisions.backend.generate = record
     return chunks
 
 

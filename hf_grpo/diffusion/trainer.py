@@ -213,7 +213,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
         """hf_grpo's figures plus ``memory_manager_stats`` (peak/current memory) and the sampler's settings."""
         stats = super().get_performance_stats()
         stats["memory_manager_stats"] = self.memory.stats()
-        sampler = self._backend
+        sampler = self.decisions.backend
         stats["diffusion"] = {
             "sampler_forwards": getattr(sampler, "forwards", 0),
             "mask_token_id": self.mask_token_id,
@@ -236,9 +236,9 @@ class DiffuGRPOTrainer(GRPOTrainer):
 
     # ---- generation ------------------------------------------------------------------------------
     def _generation_backend(self, model: torch.nn.Module) -> DiffusionSampler:
-        if self._backend is None:
+        if self.decisions.backend is None:
             args = self.args
-            self._backend = DiffusionSampler(
+            self.decisions.backend = DiffusionSampler(
                 block_length=args.block_length, steps=args.diffusion_steps, mask_token_id=self.mask_token_id,
                 remasking=args.remasking, cfg_scale=args.cfg_scale, logits_shift=self.logits_shift,
                 padding_style=self.estimator.padding_style, autocast=self.accelerator.autocast,
@@ -254,9 +254,9 @@ class DiffuGRPOTrainer(GRPOTrainer):
                     how = f"Dream's diffusion_generate, {args.confidence_algorithm} confidence"
                 logger.info("generation backend: diffusion sampler (%s)", how)
         self._probe_padding(model)
-        if isinstance(self._backend, DiffusionSampler):
-            self._backend.attends_to_padding = self.estimator.attends_to_padding
-        return self._backend
+        if isinstance(self.decisions.backend, DiffusionSampler):
+            self.decisions.backend.attends_to_padding = self.estimator.attends_to_padding
+        return self.decisions.backend
 
     def _probe_padding(self, model) -> None:
         """Once, on the first forward of any kind: find a model that attends to the padding it is told to hide

@@ -8,11 +8,13 @@ from typing import Any
 
 @dataclass
 class RunDecisions:
-    """Each decision starts undecided (None) and is set once, at construction, train begin or the first rollout.
-    (The generation backend and mirror stay with the trainer, which opens them at the first rollout.)"""
+    """Each decision starts undecided (None) and is set once, at construction, train begin or the first rollout."""
 
     chunked_head: bool = True  # the policy's LM head runs in row chunks (False: TRL's fused head is kept)
     lora_fused_layers: int = 0  # LoRA layers on the fused forward
+    backend: Any = None  # the generation backend (hf_grpo.generation), opened at the first rollout
+    mirror_decided: bool = False
+    mirror: Any = None  # ZeRO-3's or LoRA's dense generation mirror (generation.dense_mirror.MirrorChoice) or None
     train_layers: Any = None  # compiled decoder layers (training.compiled_layers), at train begin
     eager_rows: Any = None  # packed or padded eager micro-batches (training.eager_packing.Choice), at train begin
     train_graphs: Any = None  # CUDA-graph replay of micro-batches (training.graphs.TrainingGraphs), at train begin

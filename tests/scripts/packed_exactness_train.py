@@ -80,7 +80,7 @@ def main(out_dir, checkpoint, variant):
         model=checkpoint, reward_funcs=reward, args=args,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=tokenizer, peft_config=lora,
     )
-    trainer._backend = FixedBackend(tokenizer)
+    trainer.decisions.backend = FixedBackend(tokenizer)
     initial = trained_weights(trainer)
     counts = {"packed": 0, "shared": 0}
     real = count_shared_packs(counts)
