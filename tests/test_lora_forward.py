@@ -8,7 +8,6 @@ by default on a LoRA policy, leaves it off when asked, and never under ZeRO-3 or
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch

@@ -16,7 +16,7 @@ from scripts.token_budget_train import float64_rope
 from test_launch import launch
 from test_trainer import TOKENIZER, assert_same_update, make_trainer, train_one_step
 
-from hf_grpo import GRPOConfig, GRPOTrainer
+from hf_grpo import GRPOTrainer
 from hf_grpo.cli.main import build_plan
 from hf_grpo.memory import token_budget
 from hf_grpo.memory.packing import (
