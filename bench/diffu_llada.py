@@ -2,7 +2,7 @@
 
 One process, CUDA, bf16. The model is a random-init Llama with LLaDA-8B's shape (hidden 4096, 32 layers,
 32 heads without GQA, intermediate 12288, vocabulary 126464, mask id 126336, untied head) made
-bidirectional with ``is_causal=False`` (as ``hf_grpo.diffusion.tiny`` does), plus a LoRA adapter (r 128,
+bidirectional with ``is_causal=False`` (as ``hf_grpo.recipe_support.diffusion_tiny`` does), plus a LoRA adapter (r 128,
 alpha 64, dropout 0.05 on every projection) through peft. Prompts have random lengths (``--prompt-len``,
 uniform, left-padded) and random tokens.
 

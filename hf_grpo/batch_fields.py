@@ -1,7 +1,7 @@
 """Where the batch fields' values come from, before ``GRPOConfig`` checks them: presets, ``DIFFU_*``
 environment overrides, the fields the user set explicitly, the device's defaults and the world size.
 
-May import: ``hf_grpo.plan`` and ``hf_grpo.memory.autosize`` (the "auto" sizes); no trainer, no torch at import.
+May import: ``hf_grpo.plan`` (which parses the "auto" sizes); no trainer, no ``hf_grpo.memory``, no torch at import.
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from typing import Any
 
 import trl
 
-from .memory.autosize import AUTO, take_auto
-from .plan import BatchPlan
+from .plan import AUTO, BatchPlan, take_auto
 
 logger = logging.getLogger("hf_grpo")
 
@@ -34,6 +33,24 @@ PRESETS: dict[str, dict[str, Any]] = {
     "balanced": {"per_device_generation_batch_size": 4, "tensor_batch_size": 1024},
     "speed": {CHECKPOINTING: False, "per_device_generation_batch_size": 8, "tensor_batch_size": 2048},
 }
+
+# The batch-size guide's factory per preset, built by ``preset_factory`` for each config class.
+PRESET_FACTORY_NAMES = {"memory": "create_memory_optimized_config", "balanced": "create_balanced_config",
+                        "speed": "create_speed_optimized_config"}
+
+
+def preset_factory(preset: str, config_cls: type):
+    """``create_<preset>_config(**overrides)``: a ``config_cls`` with ``PRESETS[preset]`` filling the fields
+    ``overrides`` leave out (the config sees only the overrides as set); its docstring lists those values."""
+    def create(**overrides: Any):
+        return config_cls(**overrides, preset=preset)
+
+    values = ", ".join(f"{name}={value!r}" for name, value in PRESETS[preset].items())
+    create.__name__ = create.__qualname__ = PRESET_FACTORY_NAMES[preset]
+    create.__module__ = config_cls.__module__
+    create.__doc__ = f"A {config_cls.__name__} with the {preset!r} preset ({values}); ``overrides`` win over it."
+    return create
+
 
 ENV_OVERRIDES = {
     "DIFFU_BATCH_SIZE": "per_device_generation_batch_size",

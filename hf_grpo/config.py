@@ -27,6 +27,7 @@ from .batch_fields import (  # noqa: F401 (re-exported: names of hf_grpo.config 
     device_defaults,
     env_override,
     explicit_fields,
+    preset_factory,
     resolve_batch_fields,
 )
 from .distributed.launcher_watch import exit_with_launcher
@@ -140,7 +141,7 @@ class GRPOConfig(trl.GRPOConfig):
     """
 
     # `int | str | None` (not `int | str`) so that HfArgumentParser reads the flag as text and "auto" gets through;
-    # autosize.coerce_size turns the text back into an int and rejects anything else.
+    # plan.coerce_size turns the text back into an int and rejects anything else.
     per_device_train_batch_size: int | str | None = field(
         default=8,
         metadata={
@@ -429,22 +430,7 @@ def set_checkpointing(config, value: bool) -> None:
             setattr(config, name, value)
 
 
-def preset_config(preset: str, overrides: dict[str, Any], config_cls: type | None = None) -> GRPOConfig:
-    """``config_cls`` (default GRPOConfig) with ``preset``: it fills what ``overrides`` leave out (the config
-    sees only the overrides as set)."""
-    return (config_cls or GRPOConfig)(**overrides, preset=preset)
-
-
-def create_memory_optimized_config(**overrides: Any) -> GRPOConfig:
-    """Gradient checkpointing on, generation chunks of 2, log-softmax chunks of 512 rows."""
-    return preset_config("memory", overrides)
-
-
-def create_balanced_config(**overrides: Any) -> GRPOConfig:
-    """Generation chunks of 4, log-softmax chunks of 1024 rows."""
-    return preset_config("balanced", overrides)
-
-
-def create_speed_optimized_config(**overrides: Any) -> GRPOConfig:
-    """No gradient checkpointing, generation chunks of 8, log-softmax chunks of 2048 rows."""
-    return preset_config("speed", overrides)
+# The batch-size guide's factories; hf_grpo.diffusion builds the same three for DiffuGRPOConfig.
+create_memory_optimized_config = preset_factory("memory", GRPOConfig)
+create_balanced_config = preset_factory("balanced", GRPOConfig)
+create_speed_optimized_config = preset_factory("speed", GRPOConfig)

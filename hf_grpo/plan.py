@@ -1,4 +1,5 @@
-"""BatchPlan: the arithmetic of the per-device batch-size contract, with no torch import.
+"""BatchPlan: the arithmetic of the per-device batch-size contract, with no torch import; and the stand-ins for
+"auto" sizes (``take_auto``) the plan computes with until ``hf_grpo.memory.autosize`` probes them.
 
 Symbols follow the README's "Batch sizes: all per device" section (the contract): P per-device micro-batch, A accumulation steps, S micro-batches
 per rollout, G generations per prompt, mu passes per rollout, g per-device generation chunk,
@@ -8,6 +9,7 @@ t log-softmax row chunk, W data-parallel processes.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import MISSING, asdict, dataclass, fields
 from fractions import Fraction
@@ -38,6 +40,60 @@ def nearest_valid(value: int, ok, *, limit: int = 1 << 20) -> list[int]:
 
 def _either(values: list[int]) -> str:
     return " or ".join(str(v) for v in values)
+
+
+# ---- "auto" sizes as given (probed at train start by hf_grpo.memory.autosize) ---------------------
+AUTO = "auto"
+# What "auto" means where nothing is probed (CPU). None: the whole per-device rollout in one chunk.
+AUTO_DEFAULTS: dict[str, int | None] = {
+    "per_device_generation_batch_size": None,
+    "per_device_train_batch_size": 8,
+    "tensor_batch_size": 1024,
+}
+AUTO_FIELDS = tuple(AUTO_DEFAULTS)
+
+
+def coerce_size(name: str, value: Any) -> int | str | None:
+    """A size field's value as an int, ``"auto"`` or None (tensor_batch_size, per_device_generation_batch_size).
+
+    Command-line and YAML values may arrive as text ("4", "auto", "none"). Anything else is a ValueError
+    naming the field, the value and what is valid. Range checks (>= 1) stay with the batch plan.
+    """
+    nullable = name != "per_device_train_batch_size"
+    valid = "a positive integer or 'auto'" + (" or None" if nullable else "")
+    if value is None:
+        if nullable:
+            return None
+        raise ValueError(f"{name} must be {valid}, got None")
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be {valid}, got {value!r}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == AUTO:
+            return AUTO
+        if nullable and text.lower() in ("none", "null"):
+            return None
+        if re.fullmatch(r"[+-]?[0-9]+", text):
+            return int(text)
+    raise ValueError(f"{name} must be {valid}, got {value!r}")
+
+
+def take_auto(values: dict[str, Any], probe_later: bool) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """Replace each ``"auto"`` in ``values`` by its ``AUTO_DEFAULTS`` value.
+
+    Returns the new values and the fields left for ``hf_grpo.memory.autosize.resolve_auto_sizes`` (none unless
+    ``probe_later``, i.e. CUDA: there the defaults are provisional).
+    """
+    values = dict(values)
+    auto = []
+    for name in AUTO_FIELDS:
+        values[name] = coerce_size(name, values.get(name))
+        if values[name] == AUTO:
+            values[name] = AUTO_DEFAULTS[name]
+            auto.append(name)
+    return values, tuple(auto) if probe_later else ()
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,7 @@ from .checks import output_lock, resume
 from .checks.unscored import METRIC as UNSCORED_METRIC, count_unscored
 from .config import GRPOConfig
 from .distributed import plain_to_zero, zero3_leaves
-from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, dense_mirror_choice
-from .generation import open_backend
+from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, open_backend
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
 from .memory import autosize, prompt_lengths, token_budget, train_backoff
@@ -427,11 +426,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         return prompt + self.max_completion_length
 
     def _generation_mirror(self) -> dense_mirror.DenseMirror | InPlaceLoraMerge | None:
-        """The dense copy of the weights generation reads, or None (``generation.dense_mirror_choice``). Decided
+        """The dense copy of the weights generation reads, or None (``dense_mirror.choose_for_run``). Decided
         once, the same on every rank: under ZeRO-3 its refresh gathers layer by layer, a collective."""
         if not self.decisions.mirror_decided:
             model = self.accelerator.unwrap_model(self.model_wrapped)
-            self.decisions.mirror_decided, self.decisions.mirror = dense_mirror_choice(
+            self.decisions.mirror_decided, self.decisions.mirror = dense_mirror.choose_for_run(
                 self.args, model, self.facts.zero3, self.accelerator.device, min_over_ranks,
                 self.accelerator.is_main_process)
         return None if self.decisions.mirror is None else self.decisions.mirror.mirror

@@ -9,23 +9,17 @@ Reward: 1.0 for a correct equation using every number once, 0.1 for a well-forme
 
 import string
 
-from hf_grpo.recipe_support.launch import chat_prompts_if_templated, run_recipe
+from hf_grpo.recipe_support.launch import chat_prompts_if_templated, recipe_defaults, run_recipe
 from hf_grpo.recipe_support.rewards import countdown_reward
 from hf_grpo.recipe_support.tasks import countdown_dataset
 
-DEFAULTS = dict(
-    output_dir="outputs/countdown",
-    model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct",
-    learning_rate=1e-6,
-    per_device_train_batch_size=8,
-    num_generations=8,
-    max_completion_length=512,
-    max_steps=500,
-    logging_steps=5,
-    save_steps=100,
-    report_to="none",
-    num_train_samples=20000,
+# The settings are written once, in countdown.yaml. A run without --config takes them but for these keys, which
+# the YAML sets for the multi-GPU launch on its first line and which stay at the library's defaults otherwise.
+LAUNCH_ONLY = (
+    "dtype", "gradient_accumulation_steps", "per_device_generation_batch_size", "tensor_batch_size",
+    "save_total_limit", "seed",
 )
+DEFAULTS = recipe_defaults(__file__, LAUNCH_ONLY)
 
 
 def build_dataset(recipe_args, training_args, tokenizer):

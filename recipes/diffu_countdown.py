@@ -15,37 +15,18 @@ Reward: 1.0 for a correct equation using every number once, 0.1 for a well-forme
 
 import string
 
-from hf_grpo.diffusion.launch import run_diffu_recipe
-from hf_grpo.recipe_support.launch import chat_prompts_if_templated
+from hf_grpo.recipe_support.diffusion_launch import run_diffu_recipe
+from hf_grpo.recipe_support.launch import chat_prompts_if_templated, recipe_defaults
 from hf_grpo.recipe_support.rewards import countdown_reward
 from hf_grpo.recipe_support.tasks import countdown_dataset
 
-DEFAULTS = dict(
-    output_dir="outputs/diffu_countdown",
-    model_name_or_path="GSAI-ML/LLaDA-8B-Instruct",
-    trust_remote_code=True,
-    use_peft=True,
-    lora_r=128,
-    lora_alpha=64,
-    lora_dropout=0.05,
-    lora_target_modules=["q_proj", "k_proj", "v_proj"],
-    gradient_checkpointing=False,  # LLaDA's remote code does not implement transformers' checkpointing
-    learning_rate=3e-6,
-    max_grad_norm=0.2,
-    per_device_train_batch_size=6,
-    num_generations=6,
-    max_completion_length=256,
-    temperature=0.9,
-    epsilon=0.5,
-    beta=0.04,
-    num_iterations=12,
-    objective="d1",  # d1's loss: bnpo, plain k3 KL, r - mean advantages, raw-logit scoring
-    max_steps=500,
-    logging_steps=5,
-    save_steps=100,
-    report_to="none",
-    num_train_samples=20000,
+# The settings are written once, in diffu_countdown.yaml. A run without --config takes them but for these keys, which
+# the YAML sets for the multi-GPU launch on its first line and which stay at the library's defaults otherwise.
+LAUNCH_ONLY = (
+    "dtype", "gradient_accumulation_steps", "per_device_generation_batch_size", "tensor_batch_size",
+    "save_total_limit", "seed",
 )
+DEFAULTS = recipe_defaults(__file__, LAUNCH_ONLY)
 
 
 def build_dataset(recipe_args, training_args, tokenizer):

@@ -12,7 +12,7 @@ a per-row seed). On a 2-core CPU the mean reward goes from about 0.04 (chance: 1
 100 steps, 10-40 seconds. Writes metrics.jsonl, reward_loss.png and performance.json to --output_dir.
 """
 
-from hf_grpo.diffusion.launch import run_diffu_recipe
+from hf_grpo.recipe_support.diffusion_launch import run_diffu_recipe
 from hf_grpo.recipe_support.rewards import repeat_letter_reward
 from hf_grpo.recipe_support.tasks import repeat_letter_dataset
 

@@ -9,23 +9,17 @@
 
 import string
 
-from hf_grpo.recipe_support.launch import chat_prompts_if_templated, run_recipe
+from hf_grpo.recipe_support.launch import chat_prompts_if_templated, recipe_defaults, run_recipe
 from hf_grpo.recipe_support.rewards import gsm8k_correctness_reward, gsm8k_format_reward
 from hf_grpo.recipe_support.tasks import gsm8k_dataset
 
-DEFAULTS = dict(
-    output_dir="outputs/gsm8k",
-    model_name_or_path="Qwen/Qwen2.5-0.5B-Instruct",
-    dataset_name="openai/gsm8k",
-    learning_rate=1e-6,
-    per_device_train_batch_size=8,
-    num_generations=8,
-    max_completion_length=512,
-    max_steps=500,
-    logging_steps=5,
-    save_steps=100,
-    report_to="none",
+# The settings are written once, in gsm8k.yaml. A run without --config takes them but for these keys, which
+# the YAML sets for the multi-GPU launch on its first line and which stay at the library's defaults otherwise.
+LAUNCH_ONLY = (
+    "dtype", "gradient_accumulation_steps", "per_device_generation_batch_size", "tensor_batch_size", "beta",
+    "save_total_limit", "seed",
 )
+DEFAULTS = recipe_defaults(__file__, LAUNCH_ONLY)
 
 
 def build_dataset(recipe_args, training_args, tokenizer):

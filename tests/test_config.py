@@ -116,6 +116,24 @@ def test_presets(tmp_path, factory, chunk, rows, checkpointing):
         assert getattr(config, CHECKPOINTING) is checkpointing
 
 
+@pytest.mark.parametrize("preset", ["memory", "balanced", "speed"])
+def test_both_config_families_take_a_preset_from_the_one_table(tmp_path, preset):
+    """hf_grpo's and hf_grpo.diffusion's create_*_config build their own class with ``PRESETS[preset]``, and their
+    help() names those values."""
+    import hf_grpo
+    import hf_grpo.diffusion
+    from hf_grpo.batch_fields import PRESET_FACTORY_NAMES, PRESETS
+
+    for module, config_cls in ((hf_grpo, hf_grpo.GRPOConfig), (hf_grpo.diffusion, hf_grpo.diffusion.DiffuGRPOConfig)):
+        factory = getattr(module, PRESET_FACTORY_NAMES[preset])
+        config = factory(output_dir=str(tmp_path), report_to=[], use_cpu=True, per_device_train_batch_size=8,
+                         num_generations=4)
+        assert type(config) is config_cls and config.preset == preset
+        for name, value in PRESETS[preset].items():
+            assert getattr(config, name) == value, (module.__name__, name)
+            assert f"{name}={value!r}" in factory.__doc__
+
+
 def test_explicit_values_win_over_the_preset(tmp_path):
     config = create_memory_optimized_config(
         output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, use_cpu=True,

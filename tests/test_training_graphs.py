@@ -2,7 +2,6 @@
 padding give the eager log-probs and gradients; the captured gradient buffers keep what was accumulated; a whole run
 through the replay path updates as one without (on a CPU with the capture stood in by an eager replay; on a GPU)."""
 
-import contextlib
 import dataclasses
 import json
 import types
@@ -17,6 +16,7 @@ from hf_grpo.training import graph_buckets, graph_inputs
 from hf_grpo.training import graphs as training_graphs
 
 from project_files import load_bench
+from scripts.eager_recorder import EagerRecorder
 from test_training_compile import batch
 
 
@@ -205,6 +205,41 @@ def test_the_captured_gradient_buffers_keep_what_was_accumulated():
     assert weight.grad is graphs.grad_buffers[0] and (weight.grad == 3).all()
 
 
+def test_handed_over_gradients_reach_the_accumulation_hooks_once_per_micro_batch_as_eager_ones():
+    # Under DeepSpeed ZeRO-1/2 the gradients are DeepSpeed's: hooks on each parameter's accumulation take .grad
+    # into their buckets and set it to None. The replay hands its gradients to autograd, so those hooks run once
+    # per micro-batch with the eager gradient; the warm-up and the captures never run them.
+    model = checkpointed_model()
+    graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, recorder=EagerRecorder(), hand_over=True)
+    taken = {id(p): torch.zeros_like(p) for p in graphs.params}  # what the hooks took, as DeepSpeed's buckets
+    calls = []
+
+    def take(param):
+        calls.append(id(param))
+        assert all(param.grad is not buffer for buffer in graphs.grad_buffers)  # a copy, not the graph's buffer
+        taken[id(param)] += param.grad
+        param.grad = None
+
+    for param in graphs.params:
+        param.register_post_accumulate_grad_hook(take)
+    score = windowed_score(model)
+    micro_batches = [batch(4, prompt=13, completion=9, seed=1), batch(4, prompt=80, completion=9, seed=2),
+                     batch(4, prompt=11, completion=9, seed=3)]  # the third replays the first's bucket
+    expected = [torch.zeros_like(p) for p in graphs.params]
+    for ids, mask, _ in micro_batches:
+        weights = torch.arange(1.0, 5.0).unsqueeze(1)  # rows weighed unequally
+        logps, _ = graphs.logps(score, ids, mask, 9, compute_entropy=False)
+        (logps * weights).sum().backward()
+        padded = graph_inputs.padded(ids, mask, 9, pad_token_id=0)
+        eager = torch.autograd.grad((score(padded.inputs, padded.window)[0] * weights).sum(), graphs.params)
+        expected = [total + grad for total, grad in zip(expected, eager)]
+    assert graphs.failure is None and graphs.captures == 2
+    assert len(calls) == 3 * len(graphs.params)  # once per parameter and micro-batch, never in a capture
+    assert all(p.grad is None for p in graphs.params)  # nothing written to .grad behind the hooks' back
+    for param, total in zip(graphs.params, expected):
+        torch.testing.assert_close(taken[id(param)], total, rtol=1e-5, atol=1e-6 * float(total.abs().max()))
+
+
 def tiny_cpu_trainer(tmp_path, **config):
     """A GRPO trainer on the CPU, built as a user builds one, for the choice made at train begin."""
     import hf_grpo
@@ -282,41 +317,6 @@ def test_graphs_replay_rows_packed_unless_padding_free_is_off_or_the_attention_c
     assert "replayed from CUDA graphs, rows padded (padding_free=False)" in caplog.text
     trainer.model.config._attn_implementation = "eager"  # each model's own function: may not be plain softmax
     assert "is not one of" in unpacked(None, trainer.model, trainer.facts)
-
-
-class EagerRecorder:
-    """``training_graphs.CudaGraphRecorder``'s interface on a CPU: a "replay" runs the recorded function again and
-    writes its outputs where the recorded ones live, as a graph's replay does. What the CPU cannot check (the
-    capture itself) the GPU tests below do; everything around it runs here."""
-
-    def new_pool(self):
-        return None
-
-    @contextlib.contextmanager
-    def side_stream(self):
-        yield
-
-    def record(self, fn, pool):
-        outputs = fn()
-        grad_mode = torch.is_grad_enabled()  # a graph keeps the mode it was captured in
-
-        def replay():
-            with torch.set_grad_enabled(grad_mode):  # (a training replay runs in the autograd node's forward)
-                fresh = fn()
-            for static, new in zip(outputs or (), fresh or ()):
-                if static is not None:
-                    static.detach().copy_(new.detach())
-
-        return replay, outputs
-
-    def random_state(self):
-        return torch.get_rng_state()
-
-    def set_random_state(self, state):
-        torch.set_rng_state(state)
-
-    def recover(self):
-        pass
 
 
 class FailingRecorder(EagerRecorder):

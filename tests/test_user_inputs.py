@@ -170,7 +170,7 @@ def test_the_vllm_backend_without_vllm_names_generation_backend(tmp_path):
 
 def diffu_trainer(tmp_path, model, dataset):
     from hf_grpo.diffusion import DiffuGRPOConfig, DiffuGRPOTrainer
-    from hf_grpo.diffusion.tiny import build_diffusion_tokenizer
+    from hf_grpo.recipe_support.diffusion_tiny import build_diffusion_tokenizer
 
     args = DiffuGRPOConfig(output_dir=str(tmp_path / "out"), report_to=[], per_device_train_batch_size=8,
                            num_generations=4, max_completion_length=8, block_length=4, diffusion_steps=4)
@@ -185,7 +185,7 @@ def test_the_diffusion_trainer_names_a_missing_model_directory_before_loading(tm
 
 
 def test_the_diffusion_trainer_refuses_an_empty_training_set(tmp_path):
-    from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
+    from hf_grpo.recipe_support.diffusion_tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
 
     model = build_tiny_diffusion_model(build_diffusion_tokenizer(), seed=0)
     with pytest.raises(ValueError, match="train_dataset has 0 rows"):

@@ -4,7 +4,8 @@
 
 ``ImprovedDiffuGRPOConfig`` / ``ImprovedDiffuGRPOTrainer`` and ``create_memory_optimized_config`` (and the
 balanced / speed ones) are the batch-size guide's names; here they build diffusion configs, whose
-``config.optimization.<field>`` reads and writes the flat batch fields.
+``config.optimization.<field>`` reads and writes the flat batch fields. ``SamplingSettings`` holds the
+samplers' settings for calls outside a trainer (``sampler.diffusion_generate``, ``dream_sampler.dream_generate``).
 """
 
 from .config import (
@@ -15,6 +16,7 @@ from .config import (
     create_memory_optimized_config,
     create_speed_optimized_config,
 )
+from .sampling_settings import SamplingSettings
 
 
 def __getattr__(name):
@@ -32,6 +34,7 @@ __all__ = [
     "ImprovedDiffuGRPOConfig",
     "ImprovedDiffuGRPOTrainer",
     "OptimizationView",
+    "SamplingSettings",
     "create_balanced_config",
     "create_memory_optimized_config",
     "create_speed_optimized_config",

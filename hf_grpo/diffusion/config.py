@@ -27,22 +27,20 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..config import (  # noqa: F401 (OptimizationView, set_checkpointing: this package's names too)
     GRPOConfig,
     OptimizationView,
     _bf16_available,
-    preset_config,
+    preset_factory,
     set_checkpointing,
 )
 from .block_cache import BLOCK_CACHES, check_block_cache_name
+from .sampling_settings import CONFIDENCE_ALGORITHMS, REMASKING
 
 logger = logging.getLogger("hf_grpo")
 
-REMASKING = ("low_confidence", "random")
 SAMPLER_CHOICES = ("auto", "llada", "dream")
-CONFIDENCE_ALGORITHMS = ("maskgit_plus", "topk_margin", "entropy")
 ESTIMATORS = ("mean_field", "coupled")
 LOGITS_SHIFT = ("auto", True, False)
 
@@ -380,19 +378,9 @@ class DiffuGRPOConfig(GRPOConfig):
         return "\n".join(lines)
 
 
-def create_memory_optimized_config(**overrides: Any) -> DiffuGRPOConfig:
-    """A DiffuGRPOConfig with the memory preset: checkpointing on, generation chunks of 2, log-softmax chunks of 512."""
-    return preset_config("memory", overrides, DiffuGRPOConfig)
-
-
-def create_balanced_config(**overrides: Any) -> DiffuGRPOConfig:
-    """A DiffuGRPOConfig with the balanced preset: generation chunks of 4, log-softmax chunks of 1024."""
-    return preset_config("balanced", overrides, DiffuGRPOConfig)
-
-
-def create_speed_optimized_config(**overrides: Any) -> DiffuGRPOConfig:
-    """A DiffuGRPOConfig with the speed preset: no checkpointing, generation chunks of 8, log-softmax chunks of 2048."""
-    return preset_config("speed", overrides, DiffuGRPOConfig)
+create_memory_optimized_config = preset_factory("memory", DiffuGRPOConfig)
+create_balanced_config = preset_factory("balanced", DiffuGRPOConfig)
+create_speed_optimized_config = preset_factory("speed", DiffuGRPOConfig)
 
 
 # The names of the batch-size guide: the same classes.

@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import torch
 
-from .model import HeadBypass, accepts_kwarg, pack_rows, padding_kwargs, slot_columns
+from .model import HeadBypass, accepts_kwarg, full_forward, pack_rows, padding_kwargs, slot_columns
+from .sampling_settings import SamplingSettings, settings_from
 
-CONFIDENCE_ALGORITHMS = ("maskgit_plus", "topk_margin", "entropy")
 ENTROPY_EPSILON = 1e-10  # Dream's: log(p + 1e-10)
 
 
@@ -140,32 +140,30 @@ def dream_generate(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
+    settings: SamplingSettings | None = None,
     *,
     gen_length: int,
-    steps: int,
     mask_token_id: int,
     pad_token_id: int,
-    temperature: float = 0.0,
-    top_p: float | None = None,
-    top_k: int | None = None,
-    algorithm: str = "entropy",
-    confidence_temperature: float = 0.0,
-    eps: float = 1e-3,
     logits_shift: bool = True,
     padding_style: str = "mask4d",
     has_padding: bool | None = None,
-    forbid_mask_token: bool = True,
     generator: torch.Generator | None = None,
     step_callback=None,
+    **sampling,
 ) -> torch.Tensor:
     """The ``gen_length`` completion tokens ``[B, L]`` for left-padded ``prompt_ids`` ``[B, P]``, by Dream's sampler.
 
-    ``step_callback(step, canvas, slot_columns)``, if given, sees the canvas after every step.
+    ``step_callback(step, canvas, slot_columns)``, if given, sees the canvas after every step. The sampling settings
+    (``steps``, ``temperature``, ``top_p``, ``top_k``, ``confidence_algorithm``, ``confidence_temperature``,
+    ``schedule_eps``, ``forbid_mask_token``) come in ``settings`` or as keyword arguments (``sampling``; Dream's
+    names ``algorithm`` and ``eps`` are taken for the confidence algorithm and the schedule's end).
     """
-    from .sampler import full_forward
-
-    if algorithm not in CONFIDENCE_ALGORITHMS:
-        raise ValueError(f"Dream's confidence algorithm must be one of {CONFIDENCE_ALGORITHMS}, got {algorithm!r}")
+    settings = settings_from("dream_generate", settings, sampling,
+                             renamed={"algorithm": "confidence_algorithm", "eps": "schedule_eps"}, sampler="dream")
+    steps, temperature, top_p, top_k = settings.steps, settings.temperature, settings.top_p, settings.top_k
+    algorithm, confidence_temperature = settings.confidence_algorithm, settings.confidence_temperature
+    eps, forbid_mask_token = settings.schedule_eps, settings.forbid_mask_token
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     packed = pack_rows(prompt_ids, prompt_mask, gen_length, mask_token_id, pad_token_id, has_padding=has_padding)

@@ -20,6 +20,8 @@
   needs (the current block while sampling, the scored completion tokens in the estimator). Where
   the model computes its logits without calling its head module (a tied LLaDA head uses
   ``F.linear`` directly) the bypass notices and the caller receives real logits instead.
+* **Full forward** (``full_forward``): one forward over whole rows, read at the given columns, optionally a
+  few rows at a time; both samplers (LLaDA's and Dream's) run their full forwards through it.
 """
 
 from __future__ import annotations
@@ -335,3 +337,25 @@ def accepts_kwarg(model: torch.nn.Module, name: str) -> bool:
         return True
     return name in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
+
+def full_forward(model, inputs: torch.Tensor, kwargs: dict, read_from: torch.Tensor, piece_rows: int | None,
+                 cache=None) -> torch.Tensor:
+    """``[B, n, ...]``: the model's outputs (``.logits``) at columns ``read_from`` [B, n] of a full forward over
+    ``inputs`` [B, T], ``piece_rows`` rows at a time (rows never attend to each other, so the pieces give
+    the one forward's outputs); a block cache (``hf_grpo.diffusion.block_cache.BlockKVCache``, or None) keeps each
+    piece's keys/values in its rows. The samplers of both families run their forwards through it."""
+    total = inputs.size(0)
+    piece_rows = piece_rows or total
+    picked = []
+    for begin in range(0, total, piece_rows):
+        rows = slice(begin, begin + piece_rows)
+        piece_kwargs = {name: value[rows] if torch.is_tensor(value) and value.dim() and value.size(0) == total
+                        else value for name, value in kwargs.items()}
+        if cache is not None:
+            cache.rows = rows
+        output = model(input_ids=inputs[rows], **piece_kwargs)
+        states = output.logits if hasattr(output, "logits") else output[0]
+        index = read_from[rows]
+        picked.append(states.gather(1, index.unsqueeze(-1).expand(-1, -1, states.size(-1))))
+        del output, states  # before the next piece's forward
+    return picked[0] if len(picked) == 1 else torch.cat(picked)

@@ -48,6 +48,7 @@ Dream models get Dream's own sampler instead (``hf_grpo.diffusion.dream_sampler`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -56,31 +57,25 @@ import torch
 from transformers import GenerationConfig
 
 from ..generation.base import GenerationBackend, cut_after_eos, is_zero3_partitioned, iter_chunks, model_device
-from .block_cache import (
-    BlockKVCache,
-    cache_kwarg,
-    check_block_cache,
-    check_block_cache_name,
-    recomputed_columns,
-)
+from . import dream_sampler
+from .block_cache import BlockKVCache, cache_kwarg, check_block_cache, recomputed_columns
 from .draws import HEAD_POSITIONS, commit_topk, sample_tokens, transfer_schedule  # noqa: F401 (re-exported)
 from .model import (
     HeadBypass,
     accepts_kwarg,
     base_module,
-    model_family,
     equal_length_groups,
+    full_forward,
     left_pad_tensors,
     max_over_ranks,
+    model_family,
     pack_rows,
     padding_kwargs,
     slot_columns,
 )
+from .sampling_settings import SETTING_NAMES, SamplingSettings, settings_from
 
 logger = logging.getLogger("hf_grpo")
-
-REMASKING = ("low_confidence", "random")
-SAMPLERS = ("llada", "dream")  # the semi-autoregressive block sampler (LLaDA's), Dream's diffusion_generate
 
 
 def resolve_sampler(args, model: torch.nn.Module) -> str:
@@ -132,24 +127,19 @@ def diffusion_generate(
     model: torch.nn.Module,
     prompt_ids: torch.Tensor,
     prompt_mask: torch.Tensor,
+    settings: SamplingSettings | None = None,
     *,
     gen_length: int,
-    block_length: int,
-    steps: int,
     mask_token_id: int,
     pad_token_id: int,
-    temperature: float = 0.0,
-    remasking: str = "low_confidence",
-    cfg_scale: float = 0.0,
     logits_shift: bool = False,
     padding_style: str = "mask2d",
     has_padding: bool | None = None,
     generator: torch.Generator | None = None,
     step_callback: StepCallback | None = None,
-    block_cache: str | None = None,
     cuda_graph: bool = False,
     tensor_batch_size: int | None = None,
-    forbid_mask_token: bool = True,
+    **sampling,
 ) -> torch.Tensor:
     """The ``gen_length`` completion tokens ``[B, L]`` for left-padded ``prompt_ids`` ``[B, P]`` (mask ``prompt_mask``).
 
@@ -161,7 +151,15 @@ def diffusion_generate(
     at least one. ``forbid_mask_token`` (default on) sets the mask token's logit to -inf before the draw and the
     confidence, so no completion holds the mask token; LLaDA's published sampler does not, and with it off this
     sampler is LLaDA's token for token (a slot that drew the mask token stays a candidate up to the block's end).
+    The sampling settings (``steps``, ``block_length``, ``temperature``, ``remasking``, ``cfg_scale``,
+    ``block_cache``, ``forbid_mask_token``) come in ``settings`` or as keyword arguments (``sampling``).
     """
+    settings = settings_from("diffusion_generate", settings, sampling)
+    if settings.block_length is None:
+        raise ValueError("diffusion_generate needs block_length (LLaDA's sampler decodes the completion in blocks)")
+    steps, block_length, temperature, remasking = (settings.steps, settings.block_length, settings.temperature,
+                                                   settings.remasking)
+    cfg_scale, block_cache, forbid_mask_token = settings.cfg_scale, settings.block_cache, settings.forbid_mask_token
     if tensor_batch_size is not None and (isinstance(tensor_batch_size, bool) or not isinstance(tensor_batch_size, int)
                                           or tensor_batch_size < 1):
         raise ValueError(f"tensor_batch_size must be a positive int (token rows) or None, got {tensor_batch_size!r}")
@@ -170,8 +168,6 @@ def diffusion_generate(
     blocks = gen_length // block_length
     if steps % blocks:
         raise ValueError(f"steps ({steps}) must be a multiple of the number of blocks ({blocks})")
-    if remasking not in REMASKING:
-        raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
     check_block_cache(block_cache, model, logits_shift, padding_style)
     if cuda_graph and (block_cache is None or prompt_ids.device.type != "cuda" or is_zero3_partitioned(model)):
         raise ValueError(f"cuda_graph=True needs block_cache 'dual' or 'prefix' (got {block_cache!r}), a CUDA "
@@ -244,28 +240,6 @@ def diffusion_generate(
     return canvas.gather(1, slot_columns(start, 0, gen_length, shift=False))
 
 
-def full_forward(model, inputs: torch.Tensor, kwargs: dict, read_from: torch.Tensor, piece_rows: int | None,
-                 cache: BlockKVCache | None) -> torch.Tensor:
-    """``[B, n, ...]``: the model's outputs (``.logits``) at columns ``read_from`` [B, n] of a full forward over
-    ``inputs`` [B, T], ``piece_rows`` rows at a time (rows never attend to each other, so the pieces give
-    the one forward's outputs); a block cache keeps each piece's keys/values in its rows."""
-    total = inputs.size(0)
-    piece_rows = piece_rows or total
-    picked = []
-    for begin in range(0, total, piece_rows):
-        rows = slice(begin, begin + piece_rows)
-        piece_kwargs = {name: value[rows] if torch.is_tensor(value) and value.dim() and value.size(0) == total
-                        else value for name, value in kwargs.items()}
-        if cache is not None:
-            cache.rows = rows
-        output = model(input_ids=inputs[rows], **piece_kwargs)
-        states = output.logits if hasattr(output, "logits") else output[0]
-        index = read_from[rows]
-        picked.append(states.gather(1, index.unsqueeze(-1).expand(-1, -1, states.size(-1))))
-        del output, states  # before the next piece's forward
-    return picked[0] if len(picked) == 1 else torch.cat(picked)
-
-
 class DiffusionSampler(GenerationBackend):
     """Generation backend for masked-diffusion models: ``diffusion_generate`` on ``chunk_size`` prompts at a time.
 
@@ -275,52 +249,45 @@ class DiffusionSampler(GenerationBackend):
     ``cuda_graph`` (None: on for ``"dual"`` on CUDA outside ZeRO-3) captures its cached step and replays it.
     ``tensor_batch_size`` (token rows, None: unbounded) bounds a block cache's full forwards (see
     ``diffusion_generate``). ``attends_to_padding`` (a model that ignores the padding mask, as the released
-    LLaDA code does): chunks hold prompts of equal length only, so none is padded.
+    LLaDA code does): chunks hold prompts of equal length only, so none is padded. The sampling settings come in
+    ``settings`` (a ``SamplingSettings``) or as its fields' keyword arguments (``algorithm`` for ``sampler``).
     """
 
     name = "diffusion"
 
     def __init__(
         self,
+        settings: SamplingSettings | None = None,
         *,
-        block_length: int,
-        steps: int,
         mask_token_id: int,
-        remasking: str = "low_confidence",
-        cfg_scale: float = 0.0,
         logits_shift: bool = False,
         padding_style: str = "mask2d",
         autocast: Callable[[], object] | None = None,
-        block_cache: str | None = None,
         cuda_graph: bool | None = None,
         tensor_batch_size: int | None = None,
         attends_to_padding: bool = False,
-        algorithm: str = "llada",
-        confidence_algorithm: str = "entropy",
-        confidence_temperature: float = 0.0,
-        schedule_eps: float = 1e-3,
-        forbid_mask_token: bool = True,
+        **sampling,
     ):
-        check_block_cache_name(block_cache)
-        if algorithm not in SAMPLERS:
-            raise ValueError(f"sampler must be one of {SAMPLERS}, got {algorithm!r}")
-        if algorithm == "dream" and (block_cache is not None or cfg_scale > 0 or remasking != "low_confidence"):
-            raise ValueError(f"Dream's sampler has no blocks, guidance or remasking choice: "
-                             f"block_cache={block_cache!r}, cfg_scale={cfg_scale!r} and remasking={remasking!r} "
-                             f"need sampler='llada'")
-        self.algorithm, self.confidence_algorithm = algorithm, confidence_algorithm
-        self.confidence_temperature, self.schedule_eps = confidence_temperature, schedule_eps
-        self.forbid_mask_token = forbid_mask_token
-        if cuda_graph and block_cache is None:
+        # ``algorithm`` was this backend's name for the sampler family (a keyword it still takes)
+        self.settings = settings_from("DiffusionSampler", settings, sampling, renamed={"algorithm": "sampler"})
+        if cuda_graph and self.settings.block_cache is None:
             raise ValueError("cuda_graph=True captures the block cache's steps; it needs block_cache='dual' or "
                              "'prefix' (the exact sampler's steps run the whole row)")
         self.cuda_graph, self.tensor_batch_size = cuda_graph, tensor_batch_size
-        self.block_length, self.steps, self.mask_token_id = block_length, steps, mask_token_id
-        self.remasking, self.cfg_scale, self.logits_shift = remasking, cfg_scale, logits_shift
-        self.padding_style, self.block_cache = padding_style, block_cache
+        self.mask_token_id, self.logits_shift, self.padding_style = mask_token_id, logits_shift, padding_style
         self.autocast = autocast or nullcontext
         self.attends_to_padding = attends_to_padding  # the model ignores the padding mask: never pad a chunk
         self.forwards = 0  # model forwards run so far (a CFG step counts once, with twice the rows)
+
+    @property
+    def algorithm(self) -> str:
+        return self.settings.sampler
+
+    def __getattr__(self, name: str):
+        # the settings read as the backend's own attributes (backend.steps, backend.block_cache, ...)
+        if name != "settings" and name in SETTING_NAMES:
+            return getattr(self.settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def generate(
         self,
@@ -341,7 +308,8 @@ class DiffusionSampler(GenerationBackend):
         length = generation_config.max_new_tokens
         device = model_device(model)
         completions: list[list[int]] = [[] for _ in prompt_ids]
-        blocks = length // self.block_length
+        # temperature (top_p, top_k for Dream's sampler) come from the generation config, call by call
+        settings = dataclasses.replace(self.settings, temperature=temperature)
         cuda_graph = self.cuda_graph
         if cuda_graph is None:
             cuda_graph = self.block_cache == "dual" and device.type == "cuda" and not is_zero3_partitioned(model)
@@ -356,34 +324,30 @@ class DiffusionSampler(GenerationBackend):
             ids, mask, padded = left_pad_tensors([list(prompt_ids[row]) for row in rows], pad_token_id, device)
             if self.algorithm == "dream":
                 with self.autocast():
-                    canvas = self._dream(model, ids, mask, padded, generation_config, temperature, pad_token_id)
-                self.forwards += self.steps
+                    canvas = self._dream(model, ids, mask, padded, generation_config, settings, pad_token_id)
+                self.forwards += settings.steps
                 for row, tokens in zip(rows, cut_after_eos(canvas, eos_token_ids) if keep else []):
                     completions[row] = tokens
                 continue
             with self.autocast():
                 canvas = diffusion_generate(
-                    model, ids, mask, gen_length=length, block_length=self.block_length, steps=self.steps,
-                    mask_token_id=self.mask_token_id, pad_token_id=pad_token_id, temperature=temperature,
-                    remasking=self.remasking, cfg_scale=self.cfg_scale, logits_shift=self.logits_shift,
-                    padding_style=self.padding_style, has_padding=padded, block_cache=self.block_cache,
-                    cuda_graph=cuda_graph, tensor_batch_size=self.tensor_batch_size,
-                    forbid_mask_token=self.forbid_mask_token,
+                    model, ids, mask, settings, gen_length=length, mask_token_id=self.mask_token_id,
+                    pad_token_id=pad_token_id, logits_shift=self.logits_shift, padding_style=self.padding_style,
+                    has_padding=padded, cuda_graph=cuda_graph, tensor_batch_size=self.tensor_batch_size,
                 )
-            self.forwards += blocks * sum(1 for k in transfer_schedule(self.block_length, self.steps // blocks) if k)
+            blocks = length // settings.block_length
+            self.forwards += blocks * sum(1 for k in transfer_schedule(settings.block_length, settings.steps // blocks)
+                                          if k)
             for row, tokens in zip(rows, cut_after_eos(canvas, eos_token_ids) if keep else []):
                 completions[row] = tokens
         return completions
 
-    def _dream(self, model, ids, mask, padded, generation_config, temperature, pad_token_id):
-        from .dream_sampler import dream_generate
-
-        return dream_generate(
-            model, ids, mask, gen_length=generation_config.max_new_tokens, steps=self.steps,
-            mask_token_id=self.mask_token_id, pad_token_id=pad_token_id, temperature=temperature,
-            top_p=generation_config.top_p, top_k=generation_config.top_k, algorithm=self.confidence_algorithm,
-            confidence_temperature=self.confidence_temperature, eps=self.schedule_eps, logits_shift=self.logits_shift,
-            padding_style=self.padding_style, has_padding=padded, forbid_mask_token=self.forbid_mask_token,
+    def _dream(self, model, ids, mask, padded, generation_config, settings, pad_token_id):
+        settings = dataclasses.replace(settings, top_p=generation_config.top_p, top_k=generation_config.top_k)
+        return dream_sampler.dream_generate(  # looked up at call time (tests wrap it)
+            model, ids, mask, settings, gen_length=generation_config.max_new_tokens, mask_token_id=self.mask_token_id,
+            pad_token_id=pad_token_id, logits_shift=self.logits_shift, padding_style=self.padding_style,
+            has_padding=padded,
         )
 
     def _chunks(self, prompt_ids: Sequence[Sequence[int]], chunk_size: int) -> list[list[int]]:

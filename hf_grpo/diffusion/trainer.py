@@ -69,6 +69,7 @@ from .model import (
     resolve_mask_token_id,
 )
 from .sampler import DiffusionSampler, resolve_sampler
+from .sampling_settings import SamplingSettings
 
 logger = logging.getLogger("hf_grpo")
 
@@ -238,14 +239,16 @@ class DiffuGRPOTrainer(GRPOTrainer):
     def _generation_backend(self, model: torch.nn.Module) -> DiffusionSampler:
         if self.decisions.backend is None:
             args = self.args
-            self.decisions.backend = DiffusionSampler(
-                block_length=args.block_length, steps=args.diffusion_steps, mask_token_id=self.mask_token_id,
-                remasking=args.remasking, cfg_scale=args.cfg_scale, logits_shift=self.logits_shift,
-                padding_style=self.estimator.padding_style, autocast=self.accelerator.autocast,
-                block_cache=args.block_cache, tensor_batch_size=self.sizes.tensor_batch_size,
-                algorithm=self.sampler_algorithm, confidence_algorithm=args.confidence_algorithm,
+            settings = SamplingSettings(
+                steps=args.diffusion_steps, block_length=args.block_length, remasking=args.remasking,
+                cfg_scale=args.cfg_scale, block_cache=args.block_cache, forbid_mask_token=args.forbid_mask_token,
+                sampler=self.sampler_algorithm, confidence_algorithm=args.confidence_algorithm,
                 confidence_temperature=args.confidence_temperature, schedule_eps=args.schedule_eps,
-                forbid_mask_token=args.forbid_mask_token,
+            )
+            self.decisions.backend = DiffusionSampler(
+                settings, mask_token_id=self.mask_token_id, logits_shift=self.logits_shift,
+                padding_style=self.estimator.padding_style, autocast=self.accelerator.autocast,
+                tensor_batch_size=self.sizes.tensor_batch_size,
             )
             if self.accelerator.is_main_process:
                 how = ("no KV cache: every step recomputes the row" if args.block_cache is None

@@ -53,32 +53,12 @@ def open_backend(setting: str, model: torch.nn.Module, reserve: int | None, main
     return backend
 
 
-def dense_mirror_choice(settings, model: torch.nn.Module, zero3_configured: bool, device: torch.device,
-                        agree, main: bool) -> tuple[bool, object]:
-    """``(decided, MirrorChoice or None)``: the dense copy of the weights generation reads, under ZeRO-3
-    (``zero3_generation_mirror``) and for a LoRA policy otherwise (``lora_generation_mirror``: the adapters merged);
-    ``settings`` is the run's config, ``agree`` the minimum over the ranks. Not decided while ZeRO-3 is configured
-    and ``model`` is not partitioned yet (built in code, before DeepSpeed wraps it); logged on ``main``."""
-    from . import dense_mirror
-
-    zero3 = dense_mirror.is_zero3_partitioned(model)
-    if not zero3 and zero3_configured:
-        return False, None
-    choose, setting = ((dense_mirror.choose, settings.zero3_generation_mirror) if zero3 else
-                       (dense_mirror.choose_lora, settings.lora_generation_mirror))
-    choice = choose(setting, model, settings.generation_backend, device, agree)
-    if choice is not None and main:
-        logging.getLogger("hf_grpo").info("%s generation mirror: %s", choice.kind, choice)
-    return True, choice
-
-
 __all__ = [
     "BACKEND_NAMES",
     "GenerationBackend",
     "backend_counts",
     "HFGenerateBackend",
     "cut_after_eos",
-    "dense_mirror_choice",
     "iter_chunks",
     "left_pad",
     "model_device",

@@ -28,14 +28,13 @@ import copy
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from . import resolve_backend
 from .base import is_zero3_param, is_zero3_partitioned
-
-if TYPE_CHECKING:
-    from .lora_merge import InPlaceLoraMerge
+from .lora_merge import InPlaceLoraMerge
+from .weight_sources import add_lora_deltas, is_lora_layer, live_base, skeleton, unsupported_reason, walk
 
 logger = logging.getLogger(__name__)
 
@@ -43,21 +42,6 @@ MIRROR_SETTINGS = ("auto", "on", "off")
 # "auto" builds the mirror only when free memory holds it twice over: the second copy's worth is left
 # for what a rollout allocates on top (KV cache, one gathered layer, the captured step's buffers).
 AUTO_HEADROOM = 2.0
-
-
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module under DDP/DeepSpeed-style ``.module`` wrappers (a PEFT model stays a PEFT model).
-
-    A wrapper is told by having no ``generation_config`` (a DeepSpeed engine has a ``config`` of its own)."""
-    while isinstance(getattr(model, "module", None), torch.nn.Module) and not hasattr(model, "generation_config"):
-        model = model.module
-    return model
-
-
-def _live_base(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model whose module paths the mirror copies (under PEFT, the LoRA-injected one)."""
-    model = _unwrap(model)
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 @contextlib.contextmanager
@@ -72,122 +56,12 @@ def _gathered(params: list[torch.nn.Parameter]) -> Iterator[None]:
         yield
 
 
-# ---- what each mirror tensor is read from ---------------------------------------------------------
-
-def _is_lora_layer(module: torch.nn.Module) -> bool:
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return False
-    return isinstance(module, LoraLayer)
-
-
-def _is_modules_to_save(module: torch.nn.Module) -> bool:
-    try:
-        from peft.utils.other import ModulesToSaveWrapper
-    except ImportError:
-        return False
-    return isinstance(module, ModulesToSaveWrapper)
-
-
-def _active_lora_adapters(layer) -> list[str]:
-    """Adapters whose delta the live forward adds: none when disabled or already merged into the base."""
-    if layer.disable_adapters or layer.merged:
-        return []
-    return [name for name in layer.active_adapters if name in layer.lora_A]
-
-
-def _source_module(live: torch.nn.Module, path: str) -> tuple[torch.nn.Module, torch.nn.Module | None]:
-    """(module holding the base tensors, LoRA layer whose deltas are added or None) for a mirror module."""
-    if _is_lora_layer(live):
-        for adapter in _active_lora_adapters(live):
-            if adapter in getattr(live, "lora_variant", {}):
-                raise ValueError(
-                    f"{path}: LoRA adapter {adapter!r} uses a variant (DoRA or similar) whose merge is not a plain "
-                    f"delta; the dense mirror supports plain LoRA: set zero3_generation_mirror='off'"
-                )
-        return live.get_base_layer(), live
-    if _is_modules_to_save(live):
-        active = live.active_adapters
-        if live.disable_adapters or any(name not in live.modules_to_save for name in active):
-            return live.original_module, None
-        return live.modules_to_save[active[0]], None
-    return live, None
-
-
-def _check_plain(mirror_module: torch.nn.Module, source: torch.nn.Module, path: str) -> None:
-    """The source must be the same kind of module: an unknown adapter wrapper would be copied without its effect."""
-    if type(source) is not type(mirror_module):
-        raise ValueError(
-            f"{path}: the policy has a {type(source).__name__} where its architecture has a "
-            f"{type(mirror_module).__name__}; the dense mirror copies plain modules and LoRA layers only: "
-            f"set zero3_generation_mirror='off'"
-        )
-
-
-def _add_lora_deltas(target: torch.Tensor, layer, name: str, adapters: list[str]) -> None:
-    """Add what PEFT's merge adds to ``layer``'s base ``weight`` / ``bias``: one in-place add per adapter, in
-    order, as ``merge`` does (``weight.data += delta``), so the values equal ``merge_and_unload``'s bit for bit."""
-    for adapter in adapters:
-        if name == "weight":
-            target.add_(layer.get_delta_weight(adapter))
-        elif name == "bias" and layer.lora_bias.get(adapter, False):
-            target.add_(layer.lora_B[adapter].bias * layer.scaling[adapter])
-
-
-def _units(mirror: torch.nn.Module) -> list[tuple[str, torch.nn.Module, bool]]:
-    """(path, module, recurse) gathered together: each element of a ModuleList (a decoder layer) with all it
-    holds, and every other module that owns parameters or buffers directly (embeddings, final norm, head)."""
-    units: list[tuple[str, torch.nn.Module, bool]] = []
-
-    def visit(path: str, module: torch.nn.Module, in_list: bool) -> None:
-        if in_list:
-            units.append((path, module, True))
-            return
-        if any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False)):
-            units.append((path, module, not any(True for _ in module.children())))
-        is_list = isinstance(module, torch.nn.ModuleList)
-        for name, child in module.named_children():
-            visit(f"{path}.{name}" if path else name, child, is_list)
-
-    visit("", mirror, False)
-    return units
-
-
-def _walk(mirror: torch.nn.Module, base: torch.nn.Module):
-    """For each unit: (the policy's parameters to gather, [(mirror module, source module, LoRA layer or None,
-    active adapters)] for every mirror module in it that holds tensors). Read afresh on every call, so a
-    changed adapter state (disabled, merged, another active adapter) is followed."""
-    for path, unit, recurse in _units(mirror):
-        live_unit = base.get_submodule(path)
-        members = []
-        for mod_path, mirror_module in (unit.named_modules(prefix=path) if recurse else [(path, unit)]):
-            if not any(True for _ in mirror_module.parameters(recurse=False)) and not any(
-                    True for _ in mirror_module.buffers(recurse=False)):
-                continue
-            source, lora = _source_module(base.get_submodule(mod_path), mod_path)
-            _check_plain(mirror_module, source, mod_path)
-            members.append((mirror_module, source, lora, _active_lora_adapters(lora) if lora is not None else []))
-        yield list(live_unit.parameters(recurse=recurse)), members
-
-
-def _skeleton(base: torch.nn.Module) -> torch.nn.Module:
-    """The architecture of ``base`` on the meta device: no memory, no ZeRO-3 partitioning, no adapters."""
-    config = copy.deepcopy(base.config)
-    with torch.device("meta"):  # transformers skips weight init on meta; ties the embeddings as configured
-        mirror = type(base)(config)
-    attn = getattr(base.config, "_attn_implementation", None)
-    if attn is not None:
-        mirror.config._attn_implementation = attn
-    return mirror
-
-
 def _materialize(mirror: torch.nn.Module, base: torch.nn.Module, device: torch.device | None) -> int:
     """Give every parameter of the meta ``mirror`` its own tensor (tied ones share one), in the dtype of the
     policy tensor it copies, and copy the buffers; return the bytes. ``device=None`` only counts them."""
     made: dict[int, torch.nn.Parameter] = {}  # meta parameter id -> its one parameter (tied weights)
     nbytes = 0
-    for _, members in _walk(mirror, base):
+    for _, members in walk(mirror, base):
         for mirror_module, source, _, _ in members:
             for name, meta in list(mirror_module.named_parameters(recurse=False)):
                 if id(meta) in made:
@@ -225,9 +99,9 @@ class DenseMirror:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"the dense mirror cannot copy this model: {reason}; set zero3_generation_mirror='off'")
-        base = _live_base(model)
+        base = live_base(model)
         self.device = torch.device(device) if device is not None else next(base.parameters()).device
-        self.module = _skeleton(base)
+        self.module = skeleton(base)
         self.nbytes = _materialize(self.module, base, self.device)
         self.module.eval()
         self.module.generation_config = copy.deepcopy(base.generation_config)
@@ -239,7 +113,7 @@ class DenseMirror:
         Under ZeRO-3 every rank must call it (each unit is one all-gather), as with any collective.
         """
         done: set[int] = set()  # a tied weight is copied once
-        for live_params, members in _walk(self.module, _live_base(model)):
+        for live_params, members in walk(self.module, live_base(model)):
             todo = [(m, s, lora, adapters, name, p) for m, s, lora, adapters in members
                     for name, p in m.named_parameters(recurse=False) if id(p) not in done]
             if not todo:
@@ -248,26 +122,12 @@ class DenseMirror:
                 for _, source, lora, adapters, name, target in todo:
                     target.copy_(getattr(source, name))
                     if lora is not None:
-                        _add_lora_deltas(target, lora, name, adapters)
+                        add_lora_deltas(target, lora, name, adapters)
                     done.add(id(target))
         return self.module
 
     def restore(self) -> None:
         """Nothing to undo: the policy's own weights were only read."""
-
-
-def unsupported_reason(model: torch.nn.Module) -> str | None:
-    """Why a dense mirror cannot stand in for ``model`` (prompt-learning PEFT, quantized weights), or None."""
-    model = _unwrap(model)
-    peft_config = getattr(model, "active_peft_config", None)
-    if peft_config is not None and getattr(peft_config, "is_prompt_learning", False):
-        return f"the PEFT method {peft_config.peft_type} adds virtual tokens, not weights"
-    base = _live_base(model)
-    if getattr(base, "hf_quantizer", None) is not None or getattr(base, "is_quantized", False):
-        return "the model is quantized"
-    if getattr(base, "config", None) is None:
-        return f"{type(base).__name__} has no transformers config to build the copy from"
-    return None
 
 
 # ---- deciding -----------------------------------------------------------------------------------------
@@ -284,8 +144,8 @@ def validate_setting(value: str, field: str = "zero3_generation_mirror") -> str:
 
 def planned_nbytes(model: torch.nn.Module) -> int:
     """Bytes a mirror of ``model`` would hold (one copy of its parameters and buffers, in the policy's dtypes)."""
-    base = _live_base(model)
-    return _materialize(_skeleton(base), base, None)
+    base = live_base(model)
+    return _materialize(skeleton(base), base, None)
 
 
 def free_bytes(device: torch.device) -> int | None:
@@ -392,9 +252,6 @@ def _choose(setting: str, model, generation_backend: str, device: torch.device,
 
 
 def _build(setting: str, model, generation_backend: str, device: torch.device, reason: str, kind: str) -> MirrorChoice:
-    from . import resolve_backend
-    from .lora_merge import InPlaceLoraMerge
-
     mirror = InPlaceLoraMerge(model) if kind == "LoRA" else DenseMirror(model, device)
     backend, why_not = resolve_backend(generation_backend, mirror.module)
     if setting == "auto" and backend.name != "cuda_graph":
@@ -406,7 +263,7 @@ def _build(setting: str, model, generation_backend: str, device: torch.device, r
 
 def has_lora(model: torch.nn.Module) -> bool:
     """Whether ``model`` (under any wrapper) carries PEFT LoRA layers."""
-    return any(_is_lora_layer(module) for module in _live_base(model).modules())
+    return any(is_lora_layer(module) for module in live_base(model).modules())
 
 
 def choose_lora(setting: str, model: torch.nn.Module, generation_backend: str, device: torch.device,
@@ -417,3 +274,20 @@ def choose_lora(setting: str, model: torch.nn.Module, generation_backend: str, d
     if not has_lora(model):
         return None
     return _choose(setting, model, generation_backend, device, min_over_ranks, "lora_generation_mirror", "LoRA")
+
+
+def choose_for_run(settings, model: torch.nn.Module, zero3_configured: bool, device: torch.device,
+                   agree: Callable[[int], int], main: bool) -> tuple[bool, MirrorChoice | None]:
+    """``(decided, choice)`` for a run: ZeRO-3's mirror where ``model`` is partitioned (``zero3_generation_mirror``),
+    else a LoRA policy's merge (``lora_generation_mirror``); ``settings`` is the run's config, ``agree`` the minimum
+    over the ranks. Not decided while ZeRO-3 is configured and ``model`` is not partitioned yet (built in code,
+    before DeepSpeed wraps it); the choice logged on ``main``."""
+    zero3 = is_zero3_partitioned(model)
+    if not zero3 and zero3_configured:
+        return False, None
+    pick, setting = ((choose, settings.zero3_generation_mirror) if zero3 else
+                     (choose_lora, settings.lora_generation_mirror))
+    choice = pick(setting, model, settings.generation_backend, device, agree)
+    if choice is not None and main:
+        logging.getLogger("hf_grpo").info("%s generation mirror: %s", choice.kind, choice)
+    return True, choice

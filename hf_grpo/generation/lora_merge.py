@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .dense_mirror import _add_lora_deltas, _live_base, _skeleton, _walk, unsupported_reason
+from .weight_sources import add_lora_deltas, live_base, skeleton, unsupported_reason, walk
 
 
 @dataclass
@@ -59,11 +59,11 @@ class InPlaceLoraMerge:
         if reason is not None:
             raise ValueError(f"LoRA adapters cannot be merged for generation: {reason}; "
                              f"set lora_generation_mirror='off'")
-        base = _live_base(model)
-        self.module = _skeleton(base)
+        base = live_base(model)
+        self.module = skeleton(base)
         self._originals: dict[int, _Adapted] = {}  # id(live tensor) -> its host copy
         made: dict[int, torch.nn.Parameter] = {}  # meta parameter id -> the live one (tied weights stay tied)
-        for _, members in _walk(self.module, base):
+        for _, members in walk(self.module, base):
             for mirror_module, source, lora, _ in members:
                 for name, meta in list(mirror_module.named_parameters(recurse=False)):
                     live = getattr(source, name)
@@ -87,7 +87,7 @@ class InPlaceLoraMerge:
         """Merge ``model``'s active adapters into its base weights in place; return the plain model that reads them."""
         self.restore()  # a rollout that raised before its restore must not merge twice
         merged: set[int] = set()
-        for _, members in _walk(self.module, _live_base(model)):
+        for _, members in walk(self.module, live_base(model)):
             for _, source, lora, adapters in members:
                 if lora is None or not adapters:
                     continue
@@ -103,7 +103,7 @@ class InPlaceLoraMerge:
                         continue  # no adapter adds to this bias
                     if tensor.requires_grad:  # a trained base weight: its host copy must be the current value
                         adapted.original.copy_(tensor)
-                    _add_lora_deltas(tensor, lora, name, adapters)
+                    add_lora_deltas(tensor, lora, name, adapters)
                     merged.add(id(tensor))
                     self._merged.append(adapted)
         return self.module

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +34,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..plan import AUTO, AUTO_DEFAULTS, AUTO_FIELDS, coerce_size, take_auto  # noqa: F401 (re-exported)
 from ..run_state import RunFacts, RunSizes
 from .oom import (
     BACKOFF_FIELDS,
@@ -49,59 +49,8 @@ from .saved_sizes import SIZES_FILE, log_reuse, plan_reuse, read_saved_sizes, sa
 
 logger = logging.getLogger("hf_grpo")
 
-AUTO = "auto"
-# What "auto" means where nothing is probed (CPU). None: the whole per-device rollout in one chunk.
-AUTO_DEFAULTS: dict[str, int | None] = {
-    "per_device_generation_batch_size": None,
-    "per_device_train_batch_size": 8,
-    "tensor_batch_size": 1024,
-}
-AUTO_FIELDS = tuple(AUTO_DEFAULTS)
 # Largest tensor_batch_size tried: past a few thousand rows the head's GEMMs gain nothing more.
 MAX_AUTO_TENSOR_ROWS = 8192
-
-
-def coerce_size(name: str, value: Any) -> int | str | None:
-    """A size field's value as an int, ``"auto"`` or None (tensor_batch_size, per_device_generation_batch_size).
-
-    Command-line and YAML values may arrive as text ("4", "auto", "none"). Anything else is a ValueError
-    naming the field, the value and what is valid. Range checks (>= 1) stay with the batch plan.
-    """
-    nullable = name != "per_device_train_batch_size"
-    valid = "a positive integer or 'auto'" + (" or None" if nullable else "")
-    if value is None:
-        if nullable:
-            return None
-        raise ValueError(f"{name} must be {valid}, got None")
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be {valid}, got {value!r}")
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str):
-        text = value.strip()
-        if text.lower() == AUTO:
-            return AUTO
-        if nullable and text.lower() in ("none", "null"):
-            return None
-        if re.fullmatch(r"[+-]?[0-9]+", text):
-            return int(text)
-    raise ValueError(f"{name} must be {valid}, got {value!r}")
-
-
-def take_auto(values: dict[str, Any], probe_later: bool) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """Replace each ``"auto"`` in ``values`` by its ``AUTO_DEFAULTS`` value.
-
-    Returns the new values and the fields left for ``resolve_auto_sizes`` (none unless ``probe_later``,
-    i.e. CUDA: there the defaults are provisional).
-    """
-    values = dict(values)
-    auto = []
-    for name in AUTO_FIELDS:
-        values[name] = coerce_size(name, values.get(name))
-        if values[name] == AUTO:
-            values[name] = AUTO_DEFAULTS[name]
-            auto.append(name)
-    return values, tuple(auto) if probe_later else ()
 
 
 # ---- search -------------------------------------------------------------------------------------

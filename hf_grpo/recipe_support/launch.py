@@ -6,7 +6,9 @@ import importlib.util
 import logging
 import math
 import os
+import pathlib
 import sys
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -25,6 +27,18 @@ from .tasks import as_chat
 from .tiny import build_char_tokenizer, build_tiny_model
 
 logger = logging.getLogger("hf_grpo")
+
+
+def recipe_defaults(recipe_file: str, launch_only: Collection[str] = ()) -> dict[str, Any]:
+    """A recipe's defaults, read from the YAML beside it (``recipes/<name>.yaml``): its settings are written there
+    once. ``launch_only`` names the keys the YAML sets for the launch its first line names (bf16 weights,
+    accumulation, chunk sizes, a seed) that a run without ``--config`` leaves at the library's defaults."""
+    path = pathlib.Path(recipe_file).with_suffix(".yaml")
+    values = yaml.safe_load(path.read_text())
+    unknown = sorted(set(launch_only) - set(values))
+    if unknown:
+        raise ValueError(f"launch_only names {unknown}, which {path} does not set; its keys: {sorted(values)}")
+    return {name: value for name, value in values.items() if name not in launch_only}
 
 
 def parse_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None, config_cls: type = GRPOConfig):

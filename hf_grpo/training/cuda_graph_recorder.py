@@ -32,6 +32,20 @@ class CudaGraphRecorder:
     def __init__(self):
         self._stream: torch.cuda.Stream | None = None
 
+    @staticmethod
+    def device_reason(device: torch.device) -> str | None:
+        """Why graphs cannot be recorded on ``device``; None when they can."""
+        return None if device.type == "cuda" else f"CUDA graphs need a CUDA device (device {device.type})"
+
+    @staticmethod
+    def hand_over_reason() -> str | None:
+        """Why the backward cannot be captured where DeepSpeed holds the gradients (``HandedOverReplay``); None
+        when it can. On an H200 (DeepSpeed 0.19.8, torch 2.11) autograd reaches parameter accumulation nodes bound
+        to the default stream inside the capture and fails it (cudaErrorStreamCaptureImplicit); everything around
+        the capture is tested on a CPU (tests/test_packed_launch.py)."""
+        return ("under DeepSpeed the backward's capture would make the default stream wait on the capture "
+                "(cudaErrorStreamCaptureImplicit)")
+
     def new_pool(self):
         return torch.cuda.graph_pool_handle()
 

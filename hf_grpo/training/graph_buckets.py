@@ -1,8 +1,23 @@
-"""One captured shape of ``hf_grpo.training.graphs``: its static buffers, and its replay as an autograd node."""
+"""One captured shape of ``hf_grpo.training.graphs``: its static buffers, and its replay as an autograd node (two
+kinds: gradients into ``.grad``, or handed over to autograd); and the rollout's scoring in row chunks."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+
+def chunked_scoring(score_rows: Callable, input_ids, attention_mask, completion_width: int, rows: int):
+    """``score_rows(input_ids, attention_mask, completion_width) -> (logps, entropies or None)`` (as
+    ``TrainingGraphs.scorer``) over the batch ``rows`` rows at a time, concatenated."""
+    logps, entropies = [], []
+    for start in range(0, input_ids.shape[0], rows):
+        chunk_logps, chunk_entropies = score_rows(input_ids[start:start + rows], attention_mask[start:start + rows],
+                                                  completion_width)
+        logps.append(chunk_logps)
+        entropies.append(chunk_entropies)
+    return torch.cat(logps), (None if entropies[0] is None else torch.cat(entropies))
 
 
 class Bucket:
@@ -41,3 +56,29 @@ class Replay(torch.autograd.Function):
         ctx.graphs.adopt_gradients()
         entry.replay_backward()
         return None, None, None
+
+
+class HandedOverReplay(torch.autograd.Function):
+    """``Replay`` where DeepSpeed (ZeRO-1/2) holds the gradients: the backward graph writes the parameters'
+    gradients into its own buffers, and this node returns them to autograd as the gradients of its parameter
+    inputs. Autograd then accumulates them into ``.grad`` (a copy: the buffers are kept) and DeepSpeed's hooks on
+    that accumulation bucket, reduce and partition them as after an eager backward, outside the replayed graph."""
+
+    @staticmethod
+    def forward(ctx, graphs, entry, *params):
+        entry.replay_forward()
+        ctx.graphs, ctx.entry = graphs, entry
+        entropy = entry.entropy.clone() if entry.entropy is not None else None
+        if entropy is not None:
+            ctx.mark_non_differentiable(entropy)
+        return entry.logps.clone(), entropy
+
+    @staticmethod
+    def backward(ctx, grad_logps, _grad_entropy):
+        entry = ctx.entry
+        if grad_logps is None:
+            entry.grad_logps.zero_()
+        else:
+            entry.grad_logps.copy_(grad_logps)
+        entry.replay_backward()
+        return (None, None, *ctx.graphs.handed_over_buffers())

@@ -24,6 +24,9 @@ How (``training_cuda_graphs``, "auto" by default):
   (adopting what earlier micro-batches accumulated), since the Trainer sets gradients to None after each
   optimizer step. The replay is an autograd node of the loss, so TRL's loss, the Trainer's backward and the
   out-of-memory back-off work unchanged. The gradients therefore stay allocated through the rollout.
+  Under DeepSpeed ZeRO-1/2 the node hands the buffers to autograd instead, whose accumulation runs DeepSpeed's
+  reduction hooks after the replay (``HandedOverReplay``; its capture is refused on a GPU for now, see
+  ``CudaGraphRecorder.hand_over_reason``). ZeRO-3 and FSDP gather in hooks: eager.
 * Every graph, training and scoring, shares one memory pool: they run one at a time (a bucket's forward then its
   backward), so one may reuse another's memory. Between steps the pool keeps what the largest bucket needs at
   its peak, which the rollout then does not get back: with activation checkpointing its layer inputs and one
@@ -44,24 +47,23 @@ from contextlib import contextmanager
 
 import torch
 
+from ..distributed import deepspeed_replay
 from ..generation.static_cache import weights_signature
 from ..run_state import RunDecisions, RunFacts, RunSizes
 from . import graph_inputs, padding_free, shape_reuse
 from .cuda_graph_recorder import CudaGraphRecorder
-from .graph_buckets import Bucket, Replay
+from .graph_buckets import Bucket, HandedOverReplay, Replay, chunked_scoring
 from .shape_reuse import Shape
 
 logger = logging.getLogger(__name__)
 
 SETTINGS = ("auto", "on", "off")
-# Eager passes on the capture stream before a capture, (the run's first capture, a later bucket's). The first
-# capture's pass loads the kernels and sets up cuBLAS for the stream. Eager layers need nothing more for another
-# shape (a later bucket's pass cost 0.25 s and 0.6 GiB of peak, measured); compiled layers may compile or tune
-# again for a new shape, which cannot happen inside a capture.
+# Eager passes on the capture stream before a capture (the run's first, a later bucket's): the first loads the
+# kernels and sets up cuBLAS for the stream. Eager layers need no more for another shape (a later pass cost 0.25 s
+# and 0.6 GiB of peak); compiled layers may compile or tune again for a new shape, impossible inside a capture.
 WARMUP_PASSES = {"eager": (1, 0), "compiled": (2, 1)}
-# Captured shapes kept per table (training, scoring); the least recently used is dropped beyond. Over a long run
-# packed rows meet some 30 shapes at prompts of 32-384 tokens, about 100 at 64-1024 (95% of the micro-batches in
-# the 64 most used); a kept shape holds little more than its inputs and outputs.
+# Captured shapes kept per table (training, scoring), the least recently used dropped beyond: packed rows meet ~30
+# shapes at prompts of 32-384 tokens, ~100 at 64-1024 (95% of micro-batches in the 64 most used); each is small.
 MAX_BUCKETS = 64
 _CAPTURABLE_ATTENTION = ("sdpa", "eager")  # flash-attention's varlen path reads sequence lengths on the host
 
@@ -71,29 +73,21 @@ def validate_setting(value: str) -> None:
         raise ValueError(f"training_cuda_graphs must be one of {list(SETTINGS)}, got {value!r}")
 
 
-def chunked_scoring(score_rows: Callable, input_ids, attention_mask, completion_width: int, rows: int):
-    """``score_rows(input_ids, attention_mask, completion_width) -> (logps, entropies or None)`` (as
-    ``TrainingGraphs.scorer``) over the batch ``rows`` rows at a time, concatenated."""
-    logps, entropies = [], []
-    for start in range(0, input_ids.shape[0], rows):
-        chunk_logps, chunk_entropies = score_rows(input_ids[start:start + rows], attention_mask[start:start + rows],
-                                                  completion_width)
-        logps.append(chunk_logps)
-        entropies.append(chunk_entropies)
-    return torch.cat(logps), (None if entropies[0] is None else torch.cat(entropies))
-
-
 def unavailable_reason(facts: RunFacts, sizes: RunSizes, chunked_head: bool = True) -> str | None:
     """Why this run's training micro-batches cannot be replayed from CUDA graphs; None when they can.
     ``chunked_head``: the policy's head runs hf_grpo's chunked form (not TRL's fused head)."""
     if facts.training_graphs_unavailable:
         return facts.training_graphs_unavailable
-    if facts.device_type != "cuda":
-        return f"CUDA graphs need a CUDA device (device {facts.device_type})"
-    if facts.num_processes > 1 or facts.n_gpu > 1:
-        return "several processes: the backward's gradient reductions run inside it"
-    if facts.engine is not None:
-        return "DeepSpeed or FSDP manages the gradients"
+    if (reason := CudaGraphRecorder.device_reason(torch.device(facts.device_type))) is not None:
+        return reason
+    if facts.fsdp:
+        return "FSDP gathers and reduces each layer's parameters in hooks a graph cannot hold"
+    if facts.deepspeed and facts.zero3:
+        return "ZeRO-3 gathers each layer's parameters in hooks a graph cannot hold"
+    if facts.deepspeed and CudaGraphRecorder.hand_over_reason() is not None:
+        return CudaGraphRecorder.hand_over_reason()
+    if not facts.deepspeed and (facts.num_processes > 1 or facts.n_gpu > 1):
+        return "several processes without DeepSpeed: DDP's gradient reductions would run inside the backward"
     if sizes.max_tokens_per_micro_batch is not None:
         return "max_tokens_per_micro_batch splits micro-batches into passes of varying rows"
     if facts.attention not in _CAPTURABLE_ATTENTION:
@@ -126,8 +120,8 @@ def choose(settings, model: torch.nn.Module, facts: RunFacts, sizes: RunSizes,
     # compiled layers (ours, or the Trainer's torch_compile) may compile again for a new shape: warm every bucket up
     compiled = decisions.train_layers is not None or bool(getattr(settings, "torch_compile", 0))
     return TrainingGraphs(model, pad if pad is not None else 0, eager_on_failure=setting == "auto",
-                          compiled_layers=compiled,
-                          packed=unpacked_reason(settings.padding_free, model, facts) is None), None
+                          compiled_layers=compiled, packed=unpacked_reason(settings.padding_free, model, facts) is None,
+                          hand_over=facts.deepspeed), None
 
 
 def unpacked_reason(setting: bool | None, model: torch.nn.Module, facts: RunFacts) -> str | None:
@@ -187,9 +181,12 @@ def replay(graphs: TrainingGraphs | None, perf, autocast: Callable, model, input
         scored = chunked_scoring(graphs.scorer(score, model, compute_entropy), input_ids, attention_mask,
                                  logits_to_keep, batch_size)
         return counted((*scored, None))
+    engine = model if graphs.hand_over and deepspeed_replay.is_engine_of(model, graphs.model) else None
+    model = model if engine is None else graphs.model  # under DeepSpeed, the module its engine wraps
     if batch_size is not None or model is not graphs.model or not torch.is_grad_enabled() or not model.training:
         return None
-    result = graphs.logps(score, input_ids, attention_mask, logits_to_keep, compute_entropy)
+    run = lambda: graphs.logps(score, input_ids, attention_mask, logits_to_keep, compute_entropy)  # noqa: E731
+    result = run() if engine is None else deepspeed_replay.forward_as_engine(engine, run)
     return counted(None if result is None else (*result, None))
 
 
@@ -198,8 +195,9 @@ class TrainingGraphs:
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eager_on_failure: bool = True,
                  recorder: CudaGraphRecorder | None = None, compiled_layers: bool = False, packed: bool = False,
-                 reuse: shape_reuse.ShapeReuse | None = None):
+                 reuse: shape_reuse.ShapeReuse | None = None, hand_over: bool = False):
         self.model = model
+        self.hand_over = hand_over  # DeepSpeed holds .grad: the replay's node hands gradients over (module doc)
         self.packed = packed  # rows packed into one sequence where they allow it (padding_free), else padded
         self.warmup_passes = WARMUP_PASSES["compiled" if compiled_layers else "eager"]
         self.eager_on_failure = eager_on_failure
@@ -207,6 +205,7 @@ class TrainingGraphs:
         self.pad_token_id = pad_token_id
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.grad_buffers: list[torch.Tensor] | None = None
+        self._reached: list[bool] | None = None  # which parameters the backward reaches (handed over)
         self.captures = 0  # graphs captured over the run, training buckets and scoring (perf/train_graph_captures)
         # a new packed shape's first micro-batches replayed in a captured larger one (perf/train_graph_reuses)
         self.reuse = reuse if reuse is not None else shape_reuse.ShapeReuse(shape_reuse.head_share(model))
@@ -243,7 +242,13 @@ class TrainingGraphs:
         else:
             self._entries.move_to_end(shape)
             entry.load(batch.inputs)
-        logps, entropy = Replay.apply(self._anchor, self, entry)
+        if self.hand_over:
+            # on the capture stream: autograd's accumulation nodes of the parameters keep the stream they were
+            # made on, and a later capture reaching them would wait on the default stream (an error)
+            with self.recorder.side_stream():
+                logps, entropy = HandedOverReplay.apply(self, entry, *self._reached_params(self.params))
+        else:
+            logps, entropy = Replay.apply(self._anchor, self, entry)
         return batch.spread(logps), (batch.spread(entropy) if entropy is not None else None)
 
     def static_inputs(self, input_ids, attention_mask, completion_width: int,
@@ -316,6 +321,13 @@ class TrainingGraphs:
                 buffer.copy_(param.grad)
             param.grad = buffer
 
+    def handed_over_buffers(self) -> list[torch.Tensor]:
+        """The gradients the last backward replay wrote, of the parameters it reaches (``HandedOverReplay``)."""
+        return self._reached_params(self.grad_buffers)
+
+    def _reached_params(self, tensors: list) -> list:
+        return [tensor for tensor, reached in zip(tensors, self._reached) if reached]
+
     def give_up(self, reason: str) -> None:
         self.failure = reason
         self._recover()
@@ -351,7 +363,9 @@ class TrainingGraphs:
         early = next((p for p in self.params if p.numel() <= 1 << 24), self.params[-1])
         for _ in range(self.warmup_passes[0 if first else 1]):
             logps, _ = score(entry.inputs, window)
-            if first:
+            if first and self.hand_over:  # .grad is DeepSpeed's: a backward would run its reduction hooks
+                torch.autograd.grad(logps.sum(), self.params, allow_unused=True)
+            elif first:
                 for param in self.params:
                     param.grad = None
                 logps.sum().backward()
@@ -406,14 +420,25 @@ class TrainingGraphs:
 
         def backward():
             # No retain_graph: the saved activations go back to the pool, for the next bucket's capture.
-            torch.autograd.backward(scored["outputs"][0], entry.grad_logps)
+            if not self.hand_over:
+                torch.autograd.backward(scored["outputs"][0], entry.grad_logps)
+                return
+            grads = torch.autograd.grad(scored["outputs"][0], self.params, entry.grad_logps, allow_unused=True)
+            reached = [grad is not None for grad in grads]
+            if self._reached is not None and reached != self._reached:
+                raise RuntimeError("a bucket's backward reaches other parameters than the first bucket's")
+            self._reached = reached
+            for buffer, grad in zip(self.grad_buffers, grads):
+                if grad is not None:
+                    buffer.copy_(grad)
 
         with self._random_stream_kept():
             try:
                 with recorder.side_stream():
                     self._warm_up(score, entry, window)
-                for param, buffer in zip(self.params, self.grad_buffers):
-                    param.grad = buffer  # the backward graph accumulates into these addresses
+                if not self.hand_over:
+                    for param, buffer in zip(self.params, self.grad_buffers):
+                        param.grad = buffer  # the backward graph accumulates into these addresses
                 entry.replay_forward, (entry.logps, entry.entropy) = recorder.record(forward, self._pool)
                 entry.grad_logps = torch.zeros_like(entry.logps)
                 entry.replay_backward, _ = recorder.record(backward, self._pool)

@@ -4,7 +4,7 @@ near-tie decides a commit, and prompts of four rows, of equal or ragged lengths 
 import pytest
 import torch
 
-from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
+from hf_grpo.recipe_support.diffusion_tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
 
 TOKENIZER = build_diffusion_tokenizer()
 

@@ -14,7 +14,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from hf_grpo.diffusion.block_cache import BLOCK_CACHES, check_block_cache
 from hf_grpo.diffusion.model import left_pad_tensors
 from hf_grpo.diffusion.sampler import DiffusionSampler, diffusion_generate
-from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
+from hf_grpo.recipe_support.diffusion_tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
 
 TOKENIZER = build_diffusion_tokenizer()
 MASK, PAD = TOKENIZER.mask_token_id, TOKENIZER.pad_token_id

@@ -112,7 +112,7 @@ def test_diffusion_plan_shows_blocks_steps_and_seeds():
 
 
 def test_recipe_parser_reads_diffusion_flags(tmp_path):
-    from hf_grpo.diffusion.launch import parse_diffu_recipe_args
+    from hf_grpo.recipe_support.diffusion_launch import parse_diffu_recipe_args
 
     training_args, recipe_args, model_args = parse_diffu_recipe_args(
         {"output_dir": str(tmp_path), "per_device_train_batch_size": 8, "num_generations": 4},

@@ -21,7 +21,7 @@ from hf_grpo.diffusion.config import DiffuGRPOConfig
 from hf_grpo.diffusion.dream_sampler import dream_commit_count, dream_generate, dream_timesteps
 from hf_grpo.diffusion.model import left_pad_tensors
 from hf_grpo.diffusion.sampler import DiffusionSampler, resolve_sampler
-from hf_grpo.diffusion.tiny import build_tiny_diffusion_model
+from hf_grpo.recipe_support.diffusion_tiny import build_tiny_diffusion_model
 
 MASK, PAD = TOKENIZER.mask_token_id, TOKENIZER.pad_token_id
 GEN, STEPS, EPS = 12, 5, 1e-3
@@ -176,7 +176,7 @@ def test_backend_passes_top_p_and_top_k_to_dreams_sampler(model, monkeypatch):
     seen = {}
 
     def spy(*args, **kwargs):
-        seen.update(kwargs)
+        seen.update(vars(args[3]))  # the SamplingSettings
         return torch.full((len(args[1]), GEN), 5)
 
     monkeypatch.setattr(dream_sampler, "dream_generate", spy)
@@ -185,10 +185,10 @@ def test_backend_passes_top_p_and_top_k_to_dreams_sampler(model, monkeypatch):
                                schedule_eps=0.01, forbid_mask_token=False)
     config = GenerationConfig(max_new_tokens=GEN, do_sample=True, temperature=0.7, top_p=0.9, top_k=7)
     backend.generate(model, prompts(True), generation_config=config, chunk_size=4, pad_token_id=PAD, eos_token_ids=[])
-    assert {k: seen[k] for k in ("temperature", "top_p", "top_k", "algorithm", "confidence_temperature", "eps",
-                                 "forbid_mask_token")} == dict(temperature=0.7, top_p=0.9, top_k=7,
-                                                              algorithm="topk_margin", confidence_temperature=0.3,
-                                                              eps=0.01, forbid_mask_token=False)
+    assert {k: seen[k] for k in ("temperature", "top_p", "top_k", "confidence_algorithm", "confidence_temperature",
+                                 "schedule_eps", "forbid_mask_token")} == dict(
+        temperature=0.7, top_p=0.9, top_k=7, confidence_algorithm="topk_margin", confidence_temperature=0.3,
+        schedule_eps=0.01, forbid_mask_token=False)
 
 
 def test_sampler_is_chosen_by_model_family(tmp_path, model):
@@ -219,7 +219,7 @@ def test_trainer_samples_with_dreams_sampler(tmp_path, monkeypatch):
 
     calls = []
     original = dream_sampler.dream_generate
-    monkeypatch.setattr(dream_sampler, "dream_generate", lambda *a, **k: calls.append(k) or original(*a, **k))
+    monkeypatch.setattr(dream_sampler, "dream_generate", lambda *a, **k: calls.append(a[3]) or original(*a, **k))
     config = DiffuGRPOConfig(
         output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1, per_device_train_batch_size=4,
         num_generations=4, max_completion_length=8, block_length=8, diffusion_steps=4, save_strategy="no", seed=3,
@@ -231,7 +231,7 @@ def test_trainer_samples_with_dreams_sampler(tmp_path, monkeypatch):
                                processing_class=TOKENIZER)
     trainer.train()
     assert trainer.decisions.backend.algorithm == "dream" and calls
-    assert calls[0]["algorithm"] == "maskgit_plus" and calls[0]["top_k"] == 5 and calls[0]["steps"] == 4
+    assert calls[0].confidence_algorithm == "maskgit_plus" and calls[0].top_k == 5 and calls[0].steps == 4
     assert trainer.args.diffusion_plan(1).startswith(
         "diffusion: Dream's sampler: 8 tokens, 4 steps, no blocks, schedule linspace(1, 0.001), "
         "maskgit_plus confidence")

@@ -15,7 +15,7 @@ import torch
 from hf_grpo.diffusion.logprobs import EstimatorSpec, masked_logprobs, rollout_mask_seeds
 from hf_grpo.diffusion.model import left_pad_tensors
 from hf_grpo.diffusion.sampler import diffusion_generate
-from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
+from hf_grpo.recipe_support.diffusion_tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 TOKENIZER = build_diffusion_tokenizer()

@@ -16,7 +16,7 @@ import pytest
 from datasets import Dataset
 
 from hf_grpo.diffusion import ImprovedDiffuGRPOConfig, ImprovedDiffuGRPOTrainer, create_memory_optimized_config
-from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
+from hf_grpo.recipe_support.diffusion_tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
 
 FIELD_SNIPPETS = {
     "training batch size": ("config.optimization.per_device_train_batch_size = 1  # Per-device",

@@ -5,7 +5,7 @@ import torch
 
 from hf_grpo.diffusion.logprobs import EstimatorSpec, mask_seed, masked_logprobs, rollout_mask_seeds
 from hf_grpo.diffusion.model import left_pad_tensors
-from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
+from hf_grpo.recipe_support.diffusion_tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
 
 TOKENIZER = build_diffusion_tokenizer()
 MASK = TOKENIZER.mask_token_id

@@ -12,7 +12,7 @@ from hf_grpo.diffusion.model import (
     resolve_mask_token_id,
     slot_columns,
 )
-from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
+from hf_grpo.recipe_support.diffusion_tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
 
 TOKENIZER = build_diffusion_tokenizer()
 
@@ -57,7 +57,7 @@ def test_trailing_padding_masked_by_attention_mask_changes_nothing(attn):
 def test_tiny_checkpoint_reloads_bidirectional(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from hf_grpo.diffusion.tiny import save_tiny_diffusion_checkpoint
+    from hf_grpo.recipe_support.diffusion_tiny import save_tiny_diffusion_checkpoint
 
     save_tiny_diffusion_checkpoint(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(tmp_path)

@@ -11,7 +11,7 @@ import torch
 from datasets import Dataset
 
 from hf_grpo.diffusion import DiffuGRPOConfig, DiffuGRPOTrainer
-from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
+from hf_grpo.recipe_support.diffusion_tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
 from hf_grpo.generation import HFGenerateBackend
 
 TOKENIZER = build_diffusion_tokenizer()

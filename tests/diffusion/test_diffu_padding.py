@@ -13,7 +13,7 @@ from hf_grpo.diffusion import DiffuGRPOConfig, DiffuGRPOTrainer
 from hf_grpo.diffusion.logprobs import EstimatorSpec, masked_logprobs, rollout_mask_seeds
 from hf_grpo.diffusion.model import attends_to_padding, left_pad_tensors
 from hf_grpo.diffusion.sampler import DiffusionSampler
-from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
+from hf_grpo.recipe_support.diffusion_tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
 from transformers import GenerationConfig
 
 HERE = pathlib.Path(__file__).resolve().parent

@@ -28,7 +28,7 @@ QUICK = ["--disable_tqdm", "true", "--logging_steps", "1", "--report_to", "none"
 def write_remote_checkpoint(directory, auto_class: str, **config_overrides):
     """A checkpoint whose model class exists only in its own modeling file, reached through config.auto_map
     under ``auto_class`` (LLaDA registers AutoModelForCausalLM; Dream registers AutoModel only)."""
-    from hf_grpo.diffusion.tiny import build_diffusion_tokenizer
+    from hf_grpo.recipe_support.diffusion_tiny import build_diffusion_tokenizer
 
     module = load_file(HERE / "remote_llada.py", "modeling_tiny_llada")
     tokenizer = build_diffusion_tokenizer(string.printable)

@@ -8,7 +8,7 @@ from hf_grpo.diffusion import sampler as sampler_module
 import hf_grpo.diffusion.draws as draws_module
 from hf_grpo.diffusion.model import left_pad_tensors
 from hf_grpo.diffusion.sampler import DiffusionSampler, commit_topk, diffusion_generate, transfer_schedule
-from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
+from hf_grpo.recipe_support.diffusion_tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
 
 TOKENIZER = build_diffusion_tokenizer()
 MASK = TOKENIZER.mask_token_id

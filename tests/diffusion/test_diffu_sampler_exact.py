@@ -17,7 +17,7 @@ from hf_grpo.diffusion import sampler as sampler_module
 import hf_grpo.diffusion.draws as draws_module
 from hf_grpo.diffusion.model import left_pad_tensors
 from hf_grpo.diffusion.sampler import diffusion_generate
-from hf_grpo.diffusion.tiny import build_tiny_diffusion_model
+from hf_grpo.recipe_support.diffusion_tiny import build_tiny_diffusion_model
 
 MASK = TOKENIZER.mask_token_id
 GEN, BLOCK, STEPS = 12, 4, 6  # 3 blocks, 2 steps per block, 2 tokens per step

@@ -10,7 +10,11 @@ from datasets import Dataset
 from hf_grpo import GRPOConfig
 from hf_grpo.diffusion import DiffuGRPOConfig, DiffuGRPOTrainer
 from hf_grpo.diffusion.logprobs import masked_logprobs
-from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model, save_tiny_diffusion_checkpoint
+from hf_grpo.recipe_support.diffusion_tiny import (
+    build_diffusion_tokenizer,
+    build_tiny_diffusion_model,
+    save_tiny_diffusion_checkpoint,
+)
 from hf_grpo.generation import HFGenerateBackend
 
 TOKENIZER = build_diffusion_tokenizer()

@@ -21,7 +21,7 @@ from datasets import Dataset
 
 from hf_grpo import close_distributed
 from hf_grpo.diffusion import DiffuGRPOConfig, DiffuGRPOTrainer
-from hf_grpo.diffusion.tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
+from hf_grpo.recipe_support.diffusion_tiny import build_diffusion_tokenizer, build_tiny_diffusion_model
 
 
 def reward(completions, **kwargs):

@@ -5,8 +5,9 @@ logged losses and grad norms, its trained weights and what it chose.
     accelerate launch --num_processes 2 --config_file accelerate_configs/zero2.yaml --mixed_precision no \
         tests/scripts/packed_exactness_train.py OUT_DIR CHECKPOINT_DIR padded packed
 
-(or multi_gpu.yaml, zero3.yaml). A variant is ``padded`` (padding_free=False) or ``packed`` (padding_free=True);
-each trains into OUT_DIR/<variant>. Prompts of 2 to 12 tokens, completions of 1 to 5, several of each per prompt.
+(or multi_gpu.yaml, zero3.yaml). A variant is ``padded`` (padding_free=False), ``packed`` (padding_free=True) or
+``graphs`` (padded micro-batches replayed through hf_grpo.training.graphs, "recorded" by tests/scripts/eager_recorder.py
+on the CPU); each trains into OUT_DIR/<variant>. Prompts of 2 to 12 tokens, completions of 1 to 5, several of each per prompt.
 """
 
 import json
@@ -73,7 +74,8 @@ def main(out_dir, checkpoint, variant):
         per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=GROUP, num_iterations=2,
         max_completion_length=6, beta=0.1, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
         save_strategy="no", logging_steps=1, disable_tqdm=True, gradient_checkpointing=False,
-        padding_free={"padded": False, "packed": True}[variant],
+        padding_free={"padded": False, "packed": True, "graphs": False}[variant],
+        training_cuda_graphs="on" if variant == "graphs" else "off",
     )
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
     trainer = GRPOTrainer(  # the model by its path, as users pass a checkpoint (loaded by TRL, fp32 as saved)
@@ -89,8 +91,10 @@ def main(out_dir, checkpoint, variant):
     finally:
         padding_free.pack_rows = real
     rank = trainer.accelerator.process_index
+    graphs = trainer.decisions.train_graphs
     chosen = dict(eager_rows=str(trainer.decisions.eager_rows), eager_packed=trainer.decisions.eager_rows.packed,
-                  grouping=trainer.decisions.prompt_grouping, **counts)
+                  grouping=trainer.decisions.prompt_grouping, graphs_failure=graphs and graphs.failure,
+                  graph_captures=graphs and graphs.captures, graphs_hand_over=graphs and graphs.hand_over, **counts)
     with open(f"{out_dir}/chosen_rank{rank}.json", "w") as handle:
         json.dump(chosen, handle)
     state = trained_weights(trainer)
@@ -105,7 +109,10 @@ def main(out_dir, checkpoint, variant):
 if __name__ == "__main__":
     import logging
 
-    from one_launch import release_for_the_next_run  # next to this file
+    from eager_recorder import record_eagerly  # next to this file
+    from one_launch import release_for_the_next_run
+
+    record_eagerly()
 
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("hf_grpo").setLevel(logging.INFO)  # the choices the run logs (as the recipes show them)

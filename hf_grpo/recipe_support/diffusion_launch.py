@@ -1,6 +1,6 @@
 """What the diffusion recipes share: parse into a DiffuGRPOConfig, build the model, train, finish cleanly.
 
-The same flow as ``hf_grpo.recipe_support.launch.run_recipe`` (its argument precedence, presets, YAML, CPU handling and
+The same flow as ``launch.run_recipe`` (its argument precedence, presets, YAML, CPU handling and
 checkpoint loader are reused), with three differences: the parser knows the diffusion fields, ``--tiny``
 builds a tiny *bidirectional* model with a mask token, and a checkpoint whose ``auto_map`` registers
 only ``AutoModel`` (Dream) loads through ``AutoModel``.
@@ -13,9 +13,9 @@ from typing import Any
 from trl import ModelConfig
 
 from ..checks.inputs import check_model_path
-from ..recipe_support.launch import parse_recipe_args, pretrained_init_kwargs, run_recipe
-from .config import DiffuGRPOConfig
-from .tiny import DEFAULT_ALPHABET, build_diffusion_tokenizer, build_tiny_diffusion_model
+from ..diffusion.config import DiffuGRPOConfig
+from .diffusion_tiny import DEFAULT_ALPHABET, build_diffusion_tokenizer, build_tiny_diffusion_model
+from .launch import parse_recipe_args, pretrained_init_kwargs, run_recipe
 
 
 
@@ -56,7 +56,7 @@ def load_diffusion_model_and_tokenizer(model_args, recipe_args, training_args, a
 def run_diffu_recipe(defaults: dict[str, Any], reward_funcs, build_dataset, argv: list[str] | None = None,
                      alphabet: str | None = None):
     """Parse, build the model, train (resuming when asked), finish. Returns the trainer."""
-    from .trainer import DiffuGRPOTrainer
+    from ..diffusion.trainer import DiffuGRPOTrainer
 
     return run_recipe(defaults, reward_funcs, build_dataset, argv, alphabet, config_cls=DiffuGRPOConfig,
                       trainer_cls=DiffuGRPOTrainer, load_model=load_diffusion_model_and_tokenizer,

@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2ForCausalLM
 
-from ..recipe_support.tiny import EOS, PAD, build_tiny_model
+from .tiny import EOS, PAD, build_tiny_model
 
 MASK = "<mask>"
 DEFAULT_ALPHABET = string.ascii_lowercase + string.digits + " +-*/=()<>.,?:"
