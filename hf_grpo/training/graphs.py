@@ -147,8 +147,8 @@ def start(settings, model: torch.nn.Module, facts: RunFacts, sizes: RunSizes, de
         eager_rows = decisions.eager_rows
         how = f"eager launches ({reason})" + (f", {eager_rows}" if eager_rows is not None else "")
         if graphs is not None:
-            how = "replayed from CUDA graphs, " + ("rows packed" if graphs.packed else
-                                                   f"rows padded ({unpacked_reason(settings.padding_free, model, facts)})")
+            padded = f"rows padded ({unpacked_reason(settings.padding_free, model, facts)})"
+            how = "replayed from CUDA graphs, " + ("rows packed" if graphs.packed else padded)
         logger.info("training micro-batches: %s", how)
     return graphs
 
