@@ -288,9 +288,7 @@ def run_one(args, scenario) -> dict:
         bench="autotune", scenario=scenario, hand=args.hand_one if scenario == "hand" else None,
         device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         memory_fraction=args.memory_fraction if args.device == "cuda" else None,
-        sizes={name: getattr(trainer.args, name) for name in (
-            "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
-            "per_device_generation_batch_size", "tensor_batch_size", "max_tokens_per_micro_batch")},
+        sizes=trainer.sizes.values(),  # the run's sizes as they ended (after "auto" and any back-off)
         completions_per_step=trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps,
         steps_done=trainer.state.global_step, train_s=round(train_s, 2), probe_s=round(probe["s"], 2),
         step_s=[round(t, 3) for t in clock.times],
@@ -298,7 +296,7 @@ def run_one(args, scenario) -> dict:
         rollout_tokens_per_s=round(stats["rollout_tokens_per_s"], 1),
         train_tokens_per_s=round(stats["train_tokens_per_s"], 1),
         oom_backoffs=sum(entry.get("perf/oom_backoffs", 0) for entry in logged),
-        generation_backend=getattr(trainer._backend, "name", None),
+        generation_backend=getattr(trainer.decisions.backend, "name", None),
         train_micro_batches_rerun=getattr(trainer._train_backoff, "replays", None),
     )
     if scenario == "oom_train" and args.device == "cuda":

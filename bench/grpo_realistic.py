@@ -559,6 +559,7 @@ def main(argv=None) -> int:
     total_tokens = sum(r["tokens"] for r in rollouts)
     total_completions = sum(r["completions"] for r in rollouts)
     gen_s = sum(r["s"] for r in rollouts)
+    decisions = trainer.decisions if args.impl == "hf_grpo" else None  # what the run chose (hf_grpo.run_state)
     record = dict(
         bench="grpo_realistic",
         impl=args.impl,
@@ -571,22 +572,21 @@ def main(argv=None) -> int:
         max_completion_length=args.max_completion_length, prompt_len_range=[args.min_prompt, args.max_prompt],
         beta=args.beta, num_iterations=args.num_iterations, lora_r=args.lora_r,
         padding_free=getattr(trainer.args, "padding_free", None),
-        compile_training=getattr(trainer, "_train_layers", None) is not None if args.impl == "hf_grpo" else None,
-        training_cuda_graphs=(getattr(trainer, "_train_graphs", None) is not None
-                              and trainer._train_graphs.failure is None) if args.impl == "hf_grpo" else None,
-        training_graphs_failure=getattr(getattr(trainer, "_train_graphs", None), "failure", None),
-        shape_reuse_capture_cost=getattr(getattr(getattr(trainer, "_train_graphs", None), "reuse", None),
+        compile_training=decisions.train_layers is not None if decisions else None,
+        training_cuda_graphs=decisions.graphs_replay if decisions else None,
+        training_graphs_failure=getattr(getattr(decisions, "train_graphs", None), "failure", None),
+        shape_reuse_capture_cost=getattr(getattr(getattr(decisions, "train_graphs", None), "reuse", None),
                                          "capture_cost", None),
-        generation_mirror=str(getattr(trainer, "_mirror_choice", None)) if args.impl == "hf_grpo" else None,
-        lora_fused_layers=getattr(trainer, "lora_fused_layers", None),
+        generation_mirror=str(decisions.mirror) if decisions else None,
+        lora_fused_layers=getattr(decisions, "lora_fused_layers", None),
         share_prompts=args.share_prompts == "on" if args.impl == "hf_grpo" else None,
-        prompt_grouping=getattr(trainer, "_prompt_grouping", None),
+        prompt_grouping=getattr(decisions, "prompt_grouping", None),
         checkpointing=bool(getattr(trainer.args, checkpointing_field)),
         tensor_batch_size=args.tensor_batch_size if args.impl == "hf_grpo" else None,
-        per_device_generation_batch_size=(trainer.args.per_device_generation_batch_size
+        per_device_generation_batch_size=(trainer.sizes.per_device_generation_batch_size
                                           if args.impl == "hf_grpo" else None),
         cudnn_attention=torch.backends.cuda.cudnn_sdp_enabled() if args.impl == "trl" else config.cudnn_attention,
-        eager_rows=str(getattr(trainer, "_eager_rows", None)) if args.impl == "hf_grpo" else None,
+        eager_rows=str(decisions.eager_rows) if decisions else None,
         launch=dict(launch_info(), config=args.launch_config),
         label=args.label, compile_cache_dir=os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         max_steps=args.max_steps, steps_done=trainer.state.global_step, stopped_early=timer.stopped_early,

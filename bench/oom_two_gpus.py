@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     )
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [random.random() for _ in completions],
                           args=config, train_dataset=dataset, processing_class=tokenizer)
-    chunk_before = trainer.args.per_device_generation_batch_size
+    chunk_before = trainer.sizes.per_device_generation_batch_size
     if state.process_index == 1:
         autotune.hog_rollouts(trainer, args)
     trainer.train()
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
         device=torch.cuda.get_device_name() if not args.tiny else "cpu", memory_fraction=args.memory_fraction,
         hog_on_rank=1, steps_done=trainer.state.global_step, max_steps=args.max_steps,
         oom_backoffs=sum(entry.get("perf/oom_backoffs", 0) for entry in logged),
-        generation_chunk=[chunk_before, trainer.args.per_device_generation_batch_size],
+        generation_chunk=[chunk_before, trainer.sizes.per_device_generation_batch_size],
         losses=[entry["loss"] for entry in logged],
         peak_allocated_gib=round(torch.cuda.max_memory_allocated() / 2**30, 3) if not args.tiny else None,
     )

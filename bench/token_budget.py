@@ -122,7 +122,7 @@ def fixed_micro_batches(trainer, inputs, rows_per_micro_batch: int):
 
 
 def measure(trainer, inputs, budget, repeats, fixed_rows=None):
-    trainer.args.max_tokens_per_micro_batch = budget
+    trainer.sizes.max_tokens_per_micro_batch = budget
     cuda = inputs["prompt_ids"].is_cuda
     times = []
     for _ in range(repeats + 1):  # the first is a warm-up

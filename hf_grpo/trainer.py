@@ -4,33 +4,27 @@ Every override of TRL's and transformers' methods is here, written against trl 1
 ``trl>=1.16,<1.17``; ``tests/test_trl_signatures.py`` pins their signatures). Each is thin and calls the original:
 
 - ``_generate_single_turn``: the plain (text-only, no vLLM) path is served by a ``hf_grpo.generation`` backend,
-  ``per_device_generation_batch_size`` prompts at a time inside one ``unwrap_model_for_generation`` (one ZeRO-3
-  gather a rollout), or from a dense mirror under ZeRO-3 (``generation.dense_mirror``), or with a LoRA policy's
-  adapters merged in place (``generation.lora_merge``). Every other path is TRL's.
+  ``per_device_generation_batch_size`` prompts at a time inside one ``unwrap_model_for_generation``, or from a
+  dense mirror under ZeRO-3 or with a LoRA policy's adapters merged (``generation.dense_mirror``, ``lora_merge``).
 - ``compute_loss`` (public): token-budget passes (``memory.token_budget``); in one process the backward runs here,
   so an out-of-memory in it can be retried (``memory.train_backoff``).
-- ``_calculate_rewards``: timed; a rollout nobody scored is an error, unscored completions counted
-  (``checks.unscored``). ``_get_per_token_logps_and_entropies``: timed; its no-grad scoring chunks hold
-  ``memory.token_budget.scoring_rows`` (TRL's own where dropout is active). The models' ``forward`` is patched
-  after TRL's ``add_fused_lm_head`` so the
-  log-softmax runs ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
+- ``_calculate_rewards``: timed; unscored completions counted (``checks.unscored``).
+  ``_get_per_token_logps_and_entropies``: timed; no-grad scoring chunks of ``token_budget.scoring_rows``; the
+  models' ``forward`` runs the log-softmax ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
 - ``_prepare_inputs``: TRL's, then a prompt's rows kept in the same micro-batches where the gradient stays the same
-  (``training.prompt_groups``), and the micro-batch's tokens counted. TRL's ``_tokenize_prompts`` runs once over the
-  training prompts to size the ``cuda_graph`` cache (``_longest_prompt``).
+  (``training.prompt_groups``). TRL's ``_tokenize_prompts`` sizes caches and probes (``_longest_prompt``).
 - ``training_step`` (time; compiled decoder layers inside it, ``training.compiled_layers``), ``log`` (``perf/``).
-- ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules, ``distributed.zero3_leaves``), ``_save_rng_state``
-  (the run's sizes and every rank's random state written before rank 0 marks a checkpoint complete,
-  ``distributed.rng_files``) and ``_prepare_for_training`` (a checkpoint without ZeRO state loaded under ZeRO-1/2,
-  ``distributed.plain_to_zero``).
-- ``train``: holds the output directory (``checks.output_lock``), refuses what ``checks.resume`` refuses (another
-  run's checkpoints, an incomplete checkpoint, a launch shape that cannot read it; ``True`` resumes the newest
-  complete checkpoint) and a token budget the longest prompt cannot fit, then settles "auto" sizes
-  (``memory.autosize``).
+- ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules), ``_save_rng_state`` (the run's sizes and every
+  rank's random state, before rank 0 marks a checkpoint complete) and ``_prepare_for_training`` (a checkpoint
+  without ZeRO state loaded under ZeRO-1/2, ``distributed.plain_to_zero``).
+- ``train``: holds the output directory (``checks.output_lock``), refuses what ``checks.resume`` refuses and a
+  token budget the longest prompt cannot fit, then settles "auto" sizes (``memory.autosize``).
 
-``__init__`` checks the training set, the model path and the reward functions first (``checks.inputs``), gives a
-policy built in code a copy for TRL to load the reference model from (``reference_copy``) and adds the writers of
-``metrics.jsonl`` and ``performance.json`` (``run_files``). A generation or head chunk that runs out of memory is
-halved on every rank and retried (``memory.oom``).
+``__init__`` checks the inputs first (``checks.inputs``), gives a policy built in code a copy for TRL to load the
+reference from (``reference_copy``), adds the writers of ``metrics.jsonl`` and ``performance.json`` (``run_files``)
+and builds what the helpers read instead of the trainer (``hf_grpo.run_state``): ``facts``, ``sizes`` (the one place
+the sizes live during a run; the config is not written) and ``decisions``. A generation or head chunk that runs out
+of memory is halved on every rank and retried (``memory.oom``).
 """
 
 from __future__ import annotations
@@ -52,15 +46,17 @@ from .checks import inputs as checks
 from .checks import output_lock, resume
 from .checks.unscored import METRIC as UNSCORED_METRIC, count_unscored
 from .config import GRPOConfig
-from .distributed import before_deepspeed_starts, plain_to_zero, zero3_leaves
-from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, resolve_backend
+from .distributed import plain_to_zero, zero3_leaves
+from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, open_backend
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
 from .memory import autosize, prompt_lengths, token_budget, train_backoff
 from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
 from .memory.stats import PerformanceStats
 from . import reference_copy, run_files
+from .plan import BatchPlan
 from .run_callbacks import RunCallbacks
+from .run_state import RunDecisions, RunFacts, RunSizes
 from .training.cudnn_attention import cudnn_attention
 
 logger = logging.getLogger("hf_grpo")
@@ -76,13 +72,7 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any):
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
-        if not isinstance(config, GRPOConfig):
-            got = "None (TRL would build its own default config)" if config is None else (
-                f"{type(config).__module__}.{type(config).__name__}")
-            raise TypeError(
-                f"hf_grpo.GRPOTrainer needs args=hf_grpo.GRPOConfig(...), got args={got}; the per-device batch "
-                f"fields live on hf_grpo.GRPOConfig: pass args=hf_grpo.GRPOConfig(output_dir=..., ...)"
-            )
+        checks.check_config_type(config, GRPOConfig)
         if getattr(config, "_batch_fields_changed", False):
             config.revalidate()  # fields written through config.optimization (the guide's API) are re-checked here
         self._check_inputs(*args, **kwargs)
@@ -93,41 +83,38 @@ class GRPOTrainer(trl.GRPOTrainer):
         with reference_copy.reference_loadable(model, config.beta, kwargs.get("peft_config")):
             super().__init__(*args, **kwargs)
         checks.check_reward_outputs(self)
-        token_budget.check_trainer(self)
+        # what helpers read of the run: facts fixed now, the sizes as they change, what is decided once (run_state)
+        self.facts, self.sizes, self.decisions = self._run_facts(), RunSizes.from_config(self.args), RunDecisions()
+        token_budget.check_run(self.facts, self.sizes.max_tokens_per_micro_batch)
         self.perf = PerformanceStats(self.accelerator.device)
-        self._backend: GenerationBackend | None = None
-        self._mirror_choice: dense_mirror.MirrorChoice | None = None  # ZeRO-3's or LoRA's dense mirror, decided once
-        self._mirror_decided = False
         # chunk sizes halved on every rank after an out-of-memory, and kept so (hf_grpo.memory.oom)
-        self._oom_knobs = {name: SizeKnob(self.args, name, lambda *_: self.perf.add("oom_backoffs", 1))
+        self._oom_knobs = {name: SizeKnob(self.sizes, name, lambda *_: self.perf.add("oom_backoffs", 1))
                            for name in BACKOFF_FIELDS}
         # a training micro-batch's out-of-memory: retried in token-budget passes, where that is safe (one process)
-        self._train_backoff_unavailable = train_backoff.reason_unavailable(self)
+        self._train_backoff_unavailable = train_backoff.reason_unavailable(self.args, self.facts)
         self._train_backoff = None if self._train_backoff_unavailable else train_backoff.MicroBatchBackoff(
             self._oom_knobs[token_budget.FIELD], self.loss_type, self.accelerator,
             lambda: self.model.zero_grad(set_to_none=True), lambda: self._metrics["train"], self._longest_row)
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         # eager micro-batches packed or padded: the user's padding_free, else chosen at train begin, once the
         # sizes are settled (eager_packing; padded until then, as the "auto" sizes' probes run)
-        self._eager_rows = eager_packing.Choice(False, "chosen at train begin")
-        packed_rows = (lambda: self._eager_rows.packed) if self.args.padding_free is None else self.args.padding_free
+        self.decisions.eager_rows = eager_packing.Choice(False, "chosen at train begin")
+        packed_rows = ((lambda: self.decisions.eager_rows.packed) if self.args.padding_free is None
+                       else self.args.padding_free)
         head = dict(temperature=self.temperature, chunk_rows=self._oom_knobs["tensor_batch_size"],
                     cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32, padding_free_rows=packed_rows)
-        self._chunked_head_installed = install_chunked_lm_head(policy, return_entropy=True, **head)
+        self.decisions.chunked_head = install_chunked_lm_head(policy, return_entropy=True, **head)
         # LoRA layers on the fused forward (not where ZeRO-3 or FSDP gathers the adapters' weights by module hooks)
-        fused = self.args.lora_fused_forward and self._sharding() is None
-        self.lora_fused_layers = lora_forward.install(policy) if fused else 0
+        fused = self.args.lora_fused_forward and self.facts.sharding is None
+        self.decisions.lora_fused_layers = lora_forward.install(policy) if fused else 0
         if self.ref_model is not None:
             # TRL has already wrapped the reference (a DeepSpeed engine under ZeRO): patch the module inside,
             # whose forward the wrapper calls.
             reference = self.accelerator.unwrap_model(self.ref_model)
             install_chunked_lm_head(reference, return_entropy=False, **head)
-        self._train_layers: training_compile.CompiledTrainingLayers | None = None  # decided at train begin
-        self._train_graphs: training_graphs.TrainingGraphs | None = None  # likewise
-        self._prompt_grouping: str | None = None  # "on", or why a prompt's rows keep TRL's shuffle; decided once
-        self.add_callback(RunCallbacks(self))
+        self.add_callback(RunCallbacks(self._begin_run, lambda: self.perf))
         run_files.add_run_files(self)  # metrics.jsonl and performance.json, for library scripts as for recipes
-        self.add_callback(autosize.SaveSizesCallback())
+        self.add_callback(autosize.SaveSizesCallback(self.sizes, self.max_completion_length))
 
     # ---- public ------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -136,21 +123,16 @@ class GRPOTrainer(trl.GRPOTrainer):
         the policy (``accelerator.prepare`` in ``train``) and before TRL prepares the reference model later in its
         ``__init__`` from a copy of this DeepSpeed config, which then carries the class names."""
         super().create_accelerator_and_postprocess()
-        self.zero3_leaf_marking = zero3_leaves.LeafMarking((), 0)  # what was flagged (none outside ZeRO-3)
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        config = plugin.deepspeed_config if plugin is not None else None
-        if self.model is None or not zero3_leaves.is_zero3_config(config):
-            return
-        self.zero3_leaf_marking = zero3_leaves.mark(self.model, self.args.zero3_leaf_modules, zero3=True)
-        zero3_leaves.add_to_deepspeed_config(config, self.zero3_leaf_marking.classes)
-        if self.accelerator.is_main_process:
-            logger.info("%s", self.zero3_leaf_marking)
+        self.zero3_leaf_marking = zero3_leaves.mark_for_deepspeed(  # what was flagged (none outside ZeRO-3)
+            self.model, self.args.zero3_leaf_modules, None if plugin is None else plugin.deepspeed_config,
+            self.accelerator.is_main_process)
 
     def batch_plan(self):
         """The batch plan with this run's real world size (and ZeRO-3's generation mirror, once decided)."""
-        plan = self.args.batch_plan(world_size=self.accelerator.num_processes)
-        if self._mirror_choice is not None:
-            plan = dataclasses.replace(plan, **self._mirror_choice.plan_fields())
+        plan = BatchPlan.from_fields({**vars(self.args), **self.sizes.plan_fields()}, self.accelerator.num_processes)
+        if self.decisions.mirror is not None:
+            plan = dataclasses.replace(plan, **self.decisions.mirror.plan_fields())
         if self.zero3_leaf_marking.count:
             plan = dataclasses.replace(plan, leaf_module_classes=self.zero3_leaf_marking.classes,
                                        leaf_module_count=self.zero3_leaf_marking.count)
@@ -159,10 +141,10 @@ class GRPOTrainer(trl.GRPOTrainer):
     def get_performance_stats(self) -> dict[str, Any]:
         """Peak memory, seconds per optimizer step by phase, tokens/s, decoder compiles and captures, the
         memory the generation backend keeps between rollouts, and the batch plan, over the run."""
-        cache = getattr(self._backend, "cache_bytes", lambda: 0)()
+        cache = getattr(self.decisions.backend, "cache_bytes", lambda: 0)()
         stats = {**self.perf.summary(), "generation_cache_gib": cache / 2**30,
                  "batch_plan": self.batch_plan().to_dict()}
-        if self._mirror_choice is not None and self._mirror_choice.mirror is not None:
+        if self.decisions.mirror is not None and self.decisions.mirror.mirror is not None:
             stats["mirror_refresh_s"] = self.perf.total("mirror_refresh_s")  # whole run, inside generation
         return stats
 
@@ -177,9 +159,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         checkpoint = resume.checkpoint_to_resume(self, resume_from_checkpoint)
         # no per-shape cuDNN kernel builds (hf_grpo.training.cudnn_attention), in the "auto" probes as in training
         with cudnn_attention(self.args.cudnn_attention):
-            token_budget.check_longest_row(self.args, self._longest_prompt)  # before any probe or step
+            token_budget.check_longest_row(self.sizes.max_tokens_per_micro_batch, self.max_completion_length,
+                                           self._longest_prompt)  # before any probe or step
             # "auto" sizes are settled before TRL and transformers size the dataloader and the accumulation
-            if autosize.resolve_auto_sizes(self, checkpoint):
+            if self._settle_sizes(checkpoint):
                 self.perf = PerformanceStats(self.accelerator.device)  # the probes are not part of the run's figures
             if self._train_backoff is None and self.accelerator.is_main_process:
                 logger.info("an out-of-memory in a training micro-batch will end the run (no retry: %s)",
@@ -190,7 +173,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if not plain_to_zero.applies(resume_from_checkpoint, self.is_deepspeed_enabled):
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         # a checkpoint without ZeRO state under ZeRO-1/2: weights before DeepSpeed, optimizer into its partitions
-        plain_to_zero.load_weights(self, resume_from_checkpoint)
+        self._load_from_checkpoint(resume_from_checkpoint)  # (before DeepSpeed builds its fp32 master copy)
         prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
         plain_to_zero.load_optimizer_state(self.model_wrapped, resume_from_checkpoint, self.accelerator.is_main_process)
         if plain_to_zero.has_schedule(resume_from_checkpoint, self.accelerator.is_main_process):
@@ -203,7 +186,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         # Ours too, before rank 0 marks the checkpoint complete (trainer_state.json, written next): the sizes a
         # resume reads (hf_grpo.memory.autosize), and every rank's random state (hf_grpo.distributed.rng_files).
         if self.args.should_save:
-            autosize.save_sizes(self.args, output_dir)
+            autosize.save_sizes(self.sizes, self.max_completion_length, output_dir)
         self.accelerator.wait_for_everyone()  # (nothing in a one-process run)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -219,7 +202,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         return loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        budget = self.args.max_tokens_per_micro_batch
+        budget = self.sizes.max_tokens_per_micro_batch
         if return_outputs or not self.model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         compute = functools.partial(super().compute_loss, model)  # TRL's loss of one micro-batch or pass
@@ -238,11 +221,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         inputs = super()._prepare_inputs(generation_batch)
         if self.model.training and self._buffered_inputs is not buffered:  # a new rollout, split by TRL
             # a prompt's rows in the same micro-batches, where the step's gradient stays the same (prompt_groups)
-            if self._prompt_grouping is None:
-                self._prompt_grouping = prompt_groups.unavailable_reason(self) or "on"
-                logger.info("micro-batches: %s", "a prompt's rows together" if self._prompt_grouping == "on" else
-                            f"TRL's shuffled rows ({self._prompt_grouping})")
-            regrouped = prompt_groups.regroup(self._buffered_inputs) if self._prompt_grouping == "on" else None
+            decisions = self.decisions
+            if decisions.prompt_grouping is None:
+                packed = prompt_groups.packed_rows(decisions, self.args.padding_free, self.model)
+                decisions.prompt_grouping = prompt_groups.unavailable_reason(packed, self.sizes, self.facts) or "on"
+                logger.info("micro-batches: %s", "a prompt's rows together" if decisions.prompt_grouping == "on" else
+                            f"TRL's shuffled rows ({decisions.prompt_grouping})")
+            regrouped = prompt_groups.regroup(self._buffered_inputs) if decisions.prompt_grouping == "on" else None
             if regrouped is not None:
                 self._buffered_inputs = regrouped
                 inputs = regrouped[self._step % self.args.steps_per_generation]
@@ -257,7 +242,8 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ---- overrides of TRL 1.16 private methods -------------------------------------------
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
-        with self._train_layers.suspended() if self._train_layers is not None else contextlib.nullcontext():
+        layers = self.decisions.train_layers
+        with layers.suspended() if layers is not None else contextlib.nullcontext():
             return self._generate_unrouted(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
 
     def _generate_unrouted(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
@@ -321,68 +307,105 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
         if kwargs.get("batch_size") is not None:
             # TRL's no-grad scoring of the rollout (old policy, reference) in row chunks (token_budget.scoring_rows)
-            budget = self.args.max_tokens_per_micro_batch
-            rows, why = token_budget.scoring_chunk_rows(model, kwargs["batch_size"], input_ids.shape[1], budget)
-            logged = self.__dict__.setdefault("_scoring_chunks_logged", set())  # each reason once
-            if why not in logged and self.accelerator.is_main_process:
-                logger.info("old-policy / reference log-probs: %s", why)
-            logged.add(why)
-            # The same chunk on every rank (widths differ per rank): each chunk's head agrees on out-of-memory
-            # with the other ranks (hf_grpo.memory.oom), so unequal chunk counts left a 2-process ZeRO-2 run hanging.
-            kwargs["batch_size"] = rows if budget is None else min_over_ranks(rows)
+            # (the same chunk on every rank where a budget is set: a 2-process ZeRO-2 run hung on unequal counts)
+            kwargs["batch_size"] = token_budget.scoring_batch_size(
+                model, kwargs["batch_size"], input_ids.shape[1], self.sizes.max_tokens_per_micro_batch,
+                self.__dict__.setdefault("_scoring_chunks_logged", set()), self.accelerator.is_main_process)
         with self.perf.phase("logprob"):
-            replayed = training_graphs.replay(self, model, input_ids, *args, **kwargs)  # a training micro-batch
+            replayed = training_graphs.replay(self.decisions.train_graphs, self.perf, self.accelerator.autocast,
+                                              model, input_ids, *args, **kwargs)  # a training micro-batch
             if replayed is not None:
                 return replayed
             return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
 
     # ---- helpers -----------------------------------------------------------------------------
+    def _run_facts(self) -> RunFacts:
+        """What the helpers read of this run, fixed once TRL has set it up (``hf_grpo.run_state``)."""
+        args, model, accelerator = self.args, self.model, self.accelerator
+        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+        text = getattr(model.config, "get_text_config", lambda: model.config)()
+        return RunFacts(
+            device_type=accelerator.device.type, num_processes=accelerator.num_processes,
+            distributed_type=accelerator.distributed_type.value, n_gpu=getattr(args, "n_gpu", 1),
+            deepspeed=self.is_deepspeed_enabled, fsdp=self.is_fsdp_enabled,
+            zero3=plugin is not None and zero3_leaves.is_zero3_config(plugin.deepspeed_config),
+            attention=getattr(model.config, "_attn_implementation", None),
+            half=bool(args.bf16 or args.fp16 or getattr(model, "dtype", None) in (torch.float16, torch.bfloat16)),
+            moe=any(getattr(text, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts")),
+            pad_token_id=getattr(getattr(self, "_tokenizer", None), "pad_token_id", None),
+            gradient_checkpointing=bool(args.gradient_checkpointing), loss_type=self.loss_type,
+            max_completion_length=self.max_completion_length,
+            entropy_per_micro_batch=self.top_entropy_quantile < 1.0 or bool(self._entropy_bonus_enabled),
+            off_policy_mask=self.off_policy_mask_threshold is not None,
+            aux_loss_enabled=bool(getattr(self, "aux_loss_enabled", False)),
+            router_aux_loss_coef=getattr(self, "router_aux_loss_coef", 0.0),
+            replaced_loss=None if type(self)._compute_loss is trl.GRPOTrainer._compute_loss else type(self).__name__,
+            training_graphs_unavailable=getattr(self, "training_graphs_unavailable", None))
+
+    def _settle_sizes(self, checkpoint: str | None) -> dict[str, Any]:
+        """The "auto" sizes and a resume's kept back-offs, into ``self.sizes`` (``memory.autosize``); where they
+        differ from ``args``, TRL and transformers get a copy carrying them (``RunSizes.published``)."""
+        generate = dict(generation_config=self.generation_config, pad_token_id=self._tokenizer.pad_token_id,
+                        eos_token_ids=self.eos_token_ids)
+        target = lambda: autosize.ProbeTarget(  # the probes run the trainer's own scoring and backend
+            self.model, self.accelerator.device, self._longest_prompt() or getattr(self, "max_prompt_length", None)
+            or 512, self.max_completion_length, lambda ids, mask, keep: self._get_per_token_logps_and_entropies(
+                self.model, ids, mask, keep, compute_entropy=True),
+            lambda: self._generation_backend(self.model), generate, self.optimizer is not None,
+            tuple(self._oom_knobs.values()))
+        chosen = autosize.resolve_auto_sizes(self.sizes, self.facts, self.args.auto_memory_fraction, target,
+                                             checkpoint, self.accelerator.is_main_process)
+        if self.sizes.differs_from(self.args):
+            self.args = self.sizes.published(self.args)
+            self._train_batch_size = self.args.train_batch_size  # transformers' (its accelerator keeps A = 1)
+        return chosen
+
+    def _begin_run(self, max_steps: int, world_process_zero: bool) -> None:
+        """At train begin, the sizes settled: how the training forward runs, decided once; the batch plan logged."""
+        decisions = self.decisions
+        decisions.train_layers = self._compiled_training_layers(max_steps)
+        explicit = "pad_to_multiple_of" in getattr(self.args, "_explicit_fields", frozenset())  # lengths aligned
+        self.pad_to_multiple_of = training_compile.pad_multiple(decisions.train_layers, self.pad_to_multiple_of,
+                                                                explicit)
+        # eager micro-batches packed or padded (padding_free=None), now that the sizes are settled; logged below
+        decisions.eager_rows = eager_packing.for_run(self.args.padding_free, self.model, self.facts,
+                                                     decisions.chunked_head, self.sizes.per_device_train_batch_size,
+                                                     self._longest_prompt)
+        decisions.train_graphs = training_graphs.start(self.args, self.model, self.facts, self.sizes, decisions,
+                                                       self.accelerator.is_main_process)
+        self._generation_mirror()  # decided on every rank before the plan is printed
+        if world_process_zero:
+            plan = self.batch_plan()
+            logger.info("hf-grpo batch plan (world size %d):\n%s", plan.world_size, plan)
+
     def _compiled_training_layers(self, planned_steps: int) -> training_compile.CompiledTrainingLayers | None:
         """The compiled decoder layers of the scoring and training forwards (``compile_training``), or None."""
-        compiled, reason = training_compile.choose(self.args.compile_training, self._scored_models(),
-                                                   self.accelerator.device, self._sharding(), planned_steps)
-        if self.accelerator.is_main_process and compiled is None and self.args.compile_training not in ("auto", "off"):
-            logger.warning("compile_training=%r is not applied: %s", self.args.compile_training, reason)  # asked for
-        elif self.accelerator.is_main_process:
-            logger.info("training forward: %s", "decoder layers compiled" if compiled is not None else f"eager ({reason})")
-        return compiled
-
-    def _align_lengths_for_compiled_layers(self) -> None:
-        explicit = "pad_to_multiple_of" in getattr(self.args, "_explicit_fields", frozenset())
-        self.pad_to_multiple_of = training_compile.pad_multiple(self._train_layers, self.pad_to_multiple_of, explicit)
+        return training_compile.choose_logged(self.args.compile_training, self._scored_models(),
+                                              self.accelerator.device, self.facts.sharding, planned_steps,
+                                              self.accelerator.is_main_process)
 
     def _scored_models(self) -> list[torch.nn.Module]:
         """The policy, and the reference model where there is one: the models whose forwards score tokens."""
-        models = [self.model]
-        if self.ref_model is not None:
-            models.append(self.accelerator.unwrap_model(self.ref_model))
-        return models
+        return [self.model] + ([] if self.ref_model is None else [self.accelerator.unwrap_model(self.ref_model)])
 
     @contextlib.contextmanager
     def _routed_training_layers(self):
         """Within the block the scored models' decoder layers run compiled (``compile_training``), if chosen."""
-        if self._train_layers is None:
+        layers = self.decisions.train_layers
+        if layers is None:
             yield
             return
-        before = self._train_layers.compiles
+        before = layers.compiles
         try:
-            with self._train_layers.route(*self._scored_models()):
+            with layers.route(*self._scored_models()):
                 yield
         finally:
-            self.perf.add("train_compiles", float(self._train_layers.compiles - before))
+            self.perf.add("train_compiles", float(layers.compiles - before))
 
-    @staticmethod
-    def _check_inputs(model=None, reward_funcs=None, args=None, train_dataset=None, *_, **kwargs) -> None:
-        """Before TRL loads anything: the training set, a model given by path, the generation backend."""
-        checks.check_train_dataset(train_dataset)
-        if isinstance(model, str):
-            checks.check_model_path(model)
-        checks.check_generation_backend_installed(args.generation_backend)
-        before_deepspeed_starts(args.deepspeed)  # before TRL prepares DeepSpeed's engine
+    _check_inputs = staticmethod(checks.check_before_loading)  # before TRL loads anything
 
     def _longest_prompt(self) -> int | None:
-        """Tokens in the training set's longest prompt (scanned once: the cache sizing and the "auto" probe
-        both ask)."""
+        """Tokens in the training set's longest prompt (scanned once: cache sizing and "auto" probes both ask)."""
         if not hasattr(self, "_longest_prompt_tokens"):
             self._longest_prompt_tokens = self._scan_longest_prompt()
         return self._longest_prompt_tokens
@@ -403,47 +426,21 @@ class GRPOTrainer(trl.GRPOTrainer):
         return prompt + self.max_completion_length
 
     def _generation_mirror(self) -> dense_mirror.DenseMirror | InPlaceLoraMerge | None:
-        """The dense copy of the weights generation reads, or None: under ZeRO-3 (``zero3_generation_mirror``), and
-        for a LoRA policy otherwise (``lora_generation_mirror``: the adapters merged).
-
-        Decided once, the same on every rank: under ZeRO-3 its refresh gathers layer by layer, a collective."""
-        if not self._mirror_decided:
+        """The dense copy of the weights generation reads, or None (``dense_mirror.choose_for_run``). Decided
+        once, the same on every rank: under ZeRO-3 its refresh gathers layer by layer, a collective."""
+        if not self.decisions.mirror_decided:
             model = self.accelerator.unwrap_model(self.model_wrapped)
-            zero3 = dense_mirror.is_zero3_partitioned(model)
-            if not zero3 and self._zero3_configured():
-                return None  # not partitioned yet (a model built in code, before DeepSpeed wraps it)
-            choose, setting = ((dense_mirror.choose, self.args.zero3_generation_mirror) if zero3 else
-                               (dense_mirror.choose_lora, self.args.lora_generation_mirror))
-            choice = choose(setting, model, self.args.generation_backend, self.accelerator.device, min_over_ranks)
-            self._mirror_decided = True
-            self._mirror_choice = choice
-            if choice is not None and self.accelerator.is_main_process:
-                logger.info("%s generation mirror: %s", choice.kind, choice)
-        return None if self._mirror_choice is None else self._mirror_choice.mirror
-
-    def _sharding(self) -> str | None:
-        """What shards the policy's parameters across processes ("FSDP", "ZeRO-3"), or None."""
-        return "FSDP" if self.is_fsdp_enabled else "ZeRO-3" if self._zero3_configured() else None
-
-    def _zero3_configured(self) -> bool:
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        return plugin is not None and zero3_leaves.is_zero3_config(plugin.deepspeed_config)
+            self.decisions.mirror_decided, self.decisions.mirror = dense_mirror.choose_for_run(
+                self.args, model, self.facts.zero3, self.accelerator.device, min_over_ranks,
+                self.accelerator.is_main_process)
+        return None if self.decisions.mirror is None else self.decisions.mirror.mirror
 
     def _generation_backend(self, model: torch.nn.Module) -> GenerationBackend:
-        if self._backend is None:
+        if self.decisions.backend is None:
             mirror = self._generation_mirror()  # under ZeRO-3 the backend serves the mirror, whoever asks first
-            served = model if mirror is None else mirror.module
-            self._backend, reason = resolve_backend(self.args.generation_backend, served)
-            if hasattr(self._backend, "reserve"):
-                longest = self._longest_prompt()
-                if longest is not None:  # one cache, one compile, for the whole run
-                    multiple = self.pad_to_multiple_of or 1
-                    self._backend.reserve(-(-longest // multiple) * multiple + self.max_completion_length)
-            if self.accelerator.is_main_process:
-                if reason is None:
-                    logger.info("generation backend: %s", self._backend.name)
-                elif self.args.generation_backend == "auto":
-                    logger.info("generation backend: hf (%s)", reason)
-                else:
-                    logger.warning("generation_backend=%r falls back to 'hf': %s", self.args.generation_backend, reason)
-        return self._backend
+            longest, multiple = self._longest_prompt(), self.pad_to_multiple_of or 1  # one cache for the whole run
+            self.decisions.backend = open_backend(
+                self.args.generation_backend, model if mirror is None else mirror.module,
+                None if longest is None else -(-longest // multiple) * multiple + self.max_completion_length,
+                self.accelerator.is_main_process)
+        return self.decisions.backend

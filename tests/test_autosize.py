@@ -1,5 +1,6 @@
 """"auto" batch sizes (hf_grpo.memory.autosize): CPU defaults, validation, the search, probing, saving and resuming."""
 
+import dataclasses
 import json
 import logging
 
@@ -159,8 +160,8 @@ def test_probe_picks_the_largest_fitting_sizes_and_trains_as_if_they_were_set(tm
 
     trainer.model.generate = small_generate
     monkeypatch.setattr(hf_grpo.logprob_head, "chunked_logprobs", small_train)
-    trainer._backend = None  # the probe generates with the run's real backend
-    chosen = autosize.resolve_auto_sizes(trainer)
+    trainer.decisions.backend = None  # the probe generates with the run's real backend
+    chosen = trainer._settle_sizes(None)  # as train start does
     assert chosen == {"per_device_train_batch_size": 4, "per_device_generation_batch_size": 4,
                       "tensor_batch_size": 256, "gradient_accumulation_steps": 4, "steps_per_generation": 4}
     assert trainer.args.auto_batch_fields == ()
@@ -170,7 +171,7 @@ def test_probe_picks_the_largest_fitting_sizes_and_trains_as_if_they_were_set(tm
 
     from test_trainer import FixedBackend
 
-    trainer._backend = FixedBackend()
+    trainer.decisions.backend = FixedBackend()
     got = train_one_step(trainer)
     explicit = make_trainer(tmp_path / "explicit", per_device_train_batch_size=4, gradient_accumulation_steps=4,
                             per_device_generation_batch_size=4, tensor_batch_size=256, num_generations=4)
@@ -212,7 +213,7 @@ def test_checkpoints_hold_the_sizes_and_a_resume_reads_them_instead_of_probing(t
     saved.update(per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=2)
     (checkpoint / SIZES_FILE).write_text(json.dumps(saved))
     fake_cuda_probe(monkeypatch)
-    monkeypatch.setattr(autosize, "Prober", lambda trainer: pytest.fail("a resume must not probe again"))
+    monkeypatch.setattr(autosize, "Prober", lambda *a: pytest.fail("a resume must not probe again"))
     resumed = make_trainer(tmp_path, tensor_batch_size=32, per_device_train_batch_size="auto", max_steps=2,
                            save_strategy="steps", save_steps=1)
     assert resumed.args.auto_batch_fields == ("per_device_train_batch_size",)
@@ -234,13 +235,13 @@ def test_a_model_only_checkpoint_holds_the_sizes_too(tmp_path):
 
 def recording_chunks(trainer):
     """The chunk sizes the trainer's generation backend is called with."""
-    chunks, generate = [], trainer._backend.generate
+    chunks, generate = [], trainer.decisions.backend.generate
 
     def record(model, prompt_ids, **kwargs):
         chunks.append(kwargs["chunk_size"])
         return generate(model, prompt_ids, **kwargs)
 
-    trainer._backend.generate = record
+    trainer.decisions.backend.generate = record
     return chunks
 
 
@@ -288,9 +289,9 @@ def test_a_back_off_is_kept_under_deepspeed_too(tmp_path, monkeypatch):
     head_out_of_memory_above(monkeypatch, 16)
     make_trainer(tmp_path, tensor_batch_size=32, save_strategy="steps", save_steps=1).train()  # halved to 16
     resumed = make_trainer(tmp_path, tensor_batch_size=32, max_steps=2)
-    resumed.is_deepspeed_enabled = True  # as the trainer reads it under a DeepSpeed launch
-    autosize.resolve_auto_sizes(resumed, str(tmp_path / "out" / "checkpoint-1"))
-    assert resumed.args.tensor_batch_size == 16
+    resumed.facts = dataclasses.replace(resumed.facts, deepspeed=True)  # as the trainer finds a DeepSpeed launch
+    resumed._settle_sizes(str(tmp_path / "out" / "checkpoint-1"))
+    assert resumed.sizes.tensor_batch_size == resumed.args.tensor_batch_size == 16
 
 
 def test_auto_sizes_chosen_for_another_batch_are_probed_again(tmp_path, monkeypatch, caplog):
@@ -306,13 +307,13 @@ def test_auto_sizes_chosen_for_another_batch_are_probed_again(tmp_path, monkeypa
 
     monkeypatch.setattr(autosize, "Prober", CountingProber)
     same = make_trainer(tmp_path / "same", per_device_train_batch_size="auto")
-    assert autosize.resolve_auto_sizes(same, checkpoint) == {
+    assert same._settle_sizes(checkpoint) == {
         "per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "steps_per_generation": 1}
     assert probed == []  # chosen for this batch: read, not probed
     doubled = make_trainer(tmp_path / "doubled", per_device_train_batch_size="auto", gradient_accumulation_steps=2)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="hf_grpo"):
-        autosize.resolve_auto_sizes(doubled, checkpoint)
+        doubled._settle_sizes(checkpoint)
     assert probed == ["per_device_train_batch_size"]
     assert "per_device_train_batch_size=8 ('auto' chosen for another batch: per_device_batch_per_optimizer_step 8 " \
            "then, 16 now, per_device_rollout 8 then, 16 now)" in caplog.text

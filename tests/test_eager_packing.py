@@ -1,11 +1,10 @@
 """padding_free=None on eager micro-batches (hf_grpo.training.eager_packing): packed where the GPU is the bound."""
 
-import types
-
 import pytest
 import torch
 
 from hf_grpo.recipe_support.tiny import build_tiny_model
+from hf_grpo.run_state import RunFacts
 from hf_grpo.training import eager_packing, padding_free
 from test_shared_prompts import grouped_step
 from test_trainer import TOKENIZER
@@ -66,25 +65,24 @@ def test_the_run_logs_and_applies_the_eager_layout(tmp_path, monkeypatch, caplog
     monkeypatch.setattr(padding_free, "pack_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
     with caplog.at_level("INFO", logger="hf_grpo"):
         trainer, _ = grouped_step(tmp_path, monkeypatch, True, padding_free=setting)
-    assert trainer._eager_rows.packed is packed and reason in trainer._eager_rows.reason
+    assert trainer.decisions.eager_rows.packed is packed and reason in trainer.decisions.eager_rows.reason
     assert f"training micro-batches: eager launches (CUDA graphs need a CUDA device (device cpu)), " \
-           f"{trainer._eager_rows}" in caplog.text
+           f"{trainer.decisions.eager_rows}" in caplog.text
     assert bool(calls) is packed  # the head packed the rows (reference and policy) or never tried
-    assert (trainer._prompt_grouping == "on") is packed  # and a prompt's rows went together where they share it
+    assert (trainer.decisions.prompt_grouping == "on") is packed  # and a prompt's rows went together where they share it
 
 
 def test_a_model_that_cannot_pack_stays_padded_whatever_the_rule_says(tmp_path, monkeypatch):
     monkeypatch.setattr(eager_packing, "choose", lambda **sizes: eager_packing.Choice(True, "bound by the GPU"))
     trainer, _ = grouped_step(tmp_path, monkeypatch, True, padding_free=None,
                               model=build_tiny_model(TOKENIZER, seed=0, attn_implementation="eager"))
-    assert not trainer._eager_rows.packed and "attn_implementation='eager'" in trainer._eager_rows.reason
+    assert not trainer.decisions.eager_rows.packed and "attn_implementation='eager'" in trainer.decisions.eager_rows.reason
 
 
 def test_a_model_on_trls_fused_head_stays_padded(tmp_path, monkeypatch):
     """Where the chunked head is not installed (a model it refuses), TRL's head scores rows padded: the log and the
     grouping must not say packed."""
     monkeypatch.setattr(eager_packing, "choose", lambda **sizes: eager_packing.Choice(True, "bound by the GPU"))
-    trainer = types.SimpleNamespace(args=types.SimpleNamespace(padding_free=None),
-                                    model=build_tiny_model(TOKENIZER, seed=0), _chunked_head_installed=False)
-    choice = eager_packing.for_trainer(trainer, 8, lambda: pytest.fail("the training set was scanned"))
+    choice = eager_packing.for_run(None, build_tiny_model(TOKENIZER, seed=0), RunFacts(), False, 8,
+                                   lambda: pytest.fail("the training set was scanned"))
     assert not choice.packed and "TRL's fused head" in choice.reason

@@ -8,7 +8,6 @@ by default on a LoRA policy, leaves it off when asked, and never under ZeRO-3 or
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -133,15 +132,14 @@ def test_a_deep_copy_computes_with_its_own_adapters_and_uninstall_gives_peft_s_f
 
 
 def test_sharded_parameters_keep_peft_s_forward():
-    # The trainer installs the fused forward only where _sharding() is None (hf_grpo/trainer.py).
-    from hf_grpo import GRPOTrainer
+    # The trainer installs the fused forward only where facts.sharding is None (hf_grpo/trainer.py); its facts take
+    # ZeRO-3 from the DeepSpeed config's stage.
+    from hf_grpo.distributed.zero3_leaves import is_zero3_config
+    from hf_grpo.run_state import RunFacts
 
     def sharding(fsdp=False, stage=None):
-        plugin = None if stage is None else SimpleNamespace(deepspeed_config={"zero_optimization": {"stage": stage}})
-        trainer = SimpleNamespace(is_fsdp_enabled=fsdp,
-                                  accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
-        trainer._zero3_configured = lambda: GRPOTrainer._zero3_configured(trainer)
-        return GRPOTrainer._sharding(trainer)
+        config = None if stage is None else {"zero_optimization": {"stage": stage}}
+        return RunFacts(deepspeed=stage is not None, zero3=is_zero3_config(config), fsdp=fsdp).sharding
 
     assert sharding() is None
     assert sharding(stage=2) is None
@@ -162,14 +160,14 @@ def test_a_lora_grpo_step_with_the_fused_forward_updates_as_peft_s(tmp_path):
         made = GRPOTrainer(model=build_tiny_model(TOKENIZER, seed=0), reward_funcs=count_a_reward, args=args,
                            train_dataset=prompt_dataset(), processing_class=TOKENIZER,
                            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))
-        made._backend = FixedBackend()
+        made.decisions.backend = FixedBackend()
         return made
 
     peft_trainer = trainer(False)
-    assert peft_trainer.lora_fused_layers == 0
+    assert peft_trainer.decisions.lora_fused_layers == 0
     want_loss, want_update = train_one_step(peft_trainer)
     fused_trainer = trainer(True)
-    assert fused_trainer.lora_fused_layers == 7 * fused_trainer.model.config.num_hidden_layers
+    assert fused_trainer.decisions.lora_fused_layers == 7 * fused_trainer.model.config.num_hidden_layers
     loss, update = train_one_step(fused_trainer)
     assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
     assert any(delta.abs().max() > 0 for name, delta in update.items() if "lora_" in name)

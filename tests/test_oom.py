@@ -121,7 +121,7 @@ def test_train_step_with_a_generation_oom_equals_the_smaller_chunk_from_the_star
     calls = []
     trainer.model.generate = oom_after_sampling(trainer.model, 2, calls)
     loss, update = train_one_step(trainer)
-    assert trainer.args.per_device_generation_batch_size == 2
+    assert trainer.sizes.per_device_generation_batch_size == 2
     assert calls[:3] == [8, 4, 2]
     assert loss == expected[0]
     assert all(torch.equal(update[name], expected[1][name]) for name in update)
@@ -145,7 +145,7 @@ def test_train_step_with_a_logprob_oom_equals_the_smaller_chunk_from_the_start(t
     monkeypatch.setattr(hf_grpo.logprob_head, "chunked_logprobs", failing)
     trainer = make_trainer(tmp_path / "oom", tensor_batch_size=32, max_steps=2)
     loss, update = train_one_step(trainer)
-    assert trainer.args.tensor_batch_size == 8
+    assert trainer.sizes.tensor_batch_size == 8
     assert seen == [32, 16, 8, 8]  # one training forward per step; the second step starts at the kept size
     assert loss == expected[0]
     assert all(torch.equal(update[name], expected[1][name]) for name in update)

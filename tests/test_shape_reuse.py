@@ -3,7 +3,6 @@ which shape is chosen, and that the larger shape gives the micro-batch's own log
 scoring alike (on a CPU, the capture stood in by an eager replay as in test_training_graphs)."""
 
 import contextlib
-import types
 
 import pytest
 import torch
@@ -57,17 +56,16 @@ def test_a_new_shape_replays_a_larger_captured_one_twice_then_gets_its_own_with_
     model = checkpointed_model()
     graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, recorder=EagerRecorder(), packed=True,
                                             reuse=ShapeReuse(head_share=0.0, capture_cost=0.5))
-    trainer = types.SimpleNamespace(_train_graphs=graphs, perf=PerformanceStats(),
-                                    accelerator=types.SimpleNamespace(autocast=contextlib.nullcontext))
+    perf = PerformanceStats()
     for step, (ids, mask) in enumerate([LARGE, SMALL, SMALL, SMALL]):
         expected, expected_grads = eager_logps_and_grads(model, ids, mask)
         model.zero_grad(set_to_none=True)
-        got, _, _ = training_graphs.replay(trainer, model, ids, mask, COMPLETION)
+        got, _, _ = training_graphs.replay(graphs, perf, contextlib.nullcontext, model, ids, mask, COMPLETION)
         (got * torch.arange(1.0, 5.0).unsqueeze(1)).sum().backward()
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
         for param, grad in zip(model.parameters(), expected_grads):
             torch.testing.assert_close(param.grad, grad, rtol=1e-5, atol=1e-6 * float(grad.abs().max()))
-        stats = trainer.perf.summary()
+        stats = perf.summary()
         # the small shape: replayed at length 320 twice (a quarter more work each), captured at its third
         # micro-batch, where the extra work would pass half a micro-batch
         assert (stats["train_graph_captures"], stats["train_graph_reuses"]) == [(1, 0), (1, 1), (1, 2), (2, 2)][step]

@@ -161,8 +161,8 @@ def test_a_prompt_s_rows_grouped_into_micro_batches_update_as_trl_s_shuffle(tmp_
     policy = (lambda: {"model": lora_policy()}) if lora else dict
     shuffled, want = grouped_step(tmp_path, monkeypatch, False, loss_type=loss_type, **policy())
     grouped, got = grouped_step(tmp_path, monkeypatch, True, loss_type=loss_type, **policy())
-    assert grouped._prompt_grouping == "on"
-    assert "turned off" in shuffled._prompt_grouping
+    assert grouped.decisions.prompt_grouping == "on"
+    assert "turned off" in shuffled.decisions.prompt_grouping
     for micro_batch in grouped._buffered_inputs:
         prompts = micro_batch["prompt_ids"].masked_fill(micro_batch["prompt_mask"] == 0, -1)
         assert (prompts == prompts[0]).all(), "a micro-batch holds the rows of one prompt"
@@ -180,8 +180,8 @@ def test_micro_batches_whose_split_changes_the_step_keep_trl_s_shuffle(tmp_path,
                                                                       reason):
     with caplog.at_level("INFO", logger="hf_grpo"):
         trainer, _ = grouped_step(tmp_path, monkeypatch, True, **overrides)
-    assert reason in trainer._prompt_grouping
-    assert f"micro-batches: TRL's shuffled rows ({trainer._prompt_grouping})" in caplog.text  # the user is told
+    assert reason in trainer.decisions.prompt_grouping
+    assert f"micro-batches: TRL's shuffled rows ({trainer.decisions.prompt_grouping})" in caplog.text  # the user is told
 
 
 @pytest.mark.gpu
@@ -228,4 +228,4 @@ def test_a_model_that_cannot_pack_keeps_trl_s_shuffle(tmp_path, monkeypatch):
 
     trainer, _ = grouped_step(tmp_path, monkeypatch, True,
                               model=build_tiny_model(TOKENIZER, seed=0, attn_implementation="eager"))
-    assert "scored padded" in trainer._prompt_grouping
+    assert "scored padded" in trainer.decisions.prompt_grouping

@@ -16,7 +16,7 @@ from scripts.token_budget_train import float64_rope
 from test_launch import launch
 from test_trainer import TOKENIZER, assert_same_update, make_trainer, train_one_step
 
-from hf_grpo import GRPOConfig, GRPOTrainer
+from hf_grpo import GRPOTrainer
 from hf_grpo.cli.main import build_plan
 from hf_grpo.memory import token_budget
 from hf_grpo.memory.packing import (
@@ -29,6 +29,7 @@ from hf_grpo.memory.packing import (
     select_rows,
 )
 from hf_grpo.recipe_support.tiny import build_tiny_model
+from hf_grpo.run_state import RunFacts
 
 EXACT = dict(rtol=1e-12, atol=1e-15)
 # loss_type -> extra config TRL needs for it
@@ -80,12 +81,12 @@ def test_a_budget_the_longest_prompt_cannot_fill_is_refused_at_train_start(tmp_p
     trainer = make_trainer(tmp_path, max_tokens_per_micro_batch=64, max_completion_length=6)
     longest = trainer._longest_prompt()
     assert longest > 0
-    trainer.args.max_tokens_per_micro_batch = longest + 5  # one token short of the longest prompt's full row
+    trainer.sizes.max_tokens_per_micro_batch = longest + 5  # one token short of the longest prompt's full row
     with pytest.raises(ValueError, match=rf"max_tokens_per_micro_batch={longest + 5} .*longest prompt \({longest} "
                                          rf"tokens\) .*max_completion_length=6 .*>= {longest + 6}"):
         trainer.train()
     assert trainer.state.global_step == 0
-    trainer.args.max_tokens_per_micro_batch = longest + 6  # exactly enough: trains
+    trainer.sizes.max_tokens_per_micro_batch = longest + 6  # exactly enough: trains
     trainer.train()
     assert trainer.state.global_step == 1
 
@@ -190,7 +191,7 @@ def float64_trainer(tmp_path, loss_type="grpo", rope64=False, **overrides):
 
 
 def loss_and_grads(trainer, inputs, budget):
-    trainer.args.max_tokens_per_micro_batch = budget
+    trainer.sizes.max_tokens_per_micro_batch = budget
     trainer.model.zero_grad()
     loss = trainer.compute_loss(trainer.model, inputs)
     trainer.accelerator.backward(loss)  # what transformers' training_step does with it
@@ -281,10 +282,10 @@ def test_eval_runs_in_one_pass(tmp_path):
     trainer = float64_trainer(tmp_path, "grpo")
     inputs = micro_batch()
     trainer.model.eval()
-    trainer.args.max_tokens_per_micro_batch = 20
+    trainer.sizes.max_tokens_per_micro_batch = 20
     with torch.no_grad():
         loss = trainer.compute_loss(trainer.model, inputs)
-    trainer.args.max_tokens_per_micro_batch = None
+    trainer.sizes.max_tokens_per_micro_batch = None
     with torch.no_grad():
         torch.testing.assert_close(loss, trainer.compute_loss(trainer.model, inputs), rtol=0, atol=0)
 
@@ -304,7 +305,7 @@ def test_trl_scoring_chunks_are_twice_the_micro_batch_within_the_budget_and_give
     logps, chunks = {}, {}
     with torch.no_grad():
         for budget in (None, 18, 6):  # 2 x 18 // 12 = 3 rows a chunk; 6 tokens: below one row, one row a chunk
-            trainer.args.max_tokens_per_micro_batch = budget
+            trainer.sizes.max_tokens_per_micro_batch = budget
             rows.clear()
             logps[budget] = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 7, batch_size=2)[0]
             chunks[budget] = list(rows)
@@ -328,13 +329,10 @@ def test_a_trainer_with_its_own_loss_is_refused(tmp_path):
 
 
 def test_a_router_aux_loss_is_refused():
-    class Stub:  # what check_trainer reads of a trainer whose model has a MoE router loss
-        args = GRPOConfig(output_dir="unused", report_to=[], use_cpu=True, bf16=False, max_tokens_per_micro_batch=4096)
-        _compute_loss = GRPOTrainer._compute_loss
-        aux_loss_enabled, router_aux_loss_coef = True, 0.001
-
+    facts = RunFacts(aux_loss_enabled=True, router_aux_loss_coef=0.001)  # a model with a MoE router loss
     with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.001"):
-        token_budget.check_trainer(Stub())
+        token_budget.check_run(facts, 4096)
+    token_budget.check_run(facts, None)  # no budget: nothing to split
 
 
 @pytest.mark.slow

@@ -5,7 +5,8 @@ The error is injected from a gradient hook of the first layer, which fires late 
 the later layers' gradients are already added, so a retry that kept them would double-count.
 """
 
-import types
+import copy
+import dataclasses
 
 import pytest
 import torch
@@ -73,7 +74,7 @@ def test_a_backward_oom_in_the_second_micro_batch_equals_the_halved_budget_from_
     calls = fail_in_backward(trainer, on_calls={2})  # step 1, micro-batch 2: micro-batch 1's gradient is in
     counts = metric_counts(trainer)
     logs, update = run(trainer)
-    budget = trainer.args.max_tokens_per_micro_batch
+    budget = trainer.sizes.max_tokens_per_micro_batch
     assert isinstance(budget, int) and budget > 0, "the halved budget is kept for the rest of the run"
     assert trainer._train_backoff.replays == 1  # micro-batch 1 ran again, after the gradients were dropped
     assert logs[0]["perf/oom_backoffs"] == 1 and logs[0]["perf/max_tokens_per_micro_batch"] == budget
@@ -105,7 +106,7 @@ def test_an_oom_that_halving_cannot_cure_ends_the_run_naming_the_budget_and_the_
         trainer.train()
     floor = trainer._longest_row(None)
     assert floor == trainer._longest_prompt() + trainer.max_completion_length
-    assert floor <= trainer.args.max_tokens_per_micro_batch < 2 * floor  # halved down to the floor, not past it
+    assert floor <= trainer.sizes.max_tokens_per_micro_batch < 2 * floor  # halved down to the floor, not past it
 
 
 def test_other_errors_are_not_retried(tmp_path):
@@ -117,21 +118,22 @@ def test_other_errors_are_not_retried(tmp_path):
     trainer.model.model.layers[0].self_attn.q_proj.weight.register_hook(hook)
     with pytest.raises(RuntimeError, match="shape mismatch"):
         trainer.train()
-    assert trainer.args.max_tokens_per_micro_batch is None and trainer._train_backoff.replays == 0
+    assert trainer.sizes.max_tokens_per_micro_batch is None and trainer._train_backoff.replays == 0
 
 
 def test_where_a_retry_is_not_safe_the_reason_is_given(tmp_path):
     trainer = make_trainer(tmp_path)
-    assert train_backoff.reason_unavailable(trainer) is None
+    assert train_backoff.reason_unavailable(trainer.args, trainer.facts) is None
 
     def launched(processes, kind):
-        accelerator = types.SimpleNamespace(num_processes=processes, distributed_type=kind)
-        return types.SimpleNamespace(args=trainer.args, accelerator=accelerator)
+        return dataclasses.replace(trainer.facts, num_processes=processes, distributed_type=kind.value)
 
-    assert "2 processes" in train_backoff.reason_unavailable(launched(2, DistributedType.MULTI_CPU))
-    assert "DEEPSPEED manages the gradients" in train_backoff.reason_unavailable(launched(1, DistributedType.DEEPSPEED))
-    trainer.args.top_entropy_quantile = 0.5  # the passes could not keep the quantile exact
-    reason = train_backoff.reason_unavailable(trainer)
+    assert "2 processes" in train_backoff.reason_unavailable(trainer.args, launched(2, DistributedType.MULTI_CPU))
+    assert "DEEPSPEED manages the gradients" in train_backoff.reason_unavailable(
+        trainer.args, launched(1, DistributedType.DEEPSPEED))
+    config = copy.copy(trainer.args)
+    config.top_entropy_quantile = 0.5  # the passes could not keep the quantile exact
+    reason = train_backoff.reason_unavailable(config, trainer.facts)
     assert reason.startswith("its token-budget passes would not be exact: max_tokens_per_micro_batch cannot be "
                              "combined with top_entropy_quantile=0.5"), reason
     assert "set " not in reason  # the user set no budget: no advice about one
@@ -141,12 +143,12 @@ def test_a_resume_keeps_the_halved_budget(tmp_path):
     trainer = float64_trainer(tmp_path, max_steps=1, save_strategy="steps", save_steps=1)
     fail_in_backward(trainer, on_calls={2})
     trainer.train()
-    budget = trainer.args.max_tokens_per_micro_batch
+    budget = trainer.sizes.max_tokens_per_micro_batch
     assert budget is not None
     resumed = float64_trainer(tmp_path, max_steps=2, save_strategy="steps", save_steps=1)
-    assert resumed.args.max_tokens_per_micro_batch is None
+    assert resumed.sizes.max_tokens_per_micro_batch is None
     resumed.train(resume_from_checkpoint=True)
-    assert resumed.state.global_step == 2 and resumed.args.max_tokens_per_micro_batch == budget
+    assert resumed.state.global_step == 2 and resumed.sizes.max_tokens_per_micro_batch == budget
 
 
 def test_the_gpu_benchmark_scenario_survives_its_injected_oom_on_cpu(tmp_path):

@@ -57,7 +57,7 @@ def make_trainer(tmp_path, cls=GRPOTrainer, config_cls=GRPOConfig, model=None, f
         processing_class=TOKENIZER,
     )
     if fixed and cls is GRPOTrainer:
-        trainer._backend = FixedBackend()
+        trainer.decisions.backend = FixedBackend()
     elif fixed:  # plain TRL trainer: replace its generation method on the instance
         trainer._generate_single_turn = lambda prompt_ids, *a, **k: (fixed_completions(prompt_ids), None)
     return trainer
@@ -173,7 +173,7 @@ def test_lora_step_changes_only_adapter_weights(tmp_path):
         processing_class=TOKENIZER,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
     )
-    trainer._backend = FixedBackend()
+    trainer.decisions.backend = FixedBackend()
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     trainer.train()
     changed = {n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])}
@@ -252,7 +252,7 @@ def test_decoder_compiles_and_captures_are_counted_per_window(tmp_path):
             return super().generate(model, prompt_ids, **kwargs)
 
     trainer = make_trainer(tmp_path, max_steps=3)
-    trainer._backend = CountingBackend()
+    trainer.decisions.backend = CountingBackend()
     trainer.train()
     stats = trainer.get_performance_stats()
     assert (stats["decode_compiles"], stats["graph_captures"]) == (3, 6)
@@ -269,9 +269,9 @@ def test_generation_memory_is_released_after_each_rollout_unless_kept(tmp_path, 
             self.releases += 1
 
     trainer = make_trainer(tmp_path, max_steps=3, release_generation_memory=release)
-    trainer._backend = RecordingBackend()
+    trainer.decisions.backend = RecordingBackend()
     trainer.train()
-    assert trainer._backend.releases == (3 if release else 0)  # one rollout per step here
+    assert trainer.decisions.backend.releases == (3 if release else 0)  # one rollout per step here
 
 
 def test_the_decoder_cache_is_reserved_for_the_longest_training_prompt(tmp_path, monkeypatch):
@@ -283,7 +283,7 @@ def test_the_decoder_cache_is_reserved_for_the_longest_training_prompt(tmp_path,
 
     trainer = make_trainer(tmp_path, fixed=False)
     backend = ReservingBackend()
-    monkeypatch.setattr("hf_grpo.trainer.resolve_backend", lambda name, model: (backend, None))
+    monkeypatch.setattr("hf_grpo.generation.resolve_backend", lambda name, model: (backend, None))
     assert trainer._generation_backend(trainer.model) is backend
     longest = max(len(TOKENIZER(p)["input_ids"]) for p in PROMPTS)  # "klmno>": 6 tokens
     assert backend.reserved == longest + 6  # + max_completion_length
@@ -375,7 +375,7 @@ def environment_trainer(tmp_path, fixed=True, **overrides):
                           args=GRPOConfig(**values, **overrides), train_dataset=dataset, processing_class=tokenizer,
                           environment_factory=CounterEnvironment)
     if fixed:
-        trainer._backend = Completions()
+        trainer.decisions.backend = Completions()
     return trainer
 
 
@@ -397,7 +397,7 @@ def test_environments_leave_the_decoder_cache_unreserved(tmp_path, monkeypatch):
 
     trainer = environment_trainer(tmp_path, fixed=False)
     backend = ReservingBackend()
-    monkeypatch.setattr("hf_grpo.trainer.resolve_backend", lambda name, model: (backend, None))
+    monkeypatch.setattr("hf_grpo.generation.resolve_backend", lambda name, model: (backend, None))
     trainer._batch_environments = [None] * 8  # as after a batch of 8: TRL's tokenizer zips prompts against it
     assert trainer._generation_backend(trainer.model) is backend
     assert backend.reserved is None  # the cache then grows along its ladder, as for a set it cannot scan

@@ -266,8 +266,9 @@ def test_an_explicit_pad_to_multiple_of_wins_over_the_alignment_for_compiled_lay
             model=build_tiny_model(tokenizer), processing_class=tokenizer,
             args=make_config(compile_training="on", **given), reward_funcs=lambda completions, **kw: [0.0] * len(completions),
             train_dataset=Dataset.from_dict({"prompt": ["ab>"] * 8}))
-        trainer._train_layers = training_compile.CompiledTrainingLayers(backend="eager")  # as train begin decides
-        trainer._align_lengths_for_compiled_layers()
+        compiled = training_compile.CompiledTrainingLayers(backend="eager")
+        trainer._compiled_training_layers = lambda steps: compiled  # as train begin decides on CUDA
+        trainer._begin_run(1, False)
         assert trainer.pad_to_multiple_of == expected, given
 
 
@@ -324,7 +325,7 @@ def test_grpo_run_with_compiled_layers_updates_as_eager(tmp_path, monkeypatch):
     assert any(length % 8 for length in scored_lengths), "the prompts would be aligned anyway: the test proves nothing"
     compiled_params, trainer = run("on")
     assert scored_lengths and all(length % 8 == 0 for length in scored_lengths), scored_lengths
-    assert trainer._train_layers is not None and trainer.get_performance_stats()["train_compiles"] > 0
+    assert trainer.decisions.train_layers is not None and trainer.get_performance_stats()["train_compiles"] > 0
     # compiled, lengths are padded to multiples of 8 (one variant of inductor's attention); eager, as TRL pads
     assert (trainer.pad_to_multiple_of, eager.pad_to_multiple_of) == (8, None)
     assert routed_during_generation and not any(routed_during_generation)

@@ -2,14 +2,16 @@
 padding give the eager log-probs and gradients; the captured gradient buffers keep what was accumulated; a whole run
 through the replay path updates as one without (on a CPU with the capture stood in by an eager replay; on a GPU)."""
 
+import dataclasses
 import json
+import types
 
 import pytest
 import torch
 
-from hf_grpo.config import set_checkpointing
 from hf_grpo.logprob_head import install_chunked_lm_head
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
+from hf_grpo.run_state import RunFacts, RunSizes
 from hf_grpo.training import graph_buckets, graph_inputs
 from hf_grpo.training import graphs as training_graphs
 
@@ -252,56 +254,69 @@ def tiny_cpu_trainer(tmp_path, **config):
                                train_dataset=Dataset.from_dict({"prompt": ["ab>", "c>"]}))
 
 
+def choose(trainer, **settings):
+    """``training_graphs.choose`` for ``trainer``'s run, with ``settings`` over its config (not written)."""
+    return training_graphs.choose(types.SimpleNamespace(**{**vars(trainer.args), **settings}), trainer.model,
+                                  trainer.facts, trainer.sizes, trainer.decisions)
+
+
+def start(trainer, **settings):
+    return training_graphs.start(types.SimpleNamespace(**{**vars(trainer.args), **settings}), trainer.model,
+                                 trainer.facts, trainer.sizes, trainer.decisions, True)
+
+
+def trainer_sizes(**sizes):
+    values = dict(per_device_train_batch_size=2, gradient_accumulation_steps=1, steps_per_generation=1,
+                  per_device_generation_batch_size=None, tensor_batch_size=None, max_tokens_per_micro_batch=None)
+    return RunSizes(**{**values, **sizes})
+
+
 def test_a_cpu_run_says_why_no_graphs(tmp_path, caplog):
     trainer = tiny_cpu_trainer(tmp_path, training_cuda_graphs="auto")
-    graphs, reason = training_graphs.choose(trainer)
+    graphs, reason = choose(trainer)
     assert graphs is None and reason == "CUDA graphs need a CUDA device (device cpu)"
     assert "not applied" not in caplog.text  # "auto" falls back quietly
-    trainer.args.training_cuda_graphs = "on"
-    assert training_graphs.choose(trainer)[0] is None
+    assert choose(trainer, training_cuda_graphs="on")[0] is None
     assert "training_cuda_graphs='on' is not applied: CUDA graphs need a CUDA device (device cpu)" in caplog.text
-    trainer.args.training_cuda_graphs = "off"
-    assert training_graphs.choose(trainer) == (None, "training_cuda_graphs='off'")
+    assert choose(trainer, training_cuda_graphs="off") == (None, "training_cuda_graphs='off'")
 
 
 def test_auto_leaves_runs_without_activation_checkpointing_eager(tmp_path, monkeypatch, caplog):
     # Their graphs' pool would hold a whole micro-batch's activations through the rollout; "on" replays anyway.
-    monkeypatch.setattr(training_graphs, "unavailable_reason", lambda trainer: None)  # as on one GPU
+    monkeypatch.setattr(training_graphs, "unavailable_reason", lambda *a: None)  # as on one GPU
     trainer = tiny_cpu_trainer(tmp_path, activation_checkpointing=False)
-    assert trainer.args.training_cuda_graphs == "auto"
-    graphs, reason = training_graphs.choose(trainer)
+    assert trainer.args.training_cuda_graphs == "auto" and not trainer.facts.gradient_checkpointing
+    graphs, reason = choose(trainer)
     assert graphs is None and reason.startswith("activation checkpointing is off")
     with caplog.at_level("INFO", logger="hf_grpo"):
-        assert training_graphs.start(trainer) is None
+        assert start(trainer) is None
     assert "training micro-batches: eager launches (activation checkpointing is off" in caplog.text
-    trainer.args.training_cuda_graphs = "on"
-    assert isinstance(training_graphs.choose(trainer)[0], training_graphs.TrainingGraphs)
-    trainer.args.training_cuda_graphs = "auto"
-    set_checkpointing(trainer.args, True)
-    graphs = training_graphs.choose(trainer)[0]
+    assert isinstance(choose(trainer, training_cuda_graphs="on")[0], training_graphs.TrainingGraphs)
+    checkpointed = tiny_cpu_trainer(tmp_path, activation_checkpointing=True)
+    assert checkpointed.facts.gradient_checkpointing
+    graphs = choose(checkpointed)[0]
     assert isinstance(graphs, training_graphs.TrainingGraphs)
     assert graphs.warmup_passes == training_graphs.WARMUP_PASSES["eager"]
-    trainer.args.torch_compile = True  # the Trainer's own compile may compile again for a new shape
-    assert training_graphs.choose(trainer)[0].warmup_passes == training_graphs.WARMUP_PASSES["compiled"]
+    # the Trainer's own compile may compile again for a new shape
+    assert choose(checkpointed, torch_compile=True)[0].warmup_passes == training_graphs.WARMUP_PASSES["compiled"]
 
 
 def test_graphs_replay_rows_packed_unless_padding_free_is_off_or_the_attention_cannot(tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(training_graphs, "unavailable_reason", lambda trainer: None)  # as on one GPU
+    monkeypatch.setattr(training_graphs, "unavailable_reason", lambda *a: None)  # as on one GPU
     trainer = tiny_cpu_trainer(tmp_path)
     assert trainer.args.padding_free is None  # the default: packed where the graphs replay
-    assert training_graphs.unpacked_reason(trainer).startswith("packed rows replay only through variable-length")
-    trainer.args.bf16 = True
-    assert training_graphs.unpacked_reason(trainer) is None
+    unpacked = training_graphs.unpacked_reason
+    assert unpacked(None, trainer.model, trainer.facts).startswith("packed rows replay only through variable-length")
+    trainer.facts = dataclasses.replace(trainer.facts, half=True)  # as with bf16=True
+    assert unpacked(None, trainer.model, trainer.facts) is None
     with caplog.at_level("INFO", logger="hf_grpo"):
-        assert training_graphs.start(trainer).packed
+        assert start(trainer).packed
     assert "training micro-batches: replayed from CUDA graphs, rows packed" in caplog.text
-    trainer.args.padding_free = False
     with caplog.at_level("INFO", logger="hf_grpo"):
-        assert not training_graphs.start(trainer).packed
+        assert not start(trainer, padding_free=False).packed
     assert "replayed from CUDA graphs, rows padded (padding_free=False)" in caplog.text
-    trainer.args.padding_free = None
     trainer.model.config._attn_implementation = "eager"  # each model's own function: may not be plain softmax
-    assert "is not one of" in training_graphs.unpacked_reason(trainer)
+    assert "is not one of" in unpacked(None, trainer.model, trainer.facts)
 
 
 class FailingRecorder(EagerRecorder):
@@ -351,8 +366,8 @@ def test_a_failed_capture_mid_step_keeps_the_steps_gradients_and_lets_go_of_the_
 def test_the_diffusion_trainer_says_it_scores_its_own_way():
     from hf_grpo.diffusion.trainer import DiffuGRPOTrainer
 
-    trainer = DiffuGRPOTrainer.__new__(DiffuGRPOTrainer)  # the reason is the class's, before any device check
-    assert training_graphs.unavailable_reason(trainer) == (
+    facts = RunFacts(device_type="cuda", training_graphs_unavailable=DiffuGRPOTrainer.training_graphs_unavailable)
+    assert training_graphs.unavailable_reason(facts, trainer_sizes()) == (  # the class's reason, before the device's
         "the diffusion trainer scores completions with its own estimator")
 
 
@@ -403,10 +418,10 @@ def test_a_grpo_run_through_the_replay_path_updates_as_eager_on_a_cpu(tmp_path, 
     # adopted across micro-batches and optimizer steps (the Trainer sets gradients to None), the perf counter.
     from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
 
-    monkeypatch.setattr(training_graphs, "unavailable_reason", lambda trainer: None)
+    monkeypatch.setattr(training_graphs, "unavailable_reason", lambda *a: None)
     # (on a GPU, packed rows replay in fp16/bf16 only, through variable-length flash attention; on a CPU in fp32)
     monkeypatch.setattr(training_graphs, "unpacked_reason",
-                        lambda trainer: None if trainer.args.padding_free else "padding_free=False")
+                        lambda setting, model, facts: None if setting else "padding_free=False")
     monkeypatch.setattr(training_graphs, "CudaGraphRecorder", EagerRecorder)
     checkpoint = save_tiny_checkpoint(tmp_path / "checkpoint")
     run = dict(use_cpu=True, num_iterations=num_iterations, padding_free=padding_free)
@@ -415,8 +430,8 @@ def test_a_grpo_run_through_the_replay_path_updates_as_eager_on_a_cpu(tmp_path, 
     replay = graph_buckets.Replay.apply
     monkeypatch.setattr(graph_buckets.Replay, "apply", lambda *a: replayed.append(1) or replay(*a))
     _, graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", lora, **run)
-    graphs = trainer._train_graphs
-    assert eager._train_graphs is None and graphs is not None and graphs.failure is None
+    graphs = trainer.decisions.train_graphs
+    assert eager.decisions.train_graphs is None and graphs is not None and graphs.failure is None
     assert graphs.packed == padding_free
     assert all(key[1] == ("packed" if padding_free else "padded") for key in graphs._entries)
     assert len(replayed) == 6  # 3 steps x 2 micro-batches, every one through the replay path
@@ -441,8 +456,8 @@ def test_compiled_layers_and_packed_graphs_update_as_eager_on_a_cpu(tmp_path, mo
     from hf_grpo.training import compiled_layers as training_compile
     from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
 
-    monkeypatch.setattr(training_graphs, "unavailable_reason", lambda trainer: None)
-    monkeypatch.setattr(training_graphs, "unpacked_reason", lambda trainer: None)
+    monkeypatch.setattr(training_graphs, "unavailable_reason", lambda *a: None)
+    monkeypatch.setattr(training_graphs, "unpacked_reason", lambda *a: None)
     monkeypatch.setattr(training_graphs, "CudaGraphRecorder", EagerRecorder)
     monkeypatch.setattr(training_compile, "CompiledTrainingLayers", functools.partial(
         training_compile.CompiledTrainingLayers, backend="aot_eager_decomp_partition"))
@@ -451,8 +466,8 @@ def test_compiled_layers_and_packed_graphs_update_as_eager_on_a_cpu(tmp_path, mo
     _, eager_params, _ = grpo_run(tmp_path, checkpoint, "off", use_cpu=True, padding_free=True)
     _, graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", use_cpu=True, padding_free=True,
                                           compile_training="on")
-    graphs = trainer._train_graphs
-    assert trainer._train_layers is not None and trainer._train_layers.compiles > 0
+    graphs = trainer.decisions.train_graphs
+    assert trainer.decisions.train_layers is not None and trainer.decisions.train_layers.compiles > 0
     assert graphs.failure is None and graphs.warmup_passes == training_graphs.WARMUP_PASSES["compiled"]
     assert graphs._entries and all(key[1] == "packed" for key in graphs._entries)
     torch.testing.assert_close(graphed_params, eager_params, rtol=1e-5, atol=1e-5)
@@ -471,9 +486,9 @@ def test_a_grpo_run_with_training_graphs_updates_as_eager(tmp_path, lora, num_it
     run = dict(num_iterations=num_iterations, padding_free=padding_free, bf16=padding_free)
     before, eager_params, eager = grpo_run(tmp_path, checkpoint, "off", lora, **run)
     _, graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", lora, **run)
-    assert eager._train_graphs is None
-    assert trainer._train_graphs is not None and trainer._train_graphs.failure is None
-    assert all(key[1] == ("packed" if padding_free else "padded") for key in trainer._train_graphs._entries)
+    assert eager.decisions.train_graphs is None
+    assert trainer.decisions.graphs_replay
+    assert all(key[1] == ("packed" if padding_free else "padded") for key in trainer.decisions.train_graphs._entries)
     assert trainer.get_performance_stats()["train_graph_captures"] > 0
     if padding_free:  # bf16 rounds the two differently: each run's update within a few percent of the other's
         eager_update, graphed_update = eager_params - before, graphed_params - before
@@ -579,13 +594,13 @@ def test_a_grpo_run_whose_new_shapes_replay_larger_ones_updates_as_eager_on_a_cp
     # run's packed lengths are 64 and 128, so a micro-batch of 64 replays at 128 for twice its own work.
     from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
 
-    monkeypatch.setattr(training_graphs, "unavailable_reason", lambda trainer: None)
-    monkeypatch.setattr(training_graphs, "unpacked_reason", lambda trainer: None)
+    monkeypatch.setattr(training_graphs, "unavailable_reason", lambda *a: None)
+    monkeypatch.setattr(training_graphs, "unpacked_reason", lambda *a: None)
     monkeypatch.setattr(training_graphs, "CudaGraphRecorder", EagerRecorder)
     checkpoint = save_tiny_checkpoint(tmp_path / "checkpoint")
     _, eager_params, _ = grpo_run(tmp_path, checkpoint, "off", use_cpu=True, padding_free=True)
     _, graphed_params, trainer = grpo_run(tmp_path, checkpoint, "on", use_cpu=True, padding_free=True)
-    graphs = trainer._train_graphs
+    graphs = trainer.decisions.train_graphs
     assert graphs.failure is None and graphs.reuse.reused > 0
     assert trainer.get_performance_stats()["train_graph_reuses"] == graphs.reuse.reused
     torch.testing.assert_close(graphed_params, eager_params, rtol=1e-5, atol=1e-6)

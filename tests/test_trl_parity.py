@@ -145,7 +145,7 @@ def run(checkpoint, output_dir, ours, **fields):
                   train_dataset=Dataset.from_dict({"prompt": [PROMPTS[i % len(PROMPTS)] for i in range(16)]}))
     complete = fixed_completions(tokenizer)
     if ours:
-        trainer._backend = FixedBackend(complete)
+        trainer.decisions.backend = FixedBackend(complete)
     else:  # plain TRL: replace its generation method on the instance
         trainer._generate_single_turn = lambda prompt_ids, *a, **k: (complete(prompt_ids), None)
     if fields.get("beta", 0.0) > 0:

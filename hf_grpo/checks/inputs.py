@@ -80,6 +80,29 @@ def check_generation_backend_installed(generation_backend: str) -> None:
         )
 
 
+def check_config_type(config, expected: type) -> None:
+    """``args`` must be hf_grpo's config (``expected``): the per-device batch fields live there."""
+    if not isinstance(config, expected):
+        got = "None (TRL would build its own default config)" if config is None else (
+            f"{type(config).__module__}.{type(config).__name__}")
+        raise TypeError(
+            f"hf_grpo.GRPOTrainer needs args=hf_grpo.{expected.__name__}(...), got args={got}; the per-device batch "
+            f"fields live on hf_grpo.{expected.__name__}: pass args=hf_grpo.{expected.__name__}(output_dir=..., ...)"
+        )
+
+
+def check_before_loading(model=None, reward_funcs=None, args=None, train_dataset=None, *_, **kwargs) -> None:
+    """Before TRL loads anything (the trainer's arguments as given): the training set, a model given by path, the
+    generation backend, and DeepSpeed's environment before TRL prepares its engine."""
+    from ..distributed import before_deepspeed_starts
+
+    check_train_dataset(train_dataset)
+    if isinstance(model, str):
+        check_model_path(model)
+    check_generation_backend_installed(args.generation_backend)
+    before_deepspeed_starts(args.deepspeed)
+
+
 def _is_number(value) -> bool:
     """None, a real number (Python's or numpy's, bools included), or a one-element tensor or numpy array."""
     if value is None or isinstance(value, (numbers.Real, np.bool_)):

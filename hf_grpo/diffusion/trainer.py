@@ -214,7 +214,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
         """hf_grpo's figures plus ``memory_manager_stats`` (peak/current memory) and the sampler's settings."""
         stats = super().get_performance_stats()
         stats["memory_manager_stats"] = self.memory.stats()
-        sampler = self._backend
+        sampler = self.decisions.backend
         stats["diffusion"] = {
             "sampler_forwards": getattr(sampler, "forwards", 0),
             "mask_token_id": self.mask_token_id,
@@ -237,7 +237,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
 
     # ---- generation ------------------------------------------------------------------------------
     def _generation_backend(self, model: torch.nn.Module) -> DiffusionSampler:
-        if self._backend is None:
+        if self.decisions.backend is None:
             args = self.args
             settings = SamplingSettings(
                 steps=args.diffusion_steps, block_length=args.block_length, remasking=args.remasking,
@@ -245,10 +245,10 @@ class DiffuGRPOTrainer(GRPOTrainer):
                 sampler=self.sampler_algorithm, confidence_algorithm=args.confidence_algorithm,
                 confidence_temperature=args.confidence_temperature, schedule_eps=args.schedule_eps,
             )
-            self._backend = DiffusionSampler(
+            self.decisions.backend = DiffusionSampler(
                 settings, mask_token_id=self.mask_token_id, logits_shift=self.logits_shift,
                 padding_style=self.estimator.padding_style, autocast=self.accelerator.autocast,
-                tensor_batch_size=args.tensor_batch_size,
+                tensor_batch_size=self.sizes.tensor_batch_size,
             )
             if self.accelerator.is_main_process:
                 how = ("no KV cache: every step recomputes the row" if args.block_cache is None
@@ -257,9 +257,9 @@ class DiffuGRPOTrainer(GRPOTrainer):
                     how = f"Dream's diffusion_generate, {args.confidence_algorithm} confidence"
                 logger.info("generation backend: diffusion sampler (%s)", how)
         self._probe_padding(model)
-        if isinstance(self._backend, DiffusionSampler):
-            self._backend.attends_to_padding = self.estimator.attends_to_padding
-        return self._backend
+        if isinstance(self.decisions.backend, DiffusionSampler):
+            self.decisions.backend.attends_to_padding = self.estimator.attends_to_padding
+        return self.decisions.backend
 
     def _probe_padding(self, model) -> None:
         """Once, on the first forward of any kind: find a model that attends to the padding it is told to hide
@@ -284,7 +284,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
     def _generation_mirror(self):
         # The sampler runs LoRA adapters as they are (merging serves the cuda_graph decoder only): of the
         # dense mirrors only ZeRO-3's applies.
-        return super()._generation_mirror() if self._zero3_configured() else None
+        return super()._generation_mirror() if self.facts.zero3 else None
 
     def _compiled_training_layers(self, planned_steps: int):
         # The compiled layers were built and measured for causal decoders; the estimator's forwards stay eager.

@@ -38,11 +38,6 @@ def check_stage(checkpoint: str | None, uses_deepspeed: bool, stage: int | None)
             f"(--model_name_or_path {checkpoint})")
 
 
-def load_weights(trainer, checkpoint: str) -> None:
-    """The checkpoint's weights into the model, before DeepSpeed builds its fp32 master copy from it."""
-    trainer._load_from_checkpoint(checkpoint)
-
-
 def has_schedule(checkpoint: str, is_main_process: bool) -> bool:
     """Whether ``checkpoint`` holds the learning-rate schedule (``scheduler.pt``; not with ``save_only_model``)."""
     if os.path.isfile(os.path.join(checkpoint, "scheduler.pt")):

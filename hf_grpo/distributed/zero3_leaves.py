@@ -16,6 +16,7 @@ DeepSpeed applies to every engine built from that config: TRL builds the referen
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 
 import torch
@@ -96,6 +97,18 @@ def mark(model: torch.nn.Module, setting: str, *, zero3: bool) -> LeafMarking:
     leaves = set_z3_leaf_modules(model, list(classes))
     _make_leaf_inputs_need_grad(model, leaves)
     return LeafMarking(classes, len(leaves))
+
+
+def mark_for_deepspeed(model: torch.nn.Module | None, setting: str, config: dict | None, main: bool) -> LeafMarking:
+    """``mark`` under a ZeRO-3 DeepSpeed ``config`` (the accelerator's plugin's; None without DeepSpeed), the classes
+    then added to ``config``, so every engine built from it (the reference's too) flags them; logged on ``main``."""
+    if model is None or not is_zero3_config(config):
+        return LeafMarking((), 0)
+    marking = mark(model, setting, zero3=True)
+    add_to_deepspeed_config(config, marking.classes)
+    if main:
+        logging.getLogger("hf_grpo").info("%s", marking)
+    return marking
 
 
 def _make_leaf_inputs_need_grad(model: torch.nn.Module, leaves: list[torch.nn.Module]) -> None:

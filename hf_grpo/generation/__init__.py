@@ -6,6 +6,8 @@ and falls back to ``"hf"`` with the reason, never an error, when a model is not 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .base import GenerationBackend, backend_counts, cut_after_eos, iter_chunks, left_pad, model_device, padded_length
@@ -34,6 +36,23 @@ def resolve_backend(name: str, model: torch.nn.Module) -> tuple[GenerationBacken
     return backend, None
 
 
+def open_backend(setting: str, model: torch.nn.Module, reserve: int | None, main: bool) -> GenerationBackend:
+    """The run's backend for ``generation_backend=setting`` serving ``model`` (``resolve_backend``), its cache
+    reserved for ``reserve`` tokens where it keeps one (one cache and one compile for the whole run); the choice
+    logged on ``main``, a warning where a backend asked for by name falls back."""
+    backend, reason = resolve_backend(setting, model)
+    if hasattr(backend, "reserve") and reserve is not None:
+        backend.reserve(reserve)
+    log = logging.getLogger("hf_grpo")
+    if main and reason is None:
+        log.info("generation backend: %s", backend.name)
+    elif main and setting == "auto":
+        log.info("generation backend: hf (%s)", reason)
+    elif main:
+        log.warning("generation_backend=%r falls back to 'hf': %s", setting, reason)
+    return backend
+
+
 __all__ = [
     "BACKEND_NAMES",
     "GenerationBackend",
@@ -43,6 +62,7 @@ __all__ = [
     "iter_chunks",
     "left_pad",
     "model_device",
+    "open_backend",
     "padded_length",
     "resolve_backend",
 ]

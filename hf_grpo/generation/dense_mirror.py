@@ -274,3 +274,20 @@ def choose_lora(setting: str, model: torch.nn.Module, generation_backend: str, d
     if not has_lora(model):
         return None
     return _choose(setting, model, generation_backend, device, min_over_ranks, "lora_generation_mirror", "LoRA")
+
+
+def choose_for_run(settings, model: torch.nn.Module, zero3_configured: bool, device: torch.device,
+                   agree: Callable[[int], int], main: bool) -> tuple[bool, MirrorChoice | None]:
+    """``(decided, choice)`` for a run: ZeRO-3's mirror where ``model`` is partitioned (``zero3_generation_mirror``),
+    else a LoRA policy's merge (``lora_generation_mirror``); ``settings`` is the run's config, ``agree`` the minimum
+    over the ranks. Not decided while ZeRO-3 is configured and ``model`` is not partitioned yet (built in code,
+    before DeepSpeed wraps it); the choice logged on ``main``."""
+    zero3 = is_zero3_partitioned(model)
+    if not zero3 and zero3_configured:
+        return False, None
+    pick, setting = ((choose, settings.zero3_generation_mirror) if zero3 else
+                     (choose_lora, settings.lora_generation_mirror))
+    choice = pick(setting, model, settings.generation_backend, device, agree)
+    if choice is not None and main:
+        logging.getLogger("hf_grpo").info("%s generation mirror: %s", choice.kind, choice)
+    return True, choice

@@ -5,6 +5,7 @@
 of at most ``max_tokens_per_micro_batch`` tokens, ``stats`` measures time and peak memory, ``prompt_lengths`` finds
 the training set's longest prompt.
 
-May import: ``hf_grpo.plan``, torch, accelerate, transformers. Takes knobs and objects with the attributes it
-reads, never the trainer class (so never ``hf_grpo.trainer`` or ``hf_grpo.config``).
+May import: ``hf_grpo.plan``, ``hf_grpo.run_state``, torch, accelerate, transformers. Takes the run's facts and
+sizes (``hf_grpo.run_state``), knobs, plain values and callables, never the trainer (so never ``hf_grpo.trainer``
+or ``hf_grpo.config``).
 """

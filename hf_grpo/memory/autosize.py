@@ -12,7 +12,8 @@ Three fields may be ``"auto"``:
 
 On CPU (no CUDA device) ``"auto"`` resolves to ``AUTO_DEFAULTS`` when the config is built, without probing.
 On CUDA the config holds those defaults provisionally (so TRL's own checks run) and lists the fields in
-``config.auto_batch_fields``; ``resolve_auto_sizes`` replaces them before the first step. A probe "fits"
+``config.auto_batch_fields``; ``resolve_auto_sizes`` replaces them in the run's sizes (``RunSizes``, never the
+config) before the first step. A probe "fits"
 when no rank runs out of memory and the peak allocated memory stays under ``auto_memory_fraction`` of the
 device (of the per-process cap when one is set); sizes grow by doubling, then bisect, and every rank takes
 the smallest size any rank found. The chosen sizes are printed and written to ``SIZES_FILE`` in every
@@ -26,6 +27,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..plan import AUTO, AUTO_DEFAULTS, AUTO_FIELDS, coerce_size, take_auto  # noqa: F401 (re-exported)
+from ..run_state import RunFacts, RunSizes
 from .oom import (
     BACKOFF_FIELDS,
     free_memory,
@@ -124,50 +127,66 @@ def train_batch_candidates(per_step: int, per_rollout: int) -> list[int]:
     return [p for p in range(1, common + 1) if common % p == 0]
 
 
-# ---- the trainer side ---------------------------------------------------------------------------
-def apply_train_batch_size(trainer, new: int) -> None:
+# ---- the run side ---------------------------------------------------------------------------------
+def apply_train_batch_size(sizes: RunSizes, new: int) -> None:
     """Set P, scaling gradient_accumulation_steps and steps_per_generation so P x A and P x S stay fixed."""
-    args = trainer.args
-    old = args.per_device_train_batch_size
-    per_step = old * args.gradient_accumulation_steps
-    per_rollout = old * args.steps_per_generation
+    old = sizes.per_device_train_batch_size
+    per_step = old * sizes.gradient_accumulation_steps
+    per_rollout = old * sizes.steps_per_generation
     if per_step % new or per_rollout % new:
         raise ValueError(
             f"per_device_train_batch_size={new} must divide the per-device batch per optimizer step ({per_step}) "
             f"and the per-device rollout ({per_rollout}); valid: {train_batch_candidates(per_step, per_rollout)}"
         )
-    args.per_device_train_batch_size = new
-    args.gradient_accumulation_steps = per_step // new
-    args.steps_per_generation = per_rollout // new
-    trainer._train_batch_size = args.train_batch_size  # transformers reads A from args (its accelerator keeps 1)
+    sizes.per_device_train_batch_size = new
+    sizes.gradient_accumulation_steps = per_step // new
+    sizes.steps_per_generation = per_rollout // new
 
 
-def apply_sizes(trainer, sizes: dict[str, Any], fields: Sequence[str]) -> None:
+def apply_sizes(sizes: RunSizes, chosen: dict[str, Any], fields: Sequence[str]) -> None:
     for name in fields:
         if name == "per_device_train_batch_size":
-            apply_train_batch_size(trainer, int(sizes[name]))
+            apply_train_batch_size(sizes, int(chosen[name]))
         else:
-            setattr(trainer.args, name, sizes[name])
+            setattr(sizes, name, chosen[name])
 
 
-def resolve_auto_sizes(trainer, checkpoint: str | None = None) -> dict[str, Any]:
-    """Replace the config's provisional "auto" sizes: from ``checkpoint``'s saved sizes where they were chosen for
-    this run's batch, else by probing; and keep the chunk sizes an out-of-memory had lowered there, where this run
-    starts them from the same value (``hf_grpo.memory.saved_sizes``).
+@dataclass
+class ProbeTarget:
+    """What the probes run on: the policy and the trainer's own scoring and generation, passed in by the trainer.
+
+    ``score(input_ids, mask, logits_to_keep)`` is the trainer's log-prob forward (``(logps, entropies, ...)``);
+    ``backend()`` its generation backend; ``generate_kwargs`` the rollout's (generation config, pad and EOS ids);
+    ``knobs`` the run's out-of-memory knobs, held off while probing."""
+
+    model: torch.nn.Module
+    device: torch.device
+    longest_prompt: int
+    max_completion_length: int
+    score: Callable[[torch.Tensor, torch.Tensor, int], tuple]
+    backend: Callable[[], Any]
+    generate_kwargs: dict[str, Any]
+    optimizer_made: bool
+    knobs: Sequence[Any] = ()
+
+
+def resolve_auto_sizes(sizes: RunSizes, facts: RunFacts, memory_fraction: float, target: Callable[[], ProbeTarget],
+                       checkpoint: str | None = None, main: bool = True) -> dict[str, Any]:
+    """Replace the run's provisional "auto" sizes: from ``checkpoint``'s saved sizes where they were chosen for
+    this run's batch, else by probing (``target()`` says on what); and keep the chunk sizes an out-of-memory had
+    lowered there, where this run starts them from the same value (``hf_grpo.memory.saved_sizes``).
 
     Every rank calls it (the probes are collective). Returns the sizes set (each source logged on rank 0).
     """
-    args = trainer.args
-    auto = tuple(getattr(args, "auto_batch_fields", ()))
-    reuse = plan_reuse(read_saved_sizes(checkpoint), args, auto)
-    main = trainer.accelerator.is_main_process
+    auto = tuple(sizes.auto_fields)
+    reuse = plan_reuse(read_saved_sizes(checkpoint), sizes, facts.max_completion_length, auto)
     if checkpoint is not None and main:
         log_reuse(reuse, checkpoint)
     probed = tuple(name for name in auto if name not in reuse.auto)
     if not auto and not reuse.backoffs:
-        args._configured_sizes = {name: getattr(args, name) for name in BACKOFF_FIELDS}
+        sizes.configured = {name: getattr(sizes, name) for name in BACKOFF_FIELDS}
         return {}
-    if auto and (getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False)):
+    if auto and facts.engine is not None:
         # Their engines take the micro-batch and accumulation at init and partition the model; a probe of the
         # bare model would measure neither their memory nor their batch sizes. (A chunk size an out-of-memory
         # lowered in the saved run is kept as anywhere: it changes no engine's batch.)
@@ -176,25 +195,25 @@ def resolve_auto_sizes(trainer, checkpoint: str | None = None) -> dict[str, Any]
             f"{fields}='auto' is supported on one GPU and under DDP, not under DeepSpeed or FSDP; set "
             f"integers there (an out-of-memory in a generation or log-prob chunk still halves that chunk)"
         )
-    apply_sizes(trainer, reuse.auto, tuple(reuse.auto))
+    apply_sizes(sizes, reuse.auto, tuple(reuse.auto))
     if probed:
-        start = rng_state(trainer.accelerator.device)  # probes sample: the run must draw as if none had run
-        probe = Prober(trainer)
+        probe = Prober(sizes, target(), memory_fraction)
+        start = rng_state(probe.device)  # probes sample: the run must draw as if none had run
         for name in ("per_device_generation_batch_size", "per_device_train_batch_size", "tensor_batch_size"):
             if name in probed:
-                apply_sizes(trainer, {name: min_over_ranks(probe.search(name))}, [name])
+                apply_sizes(sizes, {name: min_over_ranks(probe.search(name))}, [name])
         probe.close()
-        set_rng_state(start, trainer.accelerator.device)
-    args.auto_batch_fields = ()
-    args._configured_sizes = {name: getattr(args, name) for name in BACKOFF_FIELDS}  # before the kept back-offs
-    apply_sizes(trainer, {name: lowered for name, (_, lowered) in reuse.backoffs.items()}, tuple(reuse.backoffs))
-    chosen = {name: getattr(args, name) for name in (*auto, *reuse.backoffs)}
+        set_rng_state(start, probe.device)
+    sizes.auto_fields = ()
+    sizes.configured = {name: getattr(sizes, name) for name in BACKOFF_FIELDS}  # before the kept back-offs
+    apply_sizes(sizes, {name: lowered for name, (_, lowered) in reuse.backoffs.items()}, tuple(reuse.backoffs))
+    chosen = {name: getattr(sizes, name) for name in (*auto, *reuse.backoffs)}
     if "per_device_train_batch_size" in auto:
-        chosen["gradient_accumulation_steps"] = args.gradient_accumulation_steps
-        chosen["steps_per_generation"] = args.steps_per_generation
+        chosen["gradient_accumulation_steps"] = sizes.gradient_accumulation_steps
+        chosen["steps_per_generation"] = sizes.steps_per_generation
     for names, source in ((reuse.auto, f"read from {checkpoint}, where the run that saved it chose them for the "
                                        f"same batch"),
-                          (probed, f"probed under {args.auto_memory_fraction:.0%} of device memory")):
+                          (probed, f"probed under {memory_fraction:.0%} of device memory")):
         if names and main:
             logger.warning("auto batch sizes (%s): %s", source, ", ".join(
                 f"{k}={v}" for k, v in chosen.items() if k in names or (
@@ -206,21 +225,19 @@ def resolve_auto_sizes(trainer, checkpoint: str | None = None) -> dict[str, Any]
 class Prober:
     """Tries sizes on the real model at the run's longest lengths (longest prompt + max_completion_length)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.args = trainer.args
-        self.device = trainer.accelerator.device
-        self.cap = memory_cap_bytes(self.device, self.args.auto_memory_fraction)
-        longest = trainer._longest_prompt() or getattr(trainer, "max_prompt_length", None) or 512
-        self.length = int(longest) + int(trainer.max_completion_length)
-        model = trainer.model
+    def __init__(self, sizes: RunSizes, target: ProbeTarget, memory_fraction: float):
+        self.sizes, self.target = sizes, target
+        self.device = target.device
+        self.cap = memory_cap_bytes(self.device, memory_fraction)
+        self.length = int(target.longest_prompt) + int(target.max_completion_length)
+        model = target.model
         self.vocab = model.get_input_embeddings().weight.shape[0]
         # The optimizer's state is made at its first step, after the probes: hold its likely size (Adam's
         # two moments, one copy of each trainable parameter each) so the probe leaves room for it.
-        ballast = 0 if trainer.optimizer is not None else 2 * sum(
+        ballast = 0 if target.optimizer_made else 2 * sum(
             p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         self._ballast = torch.empty(ballast, dtype=torch.uint8, device=self.device) if ballast else None
-        self.knobs = list(getattr(trainer, "_oom_knobs", {}).values())
+        self.knobs = list(target.knobs)
         for knob in self.knobs:  # a probe's OOM must fail the probe, not shrink the run's sizes
             knob.enabled = False
         self.log: list[dict[str, Any]] = []
@@ -232,18 +249,19 @@ class Prober:
         free_memory()
 
     def search(self, name: str) -> int:
-        args = self.args
+        sizes = self.sizes
         if name == "per_device_generation_batch_size":
-            rollout = args.per_device_train_batch_size * args.steps_per_generation
+            rollout = sizes.per_device_train_batch_size * sizes.steps_per_generation
             candidates, unit = powers_of_two_upto(rollout), self._generation_unit
         elif name == "per_device_train_batch_size":
-            candidates = train_batch_candidates(args.per_device_train_batch_size * args.gradient_accumulation_steps,
-                                                args.per_device_train_batch_size * args.steps_per_generation)
-            unit = lambda p: self._train_unit(p, args.tensor_batch_size)
+            candidates = train_batch_candidates(
+                sizes.per_device_train_batch_size * sizes.gradient_accumulation_steps,
+                sizes.per_device_train_batch_size * sizes.steps_per_generation)
+            unit = lambda p: self._train_unit(p, sizes.tensor_batch_size)
         else:
-            rows = args.per_device_train_batch_size * self.trainer.max_completion_length  # scored rows per micro-batch
+            rows = sizes.per_device_train_batch_size * self.target.max_completion_length  # scored rows per micro-batch
             candidates = [t for t in powers_of_two_upto(MAX_AUTO_TENSOR_ROWS) if t >= 256 and t <= max(rows, 256)]
-            unit = lambda t: self._train_unit(args.per_device_train_batch_size, t)
+            unit = lambda t: self._train_unit(sizes.per_device_train_batch_size, t)
         best, tried = largest_fitting(candidates, lambda size: fits_under(self.cap, self.device, lambda: unit(size)))
         self.log.append({"field": name, "tried": tried, "chosen": best, "length": self.length})
         return best
@@ -253,36 +271,36 @@ class Prober:
         return torch.randint(2, self.vocab, (rows, length), generator=generator).to(self.device)
 
     def _train_unit(self, rows: int, tensor_rows: int | None) -> None:
-        trainer, args = self.trainer, self.args
-        saved = args.tensor_batch_size
-        args.tensor_batch_size = tensor_rows
+        target, sizes = self.target, self.sizes
+        saved = sizes.tensor_batch_size
+        sizes.tensor_batch_size = tensor_rows  # the head reads its chunk from the run's sizes
         try:
             input_ids = self._batch(rows, self.length)
             mask = torch.ones_like(input_ids)
-            trainer.model.train()
-            logps, entropies, _ = trainer._get_per_token_logps_and_entropies(
-                trainer.model, input_ids, mask, trainer.max_completion_length, compute_entropy=True)
+            target.model.train()
+            logps, entropies, _ = target.score(input_ids, mask, target.max_completion_length)
             (logps.sum() + entropies.sum()).backward()
         finally:
-            args.tensor_batch_size = saved
-            trainer.model.zero_grad(set_to_none=True)
+            sizes.tensor_batch_size = saved
+            target.model.zero_grad(set_to_none=True)
 
     def _generation_unit(self, rows: int) -> None:
-        trainer = self.trainer
+        target = self.target
         new_tokens = 2  # the cache is sized by prompt + new tokens; a full-length prefill bounds the decode's peak
         prompt = [self._batch(1, self.length - new_tokens)[0].tolist()] * rows
-        config = trainer.generation_config.__class__.from_dict(trainer.generation_config.to_dict())
+        kwargs = dict(target.generate_kwargs)
+        config = kwargs["generation_config"]
+        config = kwargs["generation_config"] = config.__class__.from_dict(config.to_dict())
         config.max_new_tokens, config.min_new_tokens = new_tokens, new_tokens
         backend = self._probe_backend()
         with torch.no_grad():
-            backend.generate(trainer.model, prompt, generation_config=config, chunk_size=rows,
-                             pad_token_id=trainer._tokenizer.pad_token_id, eos_token_ids=trainer.eos_token_ids)
+            backend.generate(target.model, prompt, chunk_size=rows, **kwargs)
         backend.release(empty_cache=False)
 
     def _probe_backend(self):
         # The run's backend, but for cuda_graph an eager one with the same cache size: compiling and capturing
         # a decode step per probed size would cost minutes, and the cache is what takes the memory.
-        backend = self.trainer._generation_backend(self.trainer.model)
+        backend = self.target.backend()
         if backend.name == "cuda_graph":
             from ..generation.cuda_graph import CudaGraphBackend
 
@@ -298,6 +316,10 @@ class SaveSizesCallback(TrainerCallback):
     ``trainer_state.json`` marks them complete (this callback runs after it, and after the old checkpoints'
     rotation)."""
 
+    def __init__(self, sizes: RunSizes, max_completion_length: int):
+        self.sizes, self.max_completion_length = sizes, max_completion_length
+
     def on_save(self, args, state, control, **kwargs):
         if args.save_only_model and state.is_world_process_zero:
-            save_sizes(args, os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"))
+            directory = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+            save_sizes(self.sizes, self.max_completion_length, directory)

@@ -1,7 +1,8 @@
 """Out-of-memory back-off that every rank agrees on.
 
 A chunk size (``per_device_generation_batch_size``, ``tensor_batch_size``) is a ``SizeKnob``: it lives
-on the config, where the trainer, the batch plan and a saved checkpoint read it. ``SizeKnob.run``
+in the run's sizes (``hf_grpo.run_state.RunSizes``), where the trainer, the batch plan and a saved checkpoint
+read it. ``SizeKnob.run``
 calls a function with the current size; if it runs out of memory on *any* rank, every rank halves
 the size and calls it again, and the smaller size is kept for the rest of the run.
 
@@ -37,7 +38,7 @@ import torch.distributed as dist
 
 logger = logging.getLogger("hf_grpo")
 
-# The sizes an out-of-memory halves (each a SizeKnob of the trainer): kept on the config for the rest of the
+# The sizes an out-of-memory halves (each a SizeKnob of the trainer): kept in the run's sizes for the rest of the
 # run, saved in checkpoints and kept by a resume (hf_grpo.memory.autosize).
 BACKOFF_FIELDS = ("per_device_generation_batch_size", "tensor_batch_size", "max_tokens_per_micro_batch")
 
@@ -89,7 +90,7 @@ def _rank() -> int:
 
 
 class SizeKnob:
-    """A chunk size stored as ``owner.<field>`` (the config), halved on every rank after an out-of-memory.
+    """A chunk size stored as ``owner.<field>`` (the run's ``RunSizes``), halved on every rank after an out-of-memory.
 
     ``on_backoff(field, old, new)`` is called on every rank after each halving (the trainer counts it
     under ``perf/``). ``None`` (no chunking) counts as ``full()`` rows when halved.

@@ -21,21 +21,21 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..run_state import SIZE_FIELDS, RunSizes
 from .oom import BACKOFF_FIELDS
 
 logger = logging.getLogger("hf_grpo")
 SIZES_FILE = "hf_grpo_batch_sizes.json"
-SIZE_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
-               "per_device_generation_batch_size", "tensor_batch_size", "max_tokens_per_micro_batch")
 
 
-def chosen_for(sizes) -> dict[str, int]:
-    """What the sizes are chosen for, from a config or a saved file: invariant under the "auto" micro-batch."""
+def chosen_for(sizes: RunSizes | dict[str, Any], max_completion_length: int | None = None) -> dict[str, int]:
+    """What the sizes are chosen for, from a run's sizes or a saved file: invariant under the "auto" micro-batch."""
     get = sizes.get if isinstance(sizes, dict) else lambda name: getattr(sizes, name, None)
     P = get("per_device_train_batch_size")
     return {"per_device_batch_per_optimizer_step": P * get("gradient_accumulation_steps"),
             "per_device_rollout": P * get("steps_per_generation"),
-            "max_completion_length": get("max_completion_length")}
+            "max_completion_length": get("max_completion_length") if isinstance(sizes, dict) else
+            max_completion_length}
 
 
 def read_saved_sizes(checkpoint: str | None) -> dict[str, Any] | None:
@@ -47,14 +47,14 @@ def read_saved_sizes(checkpoint: str | None) -> dict[str, Any] | None:
         return json.load(handle)
 
 
-def save_sizes(args, directory: str) -> None:
+def save_sizes(sizes: RunSizes, max_completion_length: int, directory: str) -> None:
     """Write the run's current sizes, where each chunk size started and what they are chosen for."""
-    sizes = {name: getattr(args, name) for name in SIZE_FIELDS}
-    sizes["configured"] = getattr(args, "_configured_sizes", None) or {n: getattr(args, n) for n in BACKOFF_FIELDS}
-    sizes["chosen_for"] = chosen_for(args)
+    saved = {name: getattr(sizes, name) for name in SIZE_FIELDS}
+    saved["configured"] = sizes.configured or {n: getattr(sizes, n) for n in BACKOFF_FIELDS}
+    saved["chosen_for"] = chosen_for(sizes, max_completion_length)
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, SIZES_FILE), "w") as handle:
-        json.dump(sizes, handle, indent=2)
+        json.dump(saved, handle, indent=2)
 
 
 def _saved_chosen_for(saved: dict[str, Any]) -> dict[str, int | None]:
@@ -65,9 +65,9 @@ def _saved_chosen_for(saved: dict[str, Any]) -> dict[str, int | None]:
     return found
 
 
-def _differences(saved: dict[str, Any], args) -> str:
+def _differences(saved: dict[str, Any], sizes: RunSizes, max_completion_length: int) -> str:
     """How this run differs from what the saved sizes were chosen for ('' where it does not)."""
-    then, now = _saved_chosen_for(saved), chosen_for(args)
+    then, now = _saved_chosen_for(saved), chosen_for(sizes, max_completion_length)
     return ", ".join(f"{k} {then[k]} then, {now[k]} now" for k in now if then.get(k) is not None and then[k] != now[k])
 
 
@@ -85,12 +85,12 @@ class Reuse:
     not_taken: list[str] = field(default_factory=list)
 
 
-def plan_reuse(saved: dict[str, Any] | None, args, auto_fields) -> Reuse:
-    """Which saved sizes this run takes; ``args`` holds this run's config (its "auto" sizes still provisional)."""
+def plan_reuse(saved: dict[str, Any] | None, sizes: RunSizes, max_completion_length: int, auto_fields) -> Reuse:
+    """Which saved sizes this run takes; ``sizes`` holds this run's sizes (its "auto" ones still provisional)."""
     reuse = Reuse()
     if saved is None:
         return reuse
-    changed = _differences(saved, args)
+    changed = _differences(saved, sizes, max_completion_length)
     configured = saved.get("configured", {})
     for name in auto_fields:
         if name not in saved:
@@ -102,7 +102,7 @@ def plan_reuse(saved: dict[str, Any] | None, args, auto_fields) -> Reuse:
     for name in BACKOFF_FIELDS:
         if name in auto_fields and name not in reuse.auto:
             continue  # chosen again by this run
-        now = reuse.auto.get(name, getattr(args, name))
+        now = reuse.auto.get(name, getattr(sizes, name))
         if name in configured:
             start = configured[name]
         elif name == "per_device_generation_batch_size" and changed:  # an older file: derived from another batch

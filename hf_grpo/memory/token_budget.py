@@ -96,12 +96,15 @@ module checks the settings and runs the passes.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
 
+from ..run_state import RunFacts
+from .oom import min_over_ranks
 from .packing import (  # noqa: F401 (re-exported: the planning names are token_budget's too)
     FIELD,
     LOSS_TYPES,
@@ -220,6 +223,18 @@ def scoring_chunk_rows(model: torch.nn.Module, rows: int, width: int, budget: in
     return chunk, why + (" within max_tokens_per_micro_batch" if budget is not None else "")
 
 
+def scoring_batch_size(model: torch.nn.Module, rows: int, width: int, budget: int | None, logged: set[str],
+                       main: bool) -> int:
+    """The chunk of TRL's no-grad scoring (``scoring_chunk_rows``), each reason logged once (on ``main``; ``logged``
+    holds those already said). The same on every rank where a budget makes widths matter: each chunk's head agrees
+    on out-of-memory with the other ranks (``memory.oom``), so unequal chunk counts would leave a rank waiting."""
+    chunk, why = scoring_chunk_rows(model, rows, width, budget)
+    if why not in logged and main:
+        logging.getLogger("hf_grpo").info("old-policy / reference log-probs: %s", why)
+    logged.add(why)
+    return chunk if budget is None else min_over_ranks(chunk)
+
+
 # ---- running the passes under Accelerate --------------------------------------------------------
 def agree_on_count(accelerator) -> Callable[[int], int]:
     """The largest pass count over the ranks (one all-gather of an int)."""
@@ -318,50 +333,49 @@ def packed_loss(accelerator, model, inputs: Mapping[str, Any], budget: int, loss
                           lambda: deferred_sync(accelerator, model))
 
 
-def check_longest_row(config: Any, longest_prompt: Callable[[], int | None]) -> None:
-    """Refuse at train start a budget that the training set's longest prompt with a full-length completion exceeds.
+def check_longest_row(budget: int | None, max_completion_length: int,
+                      longest_prompt: Callable[[], int | None]) -> None:
+    """Refuse at train start a ``budget`` (the run's ``max_tokens_per_micro_batch``) that the training set's longest
+    prompt with a full-length completion exceeds.
 
     Such a row cannot run in any pass (``_check_rows_fit``); found at the first step that samples it, the error
     would end a run hours in. ``longest_prompt()`` scans the training set, so it is asked only when a budget is
     set; it gives None when the trainer could not scan the prompts.
     """
-    budget = getattr(config, FIELD, None)
     if budget is None:
         return
     longest = longest_prompt()
     if longest is None:
         return
-    needed = longest + config.max_completion_length
+    needed = longest + max_completion_length
     if needed > budget:
         raise ValueError(
             f"{FIELD}={budget} cannot hold the training set's longest prompt ({longest} tokens) with a "
-            f"completion of max_completion_length={config.max_completion_length} tokens: {needed} tokens in one "
+            f"completion of max_completion_length={max_completion_length} tokens: {needed} tokens in one "
             f"row; set {FIELD} >= {needed}, lower max_completion_length, or drop the longest prompts"
         )
 
 
-def trainer_problems(trainer, budget: int) -> list[str]:
-    """What only the trainer knows that ``budget`` cannot run exactly with: a router aux loss, a replaced loss."""
-    import trl
-
+def run_problems(facts: RunFacts, budget: int) -> list[str]:
+    """What only the built trainer knows that ``budget`` cannot run exactly with: a router aux loss, a replaced
+    loss."""
     found = []
-    if type(trainer)._compute_loss is not trl.GRPOTrainer._compute_loss:
+    if facts.replaced_loss is not None:
         found.append(
-            f"{FIELD}={budget} is not supported by {type(trainer).__name__}: it replaces TRL's GRPO loss, whose "
+            f"{FIELD}={budget} is not supported by {facts.replaced_loss}: it replaces TRL's GRPO loss, whose "
             f"normalisation the token-budget passes reproduce; set {FIELD}=None"
         )
-    if getattr(trainer, "aux_loss_enabled", False):
+    if facts.aux_loss_enabled:
         found.append(
             f"{FIELD}={budget} cannot be combined with the MoE router's auxiliary loss (router_aux_loss_coef="
-            f"{trainer.router_aux_loss_coef}): it is a statistic of each forward pass, so splitting a "
+            f"{facts.router_aux_loss_coef}): it is a statistic of each forward pass, so splitting a "
             f"micro-batch would change it; set router_aux_loss_coef=0.0 or {FIELD}=None"
         )
     return found
 
 
-def check_trainer(trainer) -> None:
-    """Refuse, at trainer init, what only the trainer knows (``trainer_problems``) for the configured budget."""
-    budget = getattr(trainer.args, FIELD, None)
-    found = [] if budget is None else trainer_problems(trainer, budget)
+def check_run(facts: RunFacts, budget: int | None) -> None:
+    """Refuse, at trainer init, what only the built trainer knows (``run_problems``) for the configured budget."""
+    found = [] if budget is None else run_problems(facts, budget)
     if found:
         raise ValueError(found[0])

@@ -33,30 +33,31 @@ from typing import Any
 import torch
 from accelerate.utils import DistributedType
 
+from ..run_state import RunFacts
 from . import token_budget
 from .oom import SizeKnob
 
-_DISTRIBUTED = (DistributedType.DEEPSPEED, DistributedType.FSDP)
+_DISTRIBUTED = (DistributedType.DEEPSPEED.value, DistributedType.FSDP.value)
 
 
-def reason_unavailable(trainer) -> str | None:
-    """Why a training micro-batch cannot be retried after an out-of-memory in this run; None when it can."""
-    args, accelerator = trainer.args, trainer.accelerator
-    if accelerator.num_processes > 1:
-        return (f"{accelerator.num_processes} processes: the backward all-reduces gradients as it runs, so one "
+def reason_unavailable(args, facts: RunFacts) -> str | None:
+    """Why a training micro-batch cannot be retried after an out-of-memory in this run (``args`` its config);
+    None when it can."""
+    if facts.num_processes > 1:
+        return (f"{facts.num_processes} processes: the backward all-reduces gradients as it runs, so one "
                 f"rank's out-of-memory would leave the others waiting")
-    if accelerator.distributed_type in _DISTRIBUTED:
-        return f"{accelerator.distributed_type.value} manages the gradients itself"
-    if getattr(args, "n_gpu", 1) > 1:
-        return f"torch.nn.DataParallel over {args.n_gpu} GPUs"
+    if facts.distributed_type in _DISTRIBUTED:
+        return f"{facts.distributed_type} manages the gradients itself"
+    if facts.n_gpu > 1:
+        return f"torch.nn.DataParallel over {facts.n_gpu} GPUs"
     if "lomo" in str(args.optim).lower():
         return f"optim={args.optim} updates the weights inside the backward"
     if args.use_adaptive_entropy:
         return "use_adaptive_entropy: its controller counts each micro-batch's backward"
     # The retry runs the micro-batch in token-budget passes: what those cannot run exactly, it cannot retry.
-    probe = copy.copy(args)
+    probe = copy.copy(args)  # a copy to check: the run's config is not written
     budget = probe.max_tokens_per_micro_batch = args.max_tokens_per_micro_batch or args.max_completion_length + 1
-    problems = token_budget.config_problems(probe) + token_budget.trainer_problems(trainer, budget)
+    problems = token_budget.config_problems(probe) + token_budget.run_problems(facts, budget)
     if not problems:
         return None
     # The problem without its fix ("; set ..."), and without a budget the user never set.
@@ -79,7 +80,7 @@ def _cut_metrics(metrics: dict[str, list], lengths: dict[str, int]) -> None:
 class MicroBatchBackoff:
     """A training micro-batch's forward and backward, retried at half the token budget after an out-of-memory.
 
-    ``knob`` holds ``max_tokens_per_micro_batch`` on the config; ``accelerator`` backpropagates, as the Trainer
+    ``knob`` holds ``max_tokens_per_micro_batch`` in the run's sizes; ``accelerator`` backpropagates, as the Trainer
     would; ``zero_grad()`` drops the model's gradients; ``metrics()`` is TRL's dict of training metric lists.
     ``floor(inputs)`` is the smallest budget every row to come fits in (longest prompt +
     ``max_completion_length``): halving below it ends the run with the out-of-memory error instead.

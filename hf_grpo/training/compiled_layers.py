@@ -222,3 +222,15 @@ def choose(setting: str, models: list[torch.nn.Module], device: torch.device, sh
         if reason is not None:
             return None, reason
     return CompiledTrainingLayers(eager_on_failure=setting == "auto", cpp_wrapper=setting == "cpp_wrapper"), None
+
+
+def choose_logged(setting: str, models: list[torch.nn.Module], device: torch.device, sharded: str | None,
+                  planned_steps: int, main: bool) -> CompiledTrainingLayers | None:
+    """``choose``, the outcome logged on ``main``: a warning where compile_training was asked for and not applied."""
+    compiled, reason = choose(setting, models, device, sharded, planned_steps)
+    log = logging.getLogger("hf_grpo")
+    if main and compiled is None and setting not in ("auto", "off"):
+        log.warning("compile_training=%r is not applied: %s", setting, reason)
+    elif main:
+        log.info("training forward: %s", "decoder layers compiled" if compiled is not None else f"eager ({reason})")
+    return compiled

@@ -30,6 +30,8 @@ from typing import Callable
 
 import torch
 
+from ..run_state import RunFacts
+
 # FLOPs of one decoder layer's forward over one micro-batch from which eager micro-batches are packed (see above)
 PACK_FROM_LAYER_FLOPS = 1.5e12
 
@@ -72,24 +74,24 @@ def layer_parameters(model: torch.nn.Module) -> int:
     return max(total // layers, 1)
 
 
-def for_trainer(trainer, rows: int, longest_prompt: Callable[[], int | None]) -> Choice:
-    """The eager micro-batches' layout for this run: the user's ``padding_free`` where set, else ``choose``;
-    padded wherever the model cannot pack (``padding_free.unsupported_reason``) or keeps TRL's fused head, which
-    scores rows padded. ``longest_prompt`` is asked only where the choice needs it (it may scan the training set)."""
+def for_run(setting: bool | None, model: torch.nn.Module, facts: RunFacts, chunked_head: bool, rows: int,
+            longest_prompt: Callable[[], int | None]) -> Choice:
+    """The eager micro-batches' layout for this run: the user's ``padding_free`` (``setting``) where set, else
+    ``choose``; padded wherever the model cannot pack (``padding_free.unsupported_reason``) or keeps TRL's fused head
+    (not ``chunked_head``), which scores rows padded. ``rows`` is the micro-batch; ``longest_prompt`` is asked only
+    where the choice needs it (it may scan the training set)."""
     from . import padding_free
 
-    setting = trainer.args.padding_free
-    unsupported = padding_free.unsupported_reason(trainer.model)
+    unsupported = padding_free.unsupported_reason(model)
     if setting is False:
         return Choice(False, "padding_free=False")
     if unsupported is not None:
         return Choice(False, unsupported)
-    if getattr(trainer, "_chunked_head_installed", True) is False:
+    if not chunked_head:
         return Choice(False, "the model keeps TRL's fused head, which scores rows padded")
     if setting is True:
         return Choice(True, "padding_free=True")
-    device_type = trainer.accelerator.device.type
+    device_type = facts.device_type
     # the longest prompt may scan the whole training set: asked only on CUDA, where choose reads the tokens
-    tokens = rows * ((longest_prompt() or 0) + trainer.max_completion_length) if device_type == "cuda" else rows
-    return choose(layer_parameters=layer_parameters(trainer.model), micro_batch_tokens=tokens,
-                  device_type=device_type)
+    tokens = rows * ((longest_prompt() or 0) + facts.max_completion_length) if device_type == "cuda" else rows
+    return choose(layer_parameters=layer_parameters(model), micro_batch_tokens=tokens, device_type=device_type)

@@ -44,6 +44,7 @@ import torch
 
 from ..distributed import deepspeed_replay
 from ..generation.static_cache import weights_signature
+from ..run_state import RunDecisions, RunFacts, RunSizes
 from . import graph_inputs, padding_free, shape_reuse
 from .cuda_graph_recorder import CudaGraphRecorder
 from .graph_buckets import Bucket, HandedOverReplay, Replay, chunked_scoring
@@ -68,102 +69,101 @@ def validate_setting(value: str) -> None:
         raise ValueError(f"training_cuda_graphs must be one of {list(SETTINGS)}, got {value!r}")
 
 
-def unavailable_reason(trainer) -> str | None:
-    """Why this run's training micro-batches cannot be replayed from CUDA graphs; None when they can."""
-    if getattr(trainer, "training_graphs_unavailable", None):
-        return trainer.training_graphs_unavailable
-    args, accelerator = trainer.args, trainer.accelerator
-    if (reason := CudaGraphRecorder.device_reason(accelerator.device)) is not None:
+def unavailable_reason(facts: RunFacts, sizes: RunSizes, chunked_head: bool = True) -> str | None:
+    """Why this run's training micro-batches cannot be replayed from CUDA graphs; None when they can.
+    ``chunked_head``: the policy's head runs hf_grpo's chunked form (not TRL's fused head)."""
+    if facts.training_graphs_unavailable:
+        return facts.training_graphs_unavailable
+    if (reason := CudaGraphRecorder.device_reason(torch.device(facts.device_type))) is not None:
         return reason
-    if trainer.is_fsdp_enabled:
+    if facts.fsdp:
         return "FSDP gathers and reduces each layer's parameters in hooks a graph cannot hold"
-    if trainer.is_deepspeed_enabled and trainer._zero3_configured():
+    if facts.deepspeed and facts.zero3:
         return "ZeRO-3 gathers each layer's parameters in hooks a graph cannot hold"
-    if not trainer.is_deepspeed_enabled and (accelerator.num_processes > 1 or getattr(args, "n_gpu", 1) > 1):
+    if not facts.deepspeed and (facts.num_processes > 1 or facts.n_gpu > 1):
         return "several processes without DeepSpeed: DDP's gradient reductions would run inside the backward"
-    if args.max_tokens_per_micro_batch is not None:
+    if sizes.max_tokens_per_micro_batch is not None:
         return "max_tokens_per_micro_batch splits micro-batches into passes of varying rows"
-    config = trainer.model.config
-    attention = getattr(config, "_attn_implementation", None)
-    if attention not in _CAPTURABLE_ATTENTION:
-        return f"attention {attention!r} (capturable: {list(_CAPTURABLE_ATTENTION)})"
-    text = config.get_text_config()
-    if any(getattr(text, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts")):
+    if facts.attention not in _CAPTURABLE_ATTENTION:
+        return f"attention {facts.attention!r} (capturable: {list(_CAPTURABLE_ATTENTION)})"
+    if facts.moe:
         return "a mixture-of-experts model routes tokens with data-dependent shapes"
-    if getattr(trainer, "_chunked_head_installed", True) is False:
+    if not chunked_head:
         return "the model keeps TRL's fused head (its scored tokens are selected by mask)"
     return None
 
 
-def choose(trainer) -> tuple[TrainingGraphs | None, str | None]:
-    """``(TrainingGraphs or None, why not)`` for the run's ``training_cuda_graphs`` setting."""
-    setting = trainer.args.training_cuda_graphs
+def choose(settings, model: torch.nn.Module, facts: RunFacts, sizes: RunSizes,
+           decisions: RunDecisions) -> tuple[TrainingGraphs | None, str | None]:
+    """``(TrainingGraphs or None, why not)`` for the run's ``training_cuda_graphs`` setting (``settings``: its
+    config, read only); ``decisions`` says whether the layers are compiled and the head chunked."""
+    setting = settings.training_cuda_graphs
     if setting == "off":
         return None, "training_cuda_graphs='off'"
-    reason = unavailable_reason(trainer)
+    reason = unavailable_reason(facts, sizes, decisions.chunked_head)
     if reason is not None:
         if setting == "on":
             logger.warning("training_cuda_graphs='on' is not applied: %s", reason)
         return None, reason
-    if setting == "auto" and trainer.is_deepspeed_enabled:  # exact (tests/test_packed_launch.py), not yet timed
+    if setting == "auto" and facts.deepspeed:  # exact (tests/test_packed_launch.py), not yet timed
         return None, "DeepSpeed: the replay is exact but not yet timed on a GPU (training_cuda_graphs='on' replays)"
-    if setting == "auto" and not trainer.args.gradient_checkpointing:
+    if setting == "auto" and not facts.gradient_checkpointing:
         # Checkpointed, the pool keeps little more than the layers' inputs; without, it would keep a whole
         # micro-batch's activations through the rollout, which eager training hands back to it.
         return None, ("activation checkpointing is off: the graphs' memory pool would keep a micro-batch's "
                       "activations through the rollout (training_cuda_graphs='on' replays anyway)")
-    pad = getattr(getattr(trainer, "_tokenizer", None), "pad_token_id", None)  # TRL's (pads are masked: any id does)
+    pad = facts.pad_token_id  # TRL's tokenizer's (pads are masked: any id does)
     # compiled layers (ours, or the Trainer's torch_compile) may compile again for a new shape: warm every bucket up
-    compiled = getattr(trainer, "_train_layers", None) is not None or bool(getattr(trainer.args, "torch_compile", 0))
-    return TrainingGraphs(trainer.model, pad if pad is not None else 0, eager_on_failure=setting == "auto",
-                          compiled_layers=compiled, packed=unpacked_reason(trainer) is None,
-                          hand_over=trainer.is_deepspeed_enabled), None
+    compiled = decisions.train_layers is not None or bool(getattr(settings, "torch_compile", 0))
+    return TrainingGraphs(model, pad if pad is not None else 0, eager_on_failure=setting == "auto",
+                          compiled_layers=compiled, packed=unpacked_reason(settings.padding_free, model, facts) is None,
+                          hand_over=facts.deepspeed), None
 
 
-def unpacked_reason(trainer) -> str | None:
-    """Why the graphs replay this run's micro-batches padded rather than packed (``padding_free``); None: packed."""
-    if trainer.args.padding_free is False:
+def unpacked_reason(setting: bool | None, model: torch.nn.Module, facts: RunFacts) -> str | None:
+    """Why the graphs replay this run's micro-batches padded rather than packed (``setting``: ``padding_free``);
+    None: packed."""
+    if setting is False:
         return "padding_free=False"
-    reason = padding_free.unsupported_reason(trainer.model)
+    reason = padding_free.unsupported_reason(model)
     if reason is not None:
         return reason
-    args = trainer.args
-    half = args.bf16 or args.fp16 or getattr(trainer.model, "dtype", None) in (torch.float16, torch.bfloat16)
-    if padding_free.varlen_attn is None or not half:
+    if padding_free.varlen_attn is None or not facts.half:
         # the other packed attention, a call per row, reads the row bounds on the host: a graph would keep them
         return "packed rows replay only through variable-length flash attention (fp16/bf16, torch >= 2.9)"
     return None
 
 
-def start(trainer) -> TrainingGraphs | None:
-    """The run's graphs at train begin (``choose``), the choice logged beside the compile's."""
-    graphs, reason = choose(trainer)
-    if trainer.accelerator.is_main_process:
+def start(settings, model: torch.nn.Module, facts: RunFacts, sizes: RunSizes, decisions: RunDecisions,
+          main: bool) -> TrainingGraphs | None:
+    """The run's graphs at train begin (``choose``), the choice logged on ``main`` beside the compile's."""
+    graphs, reason = choose(settings, model, facts, sizes, decisions)
+    if main:
         # the eager micro-batches' layout (eager_packing), chosen before
-        eager_rows = getattr(trainer, "_eager_rows", None)
+        eager_rows = decisions.eager_rows
         how = f"eager launches ({reason})" + (f", {eager_rows}" if eager_rows is not None else "")
         if graphs is not None:
-            how = "replayed from CUDA graphs, " + ("rows packed" if graphs.packed else
-                                                   f"rows padded ({unpacked_reason(trainer)})")
+            padded = f"rows padded ({unpacked_reason(settings.padding_free, model, facts)})"
+            how = "replayed from CUDA graphs, " + ("rows packed" if graphs.packed else padded)
         logger.info("training micro-batches: %s", how)
     return graphs
 
 
-def replay(trainer, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
-           compute_aux_loss=False, **model_inputs):
-    """TRL's ``_get_per_token_logps_and_entropies`` where the trainer has graphs: a training micro-batch replayed
-    (new captures counted as ``perf/train_graph_captures``, micro-batches replayed in a larger captured shape as
-    ``perf/train_graph_reuses``), the rollout's no-grad scoring alike; None where it runs as TRL's (no graphs or a
-    failed capture, images, the MoE auxiliary loss, a micro-batch of another model or outside training)."""
-    graphs = trainer._train_graphs
+def replay(graphs: TrainingGraphs | None, perf, autocast: Callable, model, input_ids, attention_mask, logits_to_keep,
+           batch_size=None, compute_entropy=False, compute_aux_loss=False, **model_inputs):
+    """TRL's ``_get_per_token_logps_and_entropies`` where the run has ``graphs``: a training micro-batch replayed
+    (new captures counted in ``perf`` as ``train_graph_captures``, micro-batches replayed in a larger captured shape
+    as ``train_graph_reuses``), the rollout's no-grad scoring replayed alike; None where it runs as TRL's (no graphs
+    or a failed capture, images, the MoE auxiliary loss, a micro-batch of another model or outside training).
+    ``autocast`` is the accelerator's."""
     if (graphs is None or graphs.failure is not None or compute_aux_loss
             or any(value is not None for value in model_inputs.values())):
         return None
-    autocast, before = trainer.accelerator.autocast, (graphs.captures, graphs.reuse.reused)
+    before = (graphs.captures, graphs.reuse.reused)
 
     def counted(result):
-        trainer.perf.add("train_graph_captures", float(graphs.captures - before[0]))
-        trainer.perf.add("train_graph_reuses", float(graphs.reuse.reused - before[1]))
+        perf.add("train_graph_captures", float(graphs.captures - before[0]))
+        perf.add("train_graph_reuses", float(graphs.reuse.reused - before[1]))
         return result
 
     def score(inputs, window):  # TRL's labels: only the scored positions (graph_inputs) reach the head

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ..run_state import RunDecisions, RunFacts, RunSizes
 from . import padding_free
 
 # TRL 1.16's loss types whose micro-batch normalizer is its row count or the generation batch's token count
@@ -27,32 +28,35 @@ ORDER_FREE_LOSSES = ("grpo", "sapo", "dr_grpo", "dapo", "cispo", "luspo")
 GROUP_PROMPTS = True
 
 
-def unavailable_reason(trainer) -> str | None:
-    """Why this run's micro-batches keep TRL's shuffled rows; None when a prompt's rows may go together."""
-    args = trainer.args
+def unavailable_reason(packed: bool, sizes: RunSizes, facts: RunFacts) -> str | None:
+    """Why this run's micro-batches keep TRL's shuffled rows; None when a prompt's rows may go together.
+    ``packed``: the micro-batches are scored packed (by the training graphs where they replay, else eager)."""
     if not GROUP_PROMPTS:
         return "grouping turned off (hf_grpo.training.prompt_groups.GROUP_PROMPTS)"
-    graphs = getattr(trainer, "_train_graphs", None)
-    if graphs is not None and graphs.failure is None:
-        packed = graphs.packed
-    else:  # eager micro-batches as chosen at train begin (the user's padding_free, else eager_packing's rule)
-        eager_rows = getattr(trainer, "_eager_rows", None)
-        packed = eager_rows.packed if eager_rows is not None else (
-            args.padding_free is True and padding_free.unsupported_reason(trainer.model) is None)
     if not packed:
         return "rows are scored padded, where they share nothing"
-    if args.steps_per_generation != args.gradient_accumulation_steps:
-        return (f"steps_per_generation={args.steps_per_generation} differs from gradient_accumulation_steps="
-                f"{args.gradient_accumulation_steps}: the micro-batches go into several optimizer steps")
-    if trainer.loss_type not in ORDER_FREE_LOSSES:
-        why = ("normalizes by the micro-batch's own tokens" if trainer.loss_type == "bnpo"
+    if sizes.steps_per_generation != sizes.gradient_accumulation_steps:
+        return (f"steps_per_generation={sizes.steps_per_generation} differs from gradient_accumulation_steps="
+                f"{sizes.gradient_accumulation_steps}: the micro-batches go into several optimizer steps")
+    if facts.loss_type not in ORDER_FREE_LOSSES:
+        why = ("normalizes by the micro-batch's own tokens" if facts.loss_type == "bnpo"
                else f"is not one known to sum the same over any split ({', '.join(ORDER_FREE_LOSSES)})")
-        return f"loss_type={trainer.loss_type!r} {why}"
-    if trainer.top_entropy_quantile < 1.0 or trainer._entropy_bonus_enabled:
+        return f"loss_type={facts.loss_type!r} {why}"
+    if facts.entropy_per_micro_batch:
         return "the entropy mask or bonus is computed per micro-batch"
-    if trainer.off_policy_mask_threshold is not None or getattr(trainer, "router_aux_loss_coef", 0.0):
+    if facts.off_policy_mask or facts.router_aux_loss_coef:
         return "the off-policy mask or the MoE auxiliary loss is computed per micro-batch"
     return None
+
+
+def packed_rows(decisions: RunDecisions, padding_free_setting: bool | None, model: torch.nn.Module) -> bool:
+    """Whether the run's micro-batches are scored packed: as the training graphs replay them, else as the eager
+    layout chosen at train begin (the user's ``padding_free``, else ``eager_packing``'s rule)."""
+    if decisions.graphs_replay:
+        return decisions.train_graphs.packed
+    if decisions.eager_rows is not None:
+        return decisions.eager_rows.packed
+    return padding_free_setting is True and padding_free.unsupported_reason(model) is None
 
 
 def regroup(micro_batches: list[dict]) -> list[dict] | None:

@@ -230,7 +230,7 @@ def test_trainer_samples_with_dreams_sampler(tmp_path, monkeypatch):
                                train_dataset=Dataset.from_dict({"prompt": ["ab>", "cde>"] * 4}),
                                processing_class=TOKENIZER)
     trainer.train()
-    assert trainer._backend.algorithm == "dream" and calls
+    assert trainer.decisions.backend.algorithm == "dream" and calls
     assert calls[0].confidence_algorithm == "maskgit_plus" and calls[0].top_k == 5 and calls[0].steps == 4
     assert trainer.args.diffusion_plan(1).startswith(
         "diffusion: Dream's sampler: 8 tokens, 4 steps, no blocks, schedule linspace(1, 0.001), "

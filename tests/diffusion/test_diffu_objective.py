@@ -39,7 +39,7 @@ def make_trainer(tmp_path, **overrides):
     trainer = DiffuGRPOTrainer(model=build_tiny_diffusion_model(TOKENIZER, seed=0, dtype=torch.float64),
                                reward_funcs=count_a_reward, args=DiffuGRPOConfig(**values),
                                train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=TOKENIZER)
-    trainer._backend = FixedBackend()
+    trainer.decisions.backend = FixedBackend()
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1
     return trainer

@@ -147,7 +147,7 @@ def test_trainer_probes_once_and_old_logprobs_match_the_loss_at_iteration_zero(t
         again = trainer._estimate(trainer.model, batch, rollout["mask_seeds"][shuffled, 0], 4, False)[0]
     torch.testing.assert_close(again, rollout["diffu_old_logps"][shuffled, 0], rtol=0, atol=1e-6)
     assert trainer.estimator.attends_to_padding is ignores_mask
-    assert trainer._backend.attends_to_padding is ignores_mask
+    assert trainer.decisions.backend.attends_to_padding is ignores_mask
 
 
 def test_every_rank_runs_as_many_forwards_as_the_busiest(monkeypatch):

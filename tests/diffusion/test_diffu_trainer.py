@@ -54,7 +54,7 @@ def make_trainer(tmp_path, model=None, fixed=True, peft_config=None, **overrides
         peft_config=peft_config,
     )
     if fixed:
-        trainer._backend = FixedBackend()
+        trainer.decisions.backend = FixedBackend()
     return trainer
 
 
@@ -237,7 +237,7 @@ def test_block_cache_reaches_the_sampler_and_a_dual_cache_run_trains(tmp_path, m
     assert "APPROXIMATE dual block cache" in trainer.args.diffusion_plan(1)
     losses, _ = train(trainer)
     assert losses and all(math.isfinite(loss) for loss in losses)
-    assert trainer._backend.forwards > 0  # the rollout came from the cached sampler
+    assert trainer.decisions.backend.forwards > 0  # the rollout came from the cached sampler
     assert pieces and all(rows > 1 and piece == 1 for rows, piece in pieces)
 
 

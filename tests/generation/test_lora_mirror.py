@@ -140,7 +140,7 @@ def test_lora_run_from_a_checkpoint_generates_from_the_merged_weights(tmp_path, 
     generate, restore = HFGenerateBackend.generate, InPlaceLoraMerge.restore
 
     def checked_generate(self, model, prompt_ids, **kwargs):
-        assert model is trainer._mirror_choice.mirror.module, "the rollout did not decode from the merged weights"
+        assert model is trainer.decisions.mirror.mirror.module, "the rollout did not decode from the merged weights"
         with torch.no_grad():
             rollouts.append(model(ids).logits)
         return generate(self, model, prompt_ids, **kwargs)

@@ -45,7 +45,7 @@ def main(out_dir, per_device_batch, steps):
         model=build_tiny_model(TOKENIZER, seed=0), reward_funcs=reward, args=args,
         train_dataset=Dataset.from_dict({"prompt": prompts * 4}), processing_class=TOKENIZER,
     )
-    trainer._backend = FixedBackend()
+    trainer.decisions.backend = FixedBackend()
     trainer.train()
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     params = list(model.parameters())

@@ -64,8 +64,8 @@ def main(out_dir, gen_chunk, tensor_rows, injected):
     os.makedirs(out_dir, exist_ok=True)
     backoffs = sum(entry.get("perf/oom_backoffs", 0) for entry in trainer.state.log_history)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
-        json.dump({"per_device_generation_batch_size": trainer.args.per_device_generation_batch_size,
-                   "tensor_batch_size": trainer.args.tensor_batch_size, "oom_backoffs": backoffs,
+        json.dump({"per_device_generation_batch_size": trainer.sizes.per_device_generation_batch_size,
+                   "tensor_batch_size": trainer.sizes.tensor_batch_size, "oom_backoffs": backoffs,
                    "steps": trainer.state.global_step}, handle)
     if rank == 0:
         model = trainer.accelerator.unwrap_model(trainer.model)

@@ -84,7 +84,7 @@ def main(out_dir, checkpoint, variant):
         model=checkpoint, reward_funcs=reward, args=args,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=tokenizer, peft_config=lora,
     )
-    trainer._backend = FixedBackend(tokenizer)
+    trainer.decisions.backend = FixedBackend(tokenizer)
     initial = trained_weights(trainer)
     counts = {"packed": 0, "shared": 0}
     real = count_shared_packs(counts)
@@ -93,9 +93,9 @@ def main(out_dir, checkpoint, variant):
     finally:
         padding_free.pack_rows = real
     rank = trainer.accelerator.process_index
-    graphs = trainer._train_graphs
-    chosen = dict(eager_rows=str(trainer._eager_rows), eager_packed=trainer._eager_rows.packed,
-                  grouping=trainer._prompt_grouping, graphs_failure=graphs and graphs.failure,
+    graphs = trainer.decisions.train_graphs
+    chosen = dict(eager_rows=str(trainer.decisions.eager_rows), eager_packed=trainer.decisions.eager_rows.packed,
+                  grouping=trainer.decisions.prompt_grouping, graphs_failure=graphs and graphs.failure,
                   graph_captures=graphs and graphs.captures, graphs_hand_over=graphs and graphs.hand_over, **counts)
     with open(f"{out_dir}/chosen_rank{rank}.json", "w") as handle:
         json.dump(chosen, handle)

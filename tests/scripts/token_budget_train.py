@@ -90,7 +90,7 @@ def main(out_dir, budget):
         model=float64_rope(build_tiny_model(TOKENIZER, seed=0, dtype=model_dtype())), reward_funcs=reward,
         args=args, train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=TOKENIZER,
     )
-    trainer._backend = FixedBackend()
+    trainer.decisions.backend = FixedBackend()
     counts = []
     record_pass_counts(counts)
     trainer.train()

@@ -94,12 +94,12 @@ def main(out_dir: str, lora: bool) -> GRPOTrainer:
         model=build(lora, seed=0), reward_funcs=reward, args=args, peft_config=peft_config,
         train_dataset=Dataset.from_dict({"prompt": prompts * 4}), processing_class=TOKENIZER,
     )
-    trainer._backend = RecordingBackend()
+    trainer.decisions.backend = RecordingBackend()
     trainer.train()
 
     live = trainer.accelerator.unwrap_model(trainer.model_wrapped)
-    mirror = trainer._mirror_choice.mirror
-    assert mirror is not None, f"no mirror: {trainer._mirror_choice}"
+    mirror = trainer.decisions.mirror.mirror
+    assert mirror is not None, f"no mirror: {trainer.decisions.mirror}"
     assert GENERATED_FROM and all(model is mirror.module for model in GENERATED_FROM), "a rollout bypassed the mirror"
     assert not any(hasattr(p, "ds_id") for p in mirror.module.parameters()), "the mirror holds ZeRO-3 parameters"
     # LoRA layers are merged away: the mirror is the plain architecture
