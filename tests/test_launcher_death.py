@@ -41,9 +41,11 @@ def start_and_wait_for_the_lock(output_dir, processes, timeout=600):
     """The launcher, once the run holds output_dir (every worker has built its config, so is watching)."""
     log = output_dir.parent / "launch.log"  # a file, not a pipe: a full pipe would block the workers' logging
     with open(log, "w") as handle:
-        # a session of its own: a signal reaches the launcher's pid only
+        # a session of its own: a signal reaches the launcher's pid only; SIGINT handled as a terminal's Ctrl-C is
+        # (a background job of a script starts with SIGINT ignored, which the launcher would inherit)
         launcher = start_launch(launch_command(output_dir, processes), processes=processes, cwd=ROOT,
-                                env=clean_env(), stdout=handle, stderr=subprocess.STDOUT)
+                                env=clean_env(), stdout=handle, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     launcher.log = log
     deadline = time.monotonic() + timeout
     while not (output_dir / LOCK_FILE).exists():
