@@ -20,14 +20,13 @@ PROMPT_LENGTHS = (3, 7, 5, 2)
 COMPLETION_LENGTHS = (4, 1, 6, 3)
 
 
-def padded_batch(vocab: int, seed: int = 0):
+def padded_batch(vocab: int, seed: int = 0, prompts=PROMPT_LENGTHS, completions=COMPLETION_LENGTHS):
     """input_ids, attention_mask and TRL's labels (-100 off the completion) for rows padded as TRL pads them."""
     gen = torch.Generator().manual_seed(seed)
-    width_p, width_c = max(PROMPT_LENGTHS), max(COMPLETION_LENGTHS)
-    rows = len(PROMPT_LENGTHS)
-    ids = torch.randint(2, vocab, (rows, width_p + width_c), generator=gen)
+    width_p, width_c = max(prompts), max(completions)
+    ids = torch.randint(2, vocab, (len(prompts), width_p + width_c), generator=gen)
     mask = torch.zeros_like(ids)
-    for row, (p, c) in enumerate(zip(PROMPT_LENGTHS, COMPLETION_LENGTHS)):
+    for row, (p, c) in enumerate(zip(prompts, completions)):
         mask[row, width_p - p:width_p + c] = 1
     ids = ids.masked_fill(mask == 0, 0)
     labels = ids.masked_fill(mask == 0, -100)
@@ -109,16 +108,7 @@ def test_reasoning_length_rows_pack_as_padded():
     prompts, completions = (300, 41), (8700, 8200)
 
     def long_batch(vocab):
-        gen = torch.Generator().manual_seed(1)
-        width_p, width_c = max(prompts), max(completions)
-        ids = torch.randint(2, vocab, (2, width_p + width_c), generator=gen)
-        mask = torch.zeros_like(ids)
-        for row, (p, c) in enumerate(zip(prompts, completions)):
-            mask[row, width_p - p:width_p + c] = 1
-        ids = ids.masked_fill(mask == 0, 0)
-        labels = ids.masked_fill(mask == 0, -100)
-        labels[:, :width_p] = -100
-        return ids, mask, labels
+        return padded_batch(vocab, 1, prompts, completions)
 
     # (gradients: measured at most 2e-5 apart in relative norm, fp32 sums over 17k tokens in another order)
     assert_packed_scores_as_padded("qwen2", True, long_batch, sum(prompts) + sum(completions), grad_norm_rtol=1e-4,

@@ -35,10 +35,16 @@ class Bucket:
 
 
 class Replay(torch.autograd.Function):
-    """The forward graph's log-probs as an autograd node whose backward replays the backward graph."""
+    """The forward graph's log-probs as an autograd node whose backward replays the backward graph.
+
+    ``inputs`` say where the gradients go. ``(anchor,)``: the backward graph accumulates straight into the
+    parameters' ``.grad``. Handed over (DeepSpeed ZeRO-1/2 holds ``.grad``), the parameters the backward reaches:
+    the graph writes their gradients into its own buffers and the node returns those as the inputs' gradients, so
+    autograd accumulates them into ``.grad`` (a copy: the buffers are kept) and DeepSpeed's hooks on that
+    accumulation bucket, reduce and partition them as after an eager backward, outside the replayed graph."""
 
     @staticmethod
-    def forward(ctx, anchor, graphs, entry):
+    def forward(ctx, graphs, entry, *inputs):
         entry.replay_forward()
         ctx.graphs, ctx.entry = graphs, entry
         entropy = entry.entropy.clone() if entry.entropy is not None else None
@@ -48,37 +54,12 @@ class Replay(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_logps, _grad_entropy):
-        entry = ctx.entry
+        entry, graphs = ctx.entry, ctx.graphs
         if grad_logps is None:
             entry.grad_logps.zero_()
         else:
             entry.grad_logps.copy_(grad_logps)
-        ctx.graphs.adopt_gradients()
+        if not graphs.hand_over:
+            graphs.adopt_gradients()
         entry.replay_backward()
-        return None, None, None
-
-
-class HandedOverReplay(torch.autograd.Function):
-    """``Replay`` where DeepSpeed (ZeRO-1/2) holds the gradients: the backward graph writes the parameters'
-    gradients into its own buffers, and this node returns them to autograd as the gradients of its parameter
-    inputs. Autograd then accumulates them into ``.grad`` (a copy: the buffers are kept) and DeepSpeed's hooks on
-    that accumulation bucket, reduce and partition them as after an eager backward, outside the replayed graph."""
-
-    @staticmethod
-    def forward(ctx, graphs, entry, *params):
-        entry.replay_forward()
-        ctx.graphs, ctx.entry = graphs, entry
-        entropy = entry.entropy.clone() if entry.entropy is not None else None
-        if entropy is not None:
-            ctx.mark_non_differentiable(entropy)
-        return entry.logps.clone(), entropy
-
-    @staticmethod
-    def backward(ctx, grad_logps, _grad_entropy):
-        entry = ctx.entry
-        if grad_logps is None:
-            entry.grad_logps.zero_()
-        else:
-            entry.grad_logps.copy_(grad_logps)
-        entry.replay_backward()
-        return (None, None, *ctx.graphs.handed_over_buffers())
+        return (None, None, *(graphs.handed_over_buffers() if graphs.hand_over else [None]))

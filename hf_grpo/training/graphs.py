@@ -22,7 +22,7 @@ How (``training_cuda_graphs``, "auto" by default):
   once, so kept through the rollout), made the parameters' gradients again before each replay (the Trainer sets
   them to None after a step). The replay is an autograd node of the loss: TRL's loss, the Trainer's backward and
   the out-of-memory back-off work unchanged. Under DeepSpeed ZeRO-1/2 the node hands the buffers to autograd,
-  whose accumulation runs DeepSpeed's reduction hooks after the replay (``HandedOverReplay``; captured through
+  whose accumulation runs DeepSpeed's reduction hooks after the replay (``Replay``'s handed-over form; captured through
   views of the parameters, ``parameter_aliases``). ZeRO-3 and FSDP gather in hooks: eager.
 * Every graph, training and scoring, shares one memory pool (they run one at a time). Between steps the pool
   keeps what the largest bucket needs at its peak, which the rollout does not get back: checkpointed, its layer
@@ -47,7 +47,7 @@ from ..generation.static_cache import weights_signature
 from ..run_state import RunDecisions, RunFacts, RunSizes
 from . import graph_inputs, padding_free, shape_reuse
 from .cuda_graph_recorder import CudaGraphRecorder
-from .graph_buckets import Bucket, HandedOverReplay, Replay, chunked_scoring
+from .graph_buckets import Bucket, Replay, chunked_scoring
 from .parameter_aliases import ParameterAliases
 from .shape_reuse import Shape
 
@@ -239,10 +239,8 @@ class TrainingGraphs:
         else:
             self._entries.move_to_end(shape)
             entry.load(batch.inputs)
-        if self.hand_over:
-            logps, entropy = HandedOverReplay.apply(self, entry, *self._reached_params(self.params))
-        else:
-            logps, entropy = Replay.apply(self._anchor, self, entry)
+        inputs = self._reached_params(self.params) if self.hand_over else [self._anchor]  # (where gradients go)
+        logps, entropy = Replay.apply(self, entry, *inputs)
         return batch.spread(logps), (batch.spread(entropy) if entropy is not None else None)
 
     def static_inputs(self, input_ids, attention_mask, completion_width: int,
@@ -316,7 +314,7 @@ class TrainingGraphs:
             param.grad = buffer
 
     def handed_over_buffers(self) -> list[torch.Tensor]:
-        """The gradients the last backward replay wrote, of the parameters it reaches (``HandedOverReplay``)."""
+        """The gradients the last backward replay wrote, of the parameters it reaches (``Replay``, handed over)."""
         return self._reached_params(self.grad_buffers)
 
     def _reached_params(self, tensors: list) -> list:
