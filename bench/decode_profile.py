@@ -134,7 +134,7 @@ def rollout_timeline(backend, decoder, model, prompts, call) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="0.5b", choices=["0.5b", "1.5b"])
+    parser.add_argument("--shape", default="0.5b", choices=["0.5b", "1.5b", "7b"])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=384)
     parser.add_argument("--completion-len", type=int, default=256)

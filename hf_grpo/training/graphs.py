@@ -105,8 +105,6 @@ def choose(settings, model: torch.nn.Module, facts: RunFacts, sizes: RunSizes,
         if setting == "on":
             logger.warning("training_cuda_graphs='on' is not applied: %s", reason)
         return None, reason
-    if setting == "auto" and facts.deepspeed:  # exact (tests/test_packed_launch.py), not yet timed
-        return None, "DeepSpeed: the replay is exact but not yet timed on a GPU (training_cuda_graphs='on' replays)"
     if setting == "auto" and not facts.gradient_checkpointing:
         # Checkpointed, the pool keeps little more than the layers' inputs; without, it would keep a whole
         # micro-batch's activations through the rollout, which eager training hands back to it.

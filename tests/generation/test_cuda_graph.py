@@ -537,6 +537,33 @@ def test_greedy_with_penalty_min_tokens_and_padding_multiple(tokenizer):
 
 @pytest.mark.gpu
 @needs_cuda
+def test_greedy_at_reasoning_lengths_identical_to_generate(tokenizer, monkeypatch):
+    """8,192 new tokens a row (EOS held off by min_new_tokens): the split decode attention over a long cache, the
+    cache's ladder of lengths and positions past 8k give model.generate's tokens (fp32; the head spread out so
+    that a greedy pick is not a near-tie of float rounding)."""
+    new_tokens = 8192
+    model = build_tiny_model(tokenizer, max_position_embeddings=new_tokens + 64).cuda().eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(4.0)
+    prompts = _prompts(tokenizer, 4, seed=7, max_len=40)
+    split_calls = []
+    # 4 rows x 2 KV heads are fewer programs than SMs: serve them anyway, and record the splits the kernel takes
+    monkeypatch.setattr(filled_attention, "CONFIG", filled_attention.KernelConfig(min_programs=1))
+    splits = filled_attention.splits
+    monkeypatch.setattr(filled_attention, "splits",
+                        lambda *args, **kwargs: split_calls.append(splits(*args, **kwargs)) or split_calls[-1])
+    backend = CudaGraphBackend(compile=True, decode_attention="filled")
+    expected, got = _greedy_case(model, prompts, chunk_size=4, backend=backend, max_new_tokens=new_tokens,
+                                 min_new_tokens=new_tokens)
+    assert [len(c) for c in expected] == [new_tokens] * 4
+    assert max(split_calls) > 1, split_calls  # the long cache was split over several programs a row and head
+    for row, (e, g) in enumerate(zip(expected, got)):
+        first = next((i for i, (a, b) in enumerate(zip(e, g)) if a != b), None)
+        assert first is None and len(g) == len(e), f"row {row}: first differing token at {first} of {len(e)}"
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("attention", ["sdpa", "matmul", "filled"])
 def test_bf16_model_runs_and_matches_mostly(tokenizer, attention, monkeypatch):
     """bf16 and compiled: the benchmark's path; numerics may differ from generate in near-ties only."""
