@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: proven
 from provenance import with_provenance  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))  # the repository: hf_grpo
 OUT_OF_MEMORY = ("OutOfMemoryError", "CUDA out of memory", "out of memory")
 
 
@@ -65,6 +66,46 @@ def run_length(args, impl: str, length: int) -> dict:
     return {**record, "fits": None, "why": f"exit {result.returncode}", "tail": tail}
 
 
+def copy_bandwidth_bytes_per_s(gib: float = 4.0, repeats: int = 10) -> float:
+    """What a device-to-device copy reaches on this GPU (bytes read plus written a second): the floor's speed."""
+    import torch
+
+    source = torch.empty(int(gib * 2**30), dtype=torch.uint8, device="cuda")
+    target = torch.empty_like(source)
+    target.copy_(source)  # warm
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        target.copy_(source)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    del source, target
+    torch.cuda.empty_cache()
+    return 2 * repeats * gib * 2**30 / seconds
+
+
+def decode_floor(record: dict, args, bandwidth: float) -> dict:
+    """A decode step of the rollout against the time to read the weights and the rows' filled caches once (on
+    average the prompt and half the completion) at ``bandwidth``."""
+    from hf_grpo.recipe_support.tiny import SHAPES
+
+    dims = SHAPES[args.shape]
+    head_dim = dims["hidden_size"] // dims["num_attention_heads"]
+    per_position = dims["num_hidden_layers"] * 2 * dims["num_key_value_heads"] * head_dim * 2  # K and V, bf16
+    filled = (args.min_prompt + args.max_prompt) / 2 + record["completion_len"] / 2
+    cache_bytes = args.num_generations * filled * per_position
+    h, inner, kv = dims["hidden_size"], dims["intermediate_size"], dims["num_key_value_heads"] * head_dim
+    layer = 2 * h * h + 2 * h * kv + h + 2 * kv + 3 * h * inner + 2 * h  # q, o; k, v; biases; MLP; norms
+    embeddings = dims["vocab_size"] * h * (1 if dims["tie_word_embeddings"] else 2)
+    weight_bytes = 2 * (dims["num_hidden_layers"] * layer + embeddings + h)  # bf16; the merged LoRA adds none
+    floor_ms = (weight_bytes + cache_bytes) / bandwidth * 1e3
+    step_ms = 1e3 * args.num_generations / record["decode_tokens_per_s"]
+    return {"copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "weights_gb": round(weight_bytes / 1e9, 2),
+            "mean_cache_gb": round(cache_bytes / 1e9, 2), "decode_floor_ms": round(floor_ms, 3),
+            "decode_step_ms": round(step_ms, 3), "decode_step_over_floor": round(step_ms / floor_ms, 3)}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="7b", help="a shape of hf_grpo.recipe_support.tiny.SHAPES")
@@ -86,8 +127,12 @@ def main(argv=None) -> int:
         parser.error(f"--num_generations must be at least 2 (a GRPO group), got {args.num_generations}")
     records = []
     longest = None
+    bandwidth = copy_bandwidth_bytes_per_s() if args.device == "cuda" else None
     for length in lengths:
-        record = with_provenance(run_length(args, "hf_grpo", length))
+        record = run_length(args, "hf_grpo", length)
+        if record["fits"] and bandwidth is not None:
+            record.update(decode_floor(record, args, bandwidth))
+        record = with_provenance(record)
         records.append(record)
         print(json.dumps({k: v for k, v in record.items() if k != "run"}), flush=True)
         if not record["fits"]:
