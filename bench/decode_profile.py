@@ -11,6 +11,8 @@ rollout (compile + capture, timed as ``first_call_s``), then:
 * ``kernels``: the kernels of one decode step as the profiler sees them when the compiled step runs
   outside the graph (a replay runs the same kernels without the launch gaps): how many, their summed
   GPU time, and the top ones by time with their share. ``kernels_per_layer`` divides by the layers.
+* ``floor``: the time to read the weights and the rows' filled caches (prompt + completion) once at the
+  copy bandwidth measured in the same run, and ``replay_ms`` over it.
 * ``rollout_profile`` (with ``--rollout-profile``): one whole warm rollout under the profiler (the
   replays' kernels included): per generated token, its wall time, the GPU time its kernels took, the
   difference (the GPU idle or waiting on the host), and the top kernels by time per token. This is
@@ -246,6 +248,19 @@ def main(argv=None) -> int:
         record["rollout_profile"] = rollout_record
     if timeline_record is not None:
         record["rollout_timeline"] = timeline_record
+    # the floor: reading the weights and the rows' filled caches once at the copy bandwidth measured here
+    from long_context import copy_bandwidth_bytes_per_s
+
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_position = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2  # K and V, bf16
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    cache_bytes = args.batch * (args.prompt_len + args.completion_len) * per_position
+    bandwidth = copy_bandwidth_bytes_per_s()
+    floor_ms = (weight_bytes + cache_bytes) / bandwidth * 1e3
+    record["floor"] = {"copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "weights_gb": round(weight_bytes / 1e9, 2),
+                       "filled_cache_gb": round(cache_bytes / 1e9, 2), "floor_ms": round(floor_ms, 3),
+                       "replay_over_floor": round(replay_ms / floor_ms, 3)}
     record = with_provenance(record)
     print(json.dumps(record))
     if args.out:
