@@ -301,6 +301,22 @@ def test_auto_leaves_runs_without_activation_checkpointing_eager(tmp_path, monke
     assert choose(checkpointed, torch_compile=True)[0].warmup_passes == training_graphs.WARMUP_PASSES["compiled"]
 
 
+def test_auto_replays_under_zero_1_and_2_handing_gradients_over_and_leaves_zero3_and_ddp_eager(tmp_path, monkeypatch):
+    # ZeRO-1/2: DeepSpeed's hooks own .grad, so the replay hands its gradients to autograd (timed on a GPU:
+    # docs/performance.md); ZeRO-3 gathers parameters in hooks a graph cannot hold.
+    monkeypatch.setattr(training_graphs.CudaGraphRecorder, "device_reason", staticmethod(lambda device: None))
+    trainer = tiny_cpu_trainer(tmp_path, activation_checkpointing=True)
+    assert choose(trainer)[0].hand_over is False  # one process: the backward graph writes .grad itself
+    trainer.facts = dataclasses.replace(trainer.facts, deepspeed=True, num_processes=2)
+    graphs, reason = choose(trainer)
+    assert reason is None and graphs.hand_over is True
+    trainer.facts = dataclasses.replace(trainer.facts, zero3=True)
+    assert choose(trainer) == (None, "ZeRO-3 gathers each layer's parameters in hooks a graph cannot hold")
+    trainer.facts = dataclasses.replace(trainer.facts, deepspeed=False, zero3=False)
+    graphs, reason = choose(trainer, training_cuda_graphs="on")
+    assert graphs is None and reason.startswith("several processes without DeepSpeed")
+
+
 def test_graphs_replay_rows_packed_unless_padding_free_is_off_or_the_attention_cannot(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(training_graphs, "unavailable_reason", lambda *a: None)  # as on one GPU
     trainer = tiny_cpu_trainer(tmp_path)
