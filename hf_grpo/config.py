@@ -90,7 +90,7 @@ class GRPOConfig(trl.GRPOConfig):
             positions and attends only to itself), so no layer computes over padding. Applies to the
             reference, old-policy and training forwards; models it cannot serve exactly keep padding.
             ``None``: packed where the micro-batches replay from CUDA graphs (``training_cuda_graphs``); where
-            they run eagerly (several processes, DeepSpeed, FSDP, graphs off), packed where the GPU is the bound
+            they run eagerly (DDP, ZeRO-3, FSDP, graphs off), packed where the GPU is the bound
             and padded where the host is: on CUDA, packed from ``2 x`` one decoder layer's parameters ``x`` a
             padded micro-batch's tokens of 1.5e12 FLOPs (about 3B parameters at 8 rows of 1.5k tokens; 0.5B and
             1.5B stay padded, where packing measured slower or equal), padded off CUDA
@@ -132,8 +132,9 @@ class GRPOConfig(trl.GRPOConfig):
         training_cuda_graphs (`str`, *optional*, defaults to `"auto"`):
             ``"on"``: each training micro-batch's forward and backward are replayed from CUDA graphs captured per
             shape bucket (``hf_grpo.training.graphs``; rows packed into one sequence, ``padding_free``, or padded,
-            to a few lengths an octave, positions kept), on one CUDA process without DeepSpeed (under ZeRO-1/2
-            with ``"on"`` only), FSDP or a token budget, for dense models with sdpa or eager attention;
+            to a few lengths an octave, positions kept), on one CUDA process or under DeepSpeed ZeRO-1/2 (its
+            reductions run after the replay), not under DDP, ZeRO-3, FSDP or a token budget, for dense models with
+            sdpa or eager attention;
             ``"auto"``: so where the run allows it and activation checkpointing is on (without it the graphs' pool
             would keep a micro-batch's activations through the rollout), going on eagerly with a warning if a
             capture fails; ``"off"``: eager launches.
@@ -194,7 +195,7 @@ class GRPOConfig(trl.GRPOConfig):
             "rows packed into one sequence, so no layer runs over padding (hf_grpo.training.padding_free). "
             "None (default): "
             "packed where the micro-batches replay from CUDA graphs (training_cuda_graphs); where they run eagerly "
-            "(several processes, DeepSpeed, FSDP), packed on CUDA where the GPU is the bound (one layer's FLOPs on a "
+            "(DDP, ZeRO-3, FSDP), packed on CUDA where the GPU is the bound (one layer's FLOPs on a "
             "micro-batch from 1.5e12: about 3B parameters at 8 rows of 1.5k tokens), padded where the host is (0.5B, "
             "1.5B, CPU runs), as the log says (hf_grpo.training.eager_packing). Models it cannot serve exactly (no "
             "rotary positions, soft-capped or non-causal attention, vision inputs) stay padded, warned if asked for."
@@ -257,8 +258,8 @@ class GRPOConfig(trl.GRPOConfig):
         default="auto",
         metadata={
             "help": "off, auto or on. 'on' replays each training micro-batch's forward and backward from CUDA graphs "
-            "captured per shape bucket, rows packed unless padding_free=False (one CUDA process, no DeepSpeed "
-            "(ZeRO-1/2: 'on' only), FSDP or token budget; dense models, sdpa or eager attention); 'auto' does so "
+            "captured per shape bucket, rows packed unless padding_free=False (one CUDA process or DeepSpeed "
+            "ZeRO-1/2; not DDP, ZeRO-3, FSDP or a token budget; dense models, sdpa or eager attention); 'auto' does so "
             "where the run allows and activation checkpointing is on, eagerly after a failed capture. See "
             "hf_grpo.training.graphs."
         },
