@@ -113,3 +113,12 @@ def test_under_ddp_auto_stays_eager_and_on_replays_handing_gradients_over(proces
                                      DistributedDataParallel(static, static_graph=True)) is None
     assert "training_cuda_graphs='on' is not applied: DDP: static_graph" in caplog.text
     assert "training micro-batches: eager launches (DDP: static_graph (ddp_static_graph=True)" in caplog.text
+
+
+def test_several_processes_wait_for_their_wrapper_and_data_parallel_is_refused(monkeypatch):
+    monkeypatch.setattr(training_graphs, "CudaGraphRecorder", EagerRecorder)  # any device, as on a GPU
+    facts = dict(device_type="cuda", attention="sdpa", gradient_checkpointing=True)
+    # several processes without DeepSpeed: decided on the wrapper the Trainer made (DDP, or refused)
+    assert training_graphs.unavailable_reason(RunFacts(num_processes=2, **facts), trainer_sizes()) is None
+    assert training_graphs.unavailable_reason(RunFacts(n_gpu=2, **facts), trainer_sizes()) == (
+        "torch.nn.DataParallel copies the model to each GPU in every forward")
