@@ -122,3 +122,13 @@ def test_several_processes_wait_for_their_wrapper_and_data_parallel_is_refused(m
     assert training_graphs.unavailable_reason(RunFacts(num_processes=2, **facts), trainer_sizes()) is None
     assert training_graphs.unavailable_reason(RunFacts(n_gpu=2, **facts), trainer_sizes()) == (
         "torch.nn.DataParallel copies the model to each GPU in every forward")
+
+
+def test_ddp_forward_is_begun_also_where_ddp_moves_its_inputs_to_a_gpu(process_group):
+    # On a GPU DDP is given device_ids: its pre-forward moves the inputs there and reads the first moved one. The
+    # replay has none to give (its own are static and on the device already).
+    ddp = DistributedDataParallel(checkpointed_model())
+    ddp.device_ids, ddp.device_type = [0], "cpu"  # as for GPU 0 (a CPU module refuses device_ids when wrapped)
+    logps = torch.ones(3, requires_grad=True) * 2
+    result = ddp_replay.forward_as_ddp(ddp, lambda: (logps, None))
+    assert torch.equal(result[0], logps) and result[1] is None

@@ -66,7 +66,9 @@ def unsupported_reason(wrapper) -> str | None:
 def forward_as_ddp(wrapper: DistributedDataParallel, run):
     """``run()`` (a replayed forward: ``(logps, entropies)``) between ``wrapper``'s ``_pre_forward`` and
     ``_post_forward``; ``run()`` must not return None (a capture that fails under DDP raises: "on" only)."""
-    wrapper._pre_forward()  # no inputs to move or cast: the replay's are static and on the device
+    # One placeholder input: with device_ids (on a GPU) DDP moves its inputs there and reads the first moved one,
+    # and none would fail; the replay's own are static and on the device already.
+    wrapper._pre_forward(None)
     result = run()
     if result is None:
         raise RuntimeError("a replay under DDP returned no outputs after DDP's forward was begun")
