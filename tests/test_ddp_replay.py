@@ -46,9 +46,7 @@ def test_a_replay_through_ddp_has_its_gradients_reduced_once_per_synced_micro_ba
 
     def all_reduce(state, bucket):
         reduced.append(bucket.buffer().clone())
-        future = torch.futures.Future()
-        future.set_result(bucket.buffer())  # one process: the sum is the bucket itself
-        return future
+        return _done(bucket.buffer())  # one process: the sum is the bucket itself
 
     ddp.register_comm_hook(None, all_reduce)
     graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, recorder=EagerRecorder(), hand_over=True)
@@ -132,3 +130,21 @@ def test_ddp_forward_is_begun_also_where_ddp_moves_its_inputs_to_a_gpu(process_g
     logps = torch.ones(3, requires_grad=True) * 2
     result = ddp_replay.forward_as_ddp(ddp, lambda: (logps, None))
     assert torch.equal(result[0], logps) and result[1] is None
+
+
+def test_after_a_failed_capture_the_micro_batch_runs_through_ddp_and_is_reduced(process_group):
+    # A capture that fails under "auto" gives None; TRL's eager forward then runs through DDP's, begun again.
+    model = checkpointed_model()
+    ddp = DistributedDataParallel(model)
+    reduced = []
+    ddp.register_comm_hook(None, lambda state, bucket: reduced.append(bucket.buffer().numel()) or _done(bucket.buffer()))
+    assert ddp_replay.forward_as_ddp(ddp, lambda: None) is None
+    ids, mask, labels = batch(4, prompt=9, completion=5, seed=0)
+    ddp(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs.sum().backward()
+    assert sum(reduced) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def _done(tensor):
+    future = torch.futures.Future()
+    future.set_result(tensor)
+    return future

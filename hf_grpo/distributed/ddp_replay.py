@@ -64,13 +64,11 @@ def unsupported_reason(wrapper) -> str | None:
 
 
 def forward_as_ddp(wrapper: DistributedDataParallel, run):
-    """``run()`` (a replayed forward: ``(logps, entropies)``) between ``wrapper``'s ``_pre_forward`` and
-    ``_post_forward``; ``run()`` must not return None (a capture that fails under DDP raises: "on" only)."""
+    """``run()`` (a replayed forward: ``(logps, entropies)`` or None) between ``wrapper``'s ``_pre_forward`` and
+    ``_post_forward``. None (a failed capture): the micro-batch then runs eagerly through DDP's forward, which
+    begins again (the reducer counts one more forward, which only a static graph, refused, would mind)."""
     # One placeholder input: with device_ids (on a GPU) DDP moves its inputs there and reads the first moved one,
     # and none would fail; the replay's own are static and on the device already.
     wrapper._pre_forward(None)
     result = run()
-    if result is None:
-        raise RuntimeError("a replay under DDP returned no outputs after DDP's forward was begun")
-    logps, entropy = result
-    return tuple(wrapper._post_forward((logps, entropy)))
+    return None if result is None else tuple(wrapper._post_forward(tuple(result)))
