@@ -372,7 +372,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                                                      decisions.chunked_head, self.sizes.per_device_train_batch_size,
                                                      self._longest_prompt)
         decisions.train_graphs = training_graphs.start(self.args, self.model, self.facts, self.sizes, decisions,
-                                                       self.accelerator.is_main_process)
+                                                       self.accelerator.is_main_process, self.model_wrapped)
         self._generation_mirror()  # decided on every rank before the plan is printed
         if world_process_zero:
             plan = self.batch_plan()

@@ -1,5 +1,5 @@
 """Packed rows with a prompt's rows grouped (padding_free=True) train as padded rows under DDP, ZeRO-2 and ZeRO-3, and
-micro-batches replayed through the training graphs train as eager ones under ZeRO-1 and ZeRO-2: two processes over
+micro-batches replayed through the training graphs train as eager ones under DDP, ZeRO-1 and ZeRO-2: two processes over
 gloo, LoRA, a reference (beta > 0), num_iterations 2, a checkpoint saved in the test."""
 
 import json
@@ -56,6 +56,26 @@ def test_micro_batches_replayed_under_deepspeed_train_as_eager_ones(tmp_path, co
         assert chose["graphs_hand_over"] is True and chose["graphs_failure"] is None
         assert chose["graph_captures"] > 0
     assert_same_training(tmp_path / "padded", tmp_path / "graphs")
+
+
+def test_micro_batches_replayed_under_ddp_train_as_eager_ones(tmp_path):
+    # DDP's reducer acts on its hooks only after its forward prepared it: the replay runs amid DDP's pre- and
+    # post-forward (hf_grpo.distributed.ddp_replay), and its node hands the gradients to autograd, whose
+    # accumulation runs the hooks. Gradient accumulation 2: every other micro-batch runs under no_sync().
+    checkpoint = tmp_path / "checkpoint"
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(tokenizer, seed=0).save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    launch("multi_gpu", SCRIPT, tmp_path, checkpoint, "padded", "graphs", "graphs_all_used")
+    for variant, find_unused in (("padded", True), ("graphs", True), ("graphs_all_used", False)):
+        for rank in (0, 1):
+            chose = json.loads((tmp_path / variant / f"chosen_rank{rank}.json").read_text())
+            assert chose["ddp_find_unused"] is find_unused  # the Trainer's default for a LoRA model: True
+            if variant != "padded":
+                assert chose["graphs_hand_over"] is True and chose["graphs_failure"] is None
+                assert chose["graph_captures"] > 0
+    assert_same_training(tmp_path / "padded", tmp_path / "graphs")
+    assert_same_training(tmp_path / "padded", tmp_path / "graphs_all_used")
 
 
 @pytest.mark.gpu

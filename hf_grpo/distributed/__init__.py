@@ -4,7 +4,8 @@
 resumed in another shape, ``rng_files`` says when a resumed checkpoint lacks this rank's random state,
 ``build_locks`` finds stale DeepSpeed op-build locks, ``cpu_comm_op`` spares CPU runs a DeepSpeed op build they
 never use, ``shutdown`` closes the process group cleanly, ``launcher_watch`` ends a training process whose
-launcher died.
+launcher died, ``deepspeed_replay`` and ``ddp_replay`` do around a training forward replayed from CUDA graphs what
+DeepSpeed's engine or DistributedDataParallel would have done in their forward.
 
 May import: ``hf_grpo.memory`` (rank agreement helpers), torch, accelerate, deepspeed. Never the trainer or the
 config class (``launcher_watch`` releases ``hf_grpo.checks.output_lock``'s lock before it exits).

@@ -21,9 +21,9 @@ How (``training_cuda_graphs``, "auto" by default):
 * The backward graph accumulates into the ``.grad`` tensors it was captured with (``grad_buffers``, allocated
   once, so kept through the rollout), made the parameters' gradients again before each replay (the Trainer sets
   them to None after a step). The replay is an autograd node of the loss: TRL's loss, the Trainer's backward and
-  the out-of-memory back-off work unchanged. Under DeepSpeed ZeRO-1/2 the node hands the buffers to autograd,
-  whose accumulation runs DeepSpeed's reduction hooks after the replay (``Replay``'s handed-over form; captured through
-  views of the parameters, ``parameter_aliases``). ZeRO-3 and FSDP gather in hooks: eager.
+  the out-of-memory back-off work unchanged. Under DeepSpeed ZeRO-1/2 and DDP the node hands the buffers to
+  autograd, whose accumulation runs their reduction hooks after the replay (``Replay`` handed over, amid their
+  forward's work: ``ddp_replay``; captured through views, ``parameter_aliases``). ZeRO-3 and FSDP: eager.
 * Every graph, training and scoring, shares one memory pool (they run one at a time). Between steps the pool
   keeps what the largest bucket needs at its peak, which the rollout does not get back: checkpointed, its layer
   inputs and one layer's recompute (0.6 GiB more reserved at the 0.5B shape of ``docs/performance.md``);
@@ -42,7 +42,7 @@ from contextlib import ExitStack, contextmanager, nullcontext
 
 import torch
 
-from ..distributed import deepspeed_replay
+from ..distributed import ddp_replay
 from ..generation.static_cache import weights_signature
 from ..run_state import RunDecisions, RunFacts, RunSizes
 from . import graph_inputs, padding_free, shape_reuse
@@ -80,8 +80,8 @@ def unavailable_reason(facts: RunFacts, sizes: RunSizes, chunked_head: bool = Tr
         return "FSDP gathers and reduces each layer's parameters in hooks a graph cannot hold"
     if facts.deepspeed and facts.zero3:
         return "ZeRO-3 gathers each layer's parameters in hooks a graph cannot hold"
-    if not facts.deepspeed and (facts.num_processes > 1 or facts.n_gpu > 1):
-        return "several processes without DeepSpeed: DDP's gradient reductions would run inside the backward"
+    if not facts.deepspeed and facts.n_gpu > 1:
+        return "torch.nn.DataParallel copies the model to each GPU in every forward"
     if sizes.max_tokens_per_micro_batch is not None:
         return "max_tokens_per_micro_batch splits micro-batches into passes of varying rows"
     if facts.attention not in _CAPTURABLE_ATTENTION:
@@ -93,18 +93,22 @@ def unavailable_reason(facts: RunFacts, sizes: RunSizes, chunked_head: bool = Tr
     return None
 
 
-def choose(settings, model: torch.nn.Module, facts: RunFacts, sizes: RunSizes,
-           decisions: RunDecisions) -> tuple[TrainingGraphs | None, str | None]:
+def choose(settings, model: torch.nn.Module, facts: RunFacts, sizes: RunSizes, decisions: RunDecisions,
+           wrapper=None) -> tuple[TrainingGraphs | None, str | None]:
     """``(TrainingGraphs or None, why not)`` for the run's ``training_cuda_graphs`` setting (``settings``: its
-    config, read only); ``decisions`` says whether the layers are compiled and the head chunked."""
+    config, read only); ``decisions``: layers compiled, head chunked; ``wrapper``: the model as the Trainer wraps it."""
     setting = settings.training_cuda_graphs
     if setting == "off":
         return None, "training_cuda_graphs='off'"
-    reason = unavailable_reason(facts, sizes, decisions.chunked_head)
+    ddp = facts.num_processes > 1 and not facts.deepspeed  # (FSDP is refused first)
+    reason = unavailable_reason(facts, sizes, decisions.chunked_head) or (
+        ddp_replay.unsupported_reason(wrapper) if ddp else None)
     if reason is not None:
         if setting == "on":
             logger.warning("training_cuda_graphs='on' is not applied: %s", reason)
         return None, reason
+    if setting == "auto" and ddp:
+        return None, ddp_replay.AUTO_REASON
     if setting == "auto" and not facts.gradient_checkpointing:
         # Checkpointed, the pool keeps little more than the layers' inputs; without, it would keep a whole
         # micro-batch's activations through the rollout, which eager training hands back to it.
@@ -115,7 +119,7 @@ def choose(settings, model: torch.nn.Module, facts: RunFacts, sizes: RunSizes,
     compiled = decisions.train_layers is not None or bool(getattr(settings, "torch_compile", 0))
     return TrainingGraphs(model, pad if pad is not None else 0, eager_on_failure=setting == "auto",
                           compiled_layers=compiled, packed=unpacked_reason(settings.padding_free, model, facts) is None,
-                          hand_over=facts.deepspeed), None
+                          hand_over=facts.deepspeed or ddp), None
 
 
 def unpacked_reason(setting: bool | None, model: torch.nn.Module, facts: RunFacts) -> str | None:
@@ -133,9 +137,9 @@ def unpacked_reason(setting: bool | None, model: torch.nn.Module, facts: RunFact
 
 
 def start(settings, model: torch.nn.Module, facts: RunFacts, sizes: RunSizes, decisions: RunDecisions,
-          main: bool) -> TrainingGraphs | None:
+          main: bool, wrapper=None) -> TrainingGraphs | None:
     """The run's graphs at train begin (``choose``), the choice logged on ``main`` beside the compile's."""
-    graphs, reason = choose(settings, model, facts, sizes, decisions)
+    graphs, reason = choose(settings, model, facts, sizes, decisions, wrapper)
     if main:
         # the eager micro-batches' layout (eager_packing), chosen before
         eager_rows = decisions.eager_rows
@@ -175,12 +179,12 @@ def replay(graphs: TrainingGraphs | None, perf, autocast: Callable, model, input
         scored = chunked_scoring(graphs.scorer(score, model, compute_entropy), input_ids, attention_mask,
                                  logits_to_keep, batch_size)
         return counted((*scored, None))
-    engine = model if graphs.hand_over and deepspeed_replay.is_engine_of(model, graphs.model) else None
-    model = model if engine is None else graphs.model  # under DeepSpeed, the module its engine wraps
+    around = ddp_replay.around_replay(model, graphs.model) if graphs.hand_over else None  # (DeepSpeed's or DDP's)
+    wrapper, model = (model, graphs.model) if around is not None else (None, model)  # the module it wraps
     if batch_size is not None or model is not graphs.model or not torch.is_grad_enabled() or not model.training:
         return None
     run = lambda: graphs.logps(score, input_ids, attention_mask, logits_to_keep, compute_entropy)  # noqa: E731
-    result = run() if engine is None else deepspeed_replay.forward_as_engine(engine, run)
+    result = run() if wrapper is None else around(wrapper, run)
     return counted(None if result is None else (*result, None))
 
 
@@ -191,7 +195,7 @@ class TrainingGraphs:
                  recorder: CudaGraphRecorder | None = None, compiled_layers: bool = False, packed: bool = False,
                  reuse: shape_reuse.ShapeReuse | None = None, hand_over: bool = False):
         self.model = model
-        self.hand_over = hand_over  # DeepSpeed holds .grad: the replay's node hands gradients over (module doc)
+        self.hand_over = hand_over  # DeepSpeed or DDP reduce .grad: the replay's node hands gradients over (module doc)
         self.packed = packed  # rows packed into one sequence where they allow it (padding_free), else padded
         self.warmup_passes = WARMUP_PASSES["compiled" if compiled_layers else "eager"]
         self.eager_on_failure = eager_on_failure

@@ -5,9 +5,10 @@ logged losses and grad norms, its trained weights and what it chose.
     accelerate launch --num_processes 2 --config_file accelerate_configs/zero2.yaml --mixed_precision no \
         tests/scripts/packed_exactness_train.py OUT_DIR CHECKPOINT_DIR padded packed
 
-(or multi_gpu.yaml, zero3.yaml). A variant is ``padded`` (padding_free=False), ``packed`` (padding_free=True) or
+(or multi_gpu.yaml, zero3.yaml). A variant is ``padded`` (padding_free=False), ``packed`` (padding_free=True),
 ``graphs`` (padded micro-batches replayed through hf_grpo.training.graphs, "recorded" by tests/scripts/eager_recorder.py
-on the CPU); each trains into OUT_DIR/<variant>. With EXACTNESS_ON_GPU=1 the runs are on the GPU (fp32) and ``graphs``
+on the CPU) or ``graphs_all_used`` (``graphs`` with ddp_find_unused_parameters=False, where DDP then does not look
+for unused parameters; the Trainer's default for a LoRA model looks); each trains into OUT_DIR/<variant>. With EXACTNESS_ON_GPU=1 the runs are on the GPU (fp32) and ``graphs``
 captures and replays real CUDA graphs. Prompts of 2 to 12 tokens, completions of 1 to 5, several of each per prompt.
 """
 
@@ -76,8 +77,9 @@ def main(out_dir, checkpoint, variant):
         per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=GROUP, num_iterations=2,
         max_completion_length=6, beta=0.1, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
         save_strategy="no", logging_steps=1, disable_tqdm=True, gradient_checkpointing=False,
-        padding_free={"padded": False, "packed": True, "graphs": False}[variant],
-        training_cuda_graphs="on" if variant == "graphs" else "off",
+        padding_free={"padded": False, "packed": True, "graphs": False, "graphs_all_used": False}[variant],
+        training_cuda_graphs="on" if variant.startswith("graphs") else "off",
+        ddp_find_unused_parameters=False if variant == "graphs_all_used" else None,
     )
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
     trainer = GRPOTrainer(  # the model by its path, as users pass a checkpoint (loaded by TRL, fp32 as saved)
@@ -96,7 +98,8 @@ def main(out_dir, checkpoint, variant):
     graphs = trainer.decisions.train_graphs
     chosen = dict(eager_rows=str(trainer.decisions.eager_rows), eager_packed=trainer.decisions.eager_rows.packed,
                   grouping=trainer.decisions.prompt_grouping, graphs_failure=graphs and graphs.failure,
-                  graph_captures=graphs and graphs.captures, graphs_hand_over=graphs and graphs.hand_over, **counts)
+                  graph_captures=graphs and graphs.captures, graphs_hand_over=graphs and graphs.hand_over,
+                  ddp_find_unused=getattr(trainer.model_wrapped, "find_unused_parameters", None), **counts)
     with open(f"{out_dir}/chosen_rank{rank}.json", "w") as handle:
         json.dump(chosen, handle)
     state = trained_weights(trainer)
