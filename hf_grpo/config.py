@@ -259,7 +259,8 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "off, auto or on. 'on' replays each training micro-batch's forward and backward from CUDA graphs "
             "captured per shape bucket, rows packed unless padding_free=False (one CUDA process, DeepSpeed "
-            "ZeRO-1/2, DDP with 'on' only; not ZeRO-3, FSDP or a token budget; dense models, sdpa or eager attention); 'auto' does so "
+            "ZeRO-1/2, DDP with 'on' only; not ZeRO-3, FSDP or a token budget; dense models, sdpa or eager "
+            "attention); 'auto' does so "
             "where the run allows and activation checkpointing is on, eagerly after a failed capture. See "
             "hf_grpo.training.graphs."
         },
