@@ -8,9 +8,14 @@
 #   bash bench/run_launch_configs.sh                         # GPU: CONFIGS x IMPLS, one process on one GPU
 #   IMPLS="hf_grpo_padded hf_grpo_packed" bash bench/run_launch_configs.sh   # packed against padded under DeepSpeed
 #   bash bench/run_launch_configs.sh --tiny                  # CPU smoke: tiny model, 2 steps, same launches
+#   CONFIGS="multi_gpu zero2" PROCESS_COUNTS="1 2 4 8" bash bench/run_launch_configs.sh   # scaling on one host
+#   SHAPE=7b-full CONFIGS=zero3 PROCESS_COUNTS="4 8" bash bench/run_launch_configs.sh     # 7B full fine-tune
 #
 # Env: CONFIGS (default "zero2 zero3"; any accelerate_configs/<name>.yaml), IMPLS (default "trl hf_grpo"; also
-# hf_grpo_padded, hf_grpo_packed: hf_grpo with padding_free forced False / True), NUM_PROCESSES (1), STEPS (6),
+# hf_grpo_padded, hf_grpo_packed: hf_grpo with padding_free forced False / True), NUM_PROCESSES (1), PROCESS_COUNTS
+# (the process counts to launch each config with, default NUM_PROCESSES; the summary gives completions/s per GPU
+# against the smallest count), SHAPE (1.5b-lora: the run above; 7b-full: Qwen2.5-7B's dimensions fully fine-tuned,
+# completions of up to 1024, generation 16 at a time; ZeRO-3 generates from the dense mirror), STEPS (6),
 # TOTAL_SECONDS (540: the whole call, split evenly between its runs), RUN_TIMEOUT (a run's hard limit, default
 # TOTAL_SECONDS / runs), STARTUP (seconds a run's launch, imports and model build may take, default 90 on a GPU),
 # MAX_SECONDS (a run stops training after the step that passes this many seconds, default RUN_TIMEOUT - STARTUP,
@@ -28,13 +33,16 @@ TINY=0
 CONFIGS=${CONFIGS:-zero2 zero3}
 IMPLS=${IMPLS:-trl hf_grpo}
 NUM_PROCESSES=${NUM_PROCESSES:-1}
+PROCESS_COUNTS=${PROCESS_COUNTS:-$NUM_PROCESSES}
+SHAPE=${SHAPE:-1.5b-lora}
 PY=${PYTHON:-python3}
 RESULTS=${RESULTS:-${OUT:-bench/results/raw}}
 mkdir -p "$RESULTS"
 JSONL="$RESULTS/launch_configs.jsonl"
 set -- $CONFIGS; configs=$#
 set -- $IMPLS; impls=$#
-runs=$(( configs * impls ))
+set -- $PROCESS_COUNTS; counts=$#
+runs=$(( configs * impls * counts ))
 TOTAL_SECONDS=${TOTAL_SECONDS:-540}
 RUN_TIMEOUT=${RUN_TIMEOUT:-$(( TOTAL_SECONDS / (runs > 0 ? runs : 1) ))}
 if [ "$TINY" = 1 ]; then
@@ -46,13 +54,19 @@ if [ "$TINY" = 1 ]; then
 else
   STEPS=${STEPS:-6}
   STARTUP=${STARTUP:-90}
-  SHAPE_FLAGS="--shape 1.5b --lora_r 16 --min_prompt 64 --max_prompt 1024 --max_completion_length 512
-    --per_device_generation_batch_size 32"
+  case $SHAPE in
+    1.5b-lora) SHAPE_FLAGS="--shape 1.5b --lora_r 16 --min_prompt 64 --max_prompt 1024 --max_completion_length 512
+                 --per_device_generation_batch_size 32" ;;
+    7b-full)   SHAPE_FLAGS="--shape 7b --lora_r 0 --min_prompt 64 --max_prompt 1024 --max_completion_length 1024
+                 --per_device_generation_batch_size 16" ;;
+    *) echo "SHAPE must be 1.5b-lora or 7b-full, got '$SHAPE'"; exit 2 ;;
+  esac
   LAUNCH_FLAGS=""
 fi
 MAX_SECONDS=${MAX_SECONDS:-$(( RUN_TIMEOUT > STARTUP + 10 ? RUN_TIMEOUT - STARTUP : 10 ))}
 echo "$runs runs, each under $RUN_TIMEOUT s (training stops after the step past $MAX_SECONDS s); results: $JSONL"
 
+for NUM_PROCESSES in $PROCESS_COUNTS; do
 for config in $CONFIGS; do
   for impl in $IMPLS; do
     case $impl in
@@ -91,6 +105,7 @@ EOF
     fi
   done
 done
+done
 
 $PY - "$JSONL" <<'EOF'
 import json, statistics, sys
@@ -108,5 +123,19 @@ for r in rows:
     print(f"{config:28} {r['impl']:8} {layout:8} {r['steps_done']:5} "
           f"{statistics.median(later) if later else float('nan'):12.3f} {half if half is not None else float('nan'):15.3f}"
           f"  {peaks}")
+# Scaling: completions a second per GPU (each rank generates and trains its own, completions_per_step of them a
+# step) over the later steps, against the fewest processes each config and impl ran with.
+per_gpu = {}
+for r in rows:
+    later = [] if r.get("failed") else r["step_s"][1:]
+    if later:
+        key = ((r.get("launch") or {}).get("config") or "-", r["impl"])
+        per_gpu.setdefault(key, {})[r["launch"]["world_size"]] = r["completions_per_step"] / statistics.median(later)
+if any(len(by_world) > 1 for by_world in per_gpu.values()):
+    print(f"\n{'config':28} {'impl':8} {'GPUs':>4} {'completions/s per GPU':>22} {'vs fewest':>9}")
+    for (config, impl), by_world in per_gpu.items():
+        base = by_world[min(by_world)]
+        for world in sorted(by_world):
+            print(f"{config:28} {impl:8} {world:4} {by_world[world]:22.2f} {by_world[world] / base:9.2f}")
 print(f"({len(rows)} records in {sys.argv[1]}, this call's and any before it)")
 EOF
