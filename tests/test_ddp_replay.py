@@ -137,7 +137,8 @@ def test_after_a_failed_capture_the_micro_batch_runs_through_ddp_and_is_reduced(
     model = checkpointed_model()
     ddp = DistributedDataParallel(model)
     reduced = []
-    ddp.register_comm_hook(None, lambda state, bucket: reduced.append(bucket.buffer().numel()) or _done(bucket.buffer()))
+    ddp.register_comm_hook(
+        None, lambda state, bucket: reduced.append(bucket.buffer().numel()) or _done(bucket.buffer()))
     assert ddp_replay.forward_as_ddp(ddp, lambda: None) is None
     ids, mask, labels = batch(4, prompt=9, completion=5, seed=0)
     ddp(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs.sum().backward()

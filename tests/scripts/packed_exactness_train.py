@@ -9,7 +9,8 @@ logged losses and grad norms, its trained weights and what it chose.
 ``graphs`` (padded micro-batches replayed through hf_grpo.training.graphs, "recorded" by tests/scripts/eager_recorder.py
 on the CPU) or ``graphs_all_used`` (``graphs`` with ddp_find_unused_parameters=False, where DDP then does not look
 for unused parameters; the Trainer's default for a LoRA model looks); each trains into OUT_DIR/<variant>. With
-EXACTNESS_ON_GPU=1 the runs are on the GPU (fp32) and ``graphs`` captures and replays real CUDA graphs. Prompts of 2 to 12 tokens, completions of 1 to 5, several of each per prompt.
+EXACTNESS_ON_GPU=1 the runs are on the GPU (fp32) and ``graphs`` captures and replays real CUDA graphs. Prompts of 2
+to 12 tokens, completions of 1 to 5, several of each per prompt.
 """
 
 import json
