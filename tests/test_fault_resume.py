@@ -64,21 +64,38 @@ def kill_rank_after_first_checkpoint(output_dir, *extra, rank=1, timeout=600):
     return launcher.returncode
 
 
+def resume_after_a_killed_rank(output_dir, *extra):
+    """Launch with ``extra`` flags, kill rank 1 after the first checkpoint, resume from the last complete one in
+    the same launch shape; returns that checkpoint and the resumed launch's result."""
+    assert kill_rank_after_first_checkpoint(output_dir, *extra) != 0  # the launcher reports the lost rank
+    last = complete_checkpoints(output_dir)[-1]
+    assert int(last.name.split("-")[1]) < STEPS, "the run finished before the kill: nothing was interrupted"
+    result = launch("zero2", "recipes/quickstart.py", *COMMON, *extra, "--output_dir", output_dir,
+                    "--resume_from_checkpoint", last)
+    return last, result
+
+
+def resumed_and_straight_rows(interrupted, straight_dir):
+    """The metrics rows of the resumed run (its last run in ``interrupted``) and of the uninterrupted one, whose
+    steps must be the whole run's."""
+    straight = read_metrics(str(straight_dir / "metrics.jsonl"))
+    resumed = current_run_rows(read_metrics(str(interrupted / "metrics.jsonl")))
+    assert [r["step"] for r in resumed] == [r["step"] for r in straight] == list(range(1, STEPS + 1))
+    return resumed, straight
+
+
+def assert_same_metrics(resumed, straight):
+    assert [r["reward"] for r in resumed] == [r["reward"] for r in straight]
+    for ours, theirs in zip(resumed, straight):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
+
+
 def test_a_killed_rank_resumes_from_the_last_checkpoint_to_the_uninterrupted_result(tmp_path, zero2_quickstart_run):
     straight_dir = zero2_quickstart_run
 
     interrupted = tmp_path / "interrupted"
-    assert kill_rank_after_first_checkpoint(interrupted) != 0  # the launcher reports the lost rank
-    last = complete_checkpoints(interrupted)[-1]
-    assert int(last.name.split("-")[1]) < STEPS, "the run finished before the kill: nothing was interrupted"
-    launch("zero2", "recipes/quickstart.py", *COMMON, "--output_dir", interrupted, "--resume_from_checkpoint", last)
-
-    straight = read_metrics(str(straight_dir / "metrics.jsonl"))
-    resumed = current_run_rows(read_metrics(str(interrupted / "metrics.jsonl")))
-    assert [r["step"] for r in resumed] == [r["step"] for r in straight] == list(range(1, STEPS + 1))
-    assert [r["reward"] for r in resumed] == [r["reward"] for r in straight]
-    for ours, theirs in zip(resumed, straight):
-        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
+    last, _ = resume_after_a_killed_rank(interrupted)
+    assert_same_metrics(*resumed_and_straight_rows(interrupted, straight_dir))
     final, expected = _final_state(interrupted), _final_state(straight_dir)
     for name in expected:
         torch.testing.assert_close(final[name], expected[name], rtol=1e-6, atol=1e-7)
@@ -93,20 +110,10 @@ def test_a_killed_packed_run_resumes_to_the_uninterrupted_padded_result(tmp_path
     straight_dir = zero2_quickstart_run  # padded: the quickstart's own settings
 
     interrupted = tmp_path / "interrupted"
-    assert kill_rank_after_first_checkpoint(interrupted, *PACKED) != 0
-    last = complete_checkpoints(interrupted)[-1]
-    assert int(last.name.split("-")[1]) < STEPS, "the run finished before the kill: nothing was interrupted"
-    result = launch("zero2", "recipes/quickstart.py", *COMMON, *PACKED, "--output_dir", interrupted,
-                    "--resume_from_checkpoint", last)
+    _, result = resume_after_a_killed_rank(interrupted, *PACKED)
     assert "rows packed (padding_free=True)" in result.stderr  # the resumed run packed its micro-batches
     assert "micro-batches: a prompt's rows together" in result.stderr
-
-    straight = read_metrics(str(straight_dir / "metrics.jsonl"))
-    resumed = current_run_rows(read_metrics(str(interrupted / "metrics.jsonl")))
-    assert [r["step"] for r in resumed] == [r["step"] for r in straight] == list(range(1, STEPS + 1))
-    assert [r["reward"] for r in resumed] == [r["reward"] for r in straight]
-    for ours, theirs in zip(resumed, straight):
-        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
+    assert_same_metrics(*resumed_and_straight_rows(interrupted, straight_dir))
     # Adam divides each element's step by its own gradient's size: where that gradient is near zero, a packed sum's
     # rounding moves the element by up to 1e-4 of its value, so each tensor is compared as a whole. A key's bias has
     # no gradient at all in exact arithmetic (softmax ignores a shift shared by a query's scores): Adam walks it by
@@ -163,9 +170,7 @@ def test_a_run_killed_during_a_save_resumes_with_true_from_the_last_complete_che
     straight = read_metrics(str(straight_dir / "metrics.jsonl"))
     resumed = [r for r in read_metrics(str(interrupted / "metrics.jsonl")) if r["run"] == 2]
     assert [r["step"] for r in resumed] == list(range(3, STEPS + 1))
-    assert [r["reward"] for r in resumed] == [r["reward"] for r in straight[2:]]
-    for ours, theirs in zip(resumed, straight[2:]):
-        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5, abs=1e-7)
+    assert_same_metrics(resumed, straight[2:])
     final, expected = _final_state(interrupted), _final_state(straight_dir)
     for name in expected:
         torch.testing.assert_close(final[name], expected[name], rtol=1e-6, atol=1e-7)
