@@ -249,13 +249,10 @@ def main(argv=None) -> int:
     if timeline_record is not None:
         record["rollout_timeline"] = timeline_record
     # the floor: reading the weights and the rows' filled caches once at the copy bandwidth measured here
-    from long_context import copy_bandwidth_bytes_per_s
+    from long_context import cache_bytes_per_position, copy_bandwidth_bytes_per_s
 
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_position = config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2  # K and V, bf16
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    cache_bytes = args.batch * (args.prompt_len + args.completion_len) * per_position
+    cache_bytes = args.batch * (args.prompt_len + args.completion_len) * cache_bytes_per_position(model.config)
     bandwidth = copy_bandwidth_bytes_per_s()
     floor_ms = (weight_bytes + cache_bytes) / bandwidth * 1e3
     record["floor"] = {"copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "weights_gb": round(weight_bytes / 1e9, 2),

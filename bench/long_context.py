@@ -85,16 +85,24 @@ def copy_bandwidth_bytes_per_s(gib: float = 4.0, repeats: int = 10) -> float:
     return 2 * repeats * gib * 2**30 / seconds
 
 
+def cache_bytes_per_position(config) -> int:
+    """The KV cache's bytes at one position of one row: every layer's keys and values, bf16 (``config``: a model
+    config, or anything with its attributes)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2
+
+
 def decode_floor(record: dict, args, bandwidth: float) -> dict:
     """A decode step of the rollout against the time to read the weights and the rows' filled caches once (on
     average the prompt and half the completion) at ``bandwidth``."""
+    from types import SimpleNamespace
+
     from hf_grpo.recipe_support.tiny import SHAPES
 
     dims = SHAPES[args.shape]
     head_dim = dims["hidden_size"] // dims["num_attention_heads"]
-    per_position = dims["num_hidden_layers"] * 2 * dims["num_key_value_heads"] * head_dim * 2  # K and V, bf16
     filled = (args.min_prompt + args.max_prompt) / 2 + record["completion_len"] / 2
-    cache_bytes = args.num_generations * filled * per_position
+    cache_bytes = args.num_generations * filled * cache_bytes_per_position(SimpleNamespace(**dims))
     h, inner, kv = dims["hidden_size"], dims["intermediate_size"], dims["num_key_value_heads"] * head_dim
     layer = 2 * h * h + 2 * h * kv + h + 2 * kv + 3 * h * inner + 2 * h  # q, o; k, v; biases; MLP; norms
     embeddings = dims["vocab_size"] * h * (1 if dims["tie_word_embeddings"] else 2)
