@@ -93,6 +93,25 @@ def test_micro_batches_replayed_from_cuda_graphs_under_zero2_on_one_gpu_train_as
     assert_same_training(tmp_path / "padded", tmp_path / "graphs", rtol=1e-4)  # GPU kernels sum in other orders
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_micro_batches_replayed_from_cuda_graphs_under_ddp_on_two_gpus_train_as_eager_ones(tmp_path, monkeypatch):
+    # Real captures and replays under DDP over NCCL, one GPU a rank: the reducer's all-reduce runs after each synced
+    # replay, with and without find_unused_parameters (fp32, rows padded).
+    checkpoint = tmp_path / "checkpoint"
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(tokenizer, seed=0).save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    monkeypatch.setenv("EXACTNESS_ON_GPU", "1")
+    launch("multi_gpu", SCRIPT, tmp_path, checkpoint, "padded", "graphs", "graphs_all_used", processes=2)
+    for variant in ("graphs", "graphs_all_used"):
+        for rank in (0, 1):
+            chose = json.loads((tmp_path / variant / f"chosen_rank{rank}.json").read_text())
+            assert chose["graphs_hand_over"] is True and chose["graphs_failure"] is None
+            assert chose["graph_captures"] > 0
+        assert_same_training(tmp_path / "padded", tmp_path / variant, rtol=1e-4)  # GPU kernels sum in other orders
+
+
 def assert_same_training(padded, other, rtol=RTOL):
     """The same logged losses and grad norms, and the same update of the trained weights, to ``rtol``."""
     want, got = (json.loads((run / "logged.json").read_text()) for run in (padded, other))
