@@ -132,9 +132,9 @@ class GRPOConfig(trl.GRPOConfig):
         training_cuda_graphs (`str`, *optional*, defaults to `"auto"`):
             ``"on"``: each training micro-batch's forward and backward are replayed from CUDA graphs captured per
             shape bucket (``hf_grpo.training.graphs``; rows packed into one sequence, ``padding_free``, or padded,
-            to a few lengths an octave, positions kept), on one CUDA process, under DeepSpeed ZeRO-1/2 or (with
-            ``"on"`` only, not yet timed) DDP, the reductions running after the replay; not under ZeRO-3, FSDP or
-            a token budget; for dense models with sdpa or eager attention;
+            to a few lengths an octave, positions kept), on one CUDA process, under DeepSpeed ZeRO-1/2 or DDP, the
+            reductions running after the replay; not under ZeRO-3, FSDP or a token budget; for dense models with
+            sdpa or eager attention;
             ``"auto"``: so where the run allows it and activation checkpointing is on (without it the graphs' pool
             would keep a micro-batch's activations through the rollout), going on eagerly with a warning if a
             capture fails; ``"off"``: eager launches.

@@ -26,10 +26,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import deepspeed_replay
 
-# Said on the log line "training micro-batches" where "auto" keeps a DDP run's micro-batches eager.
-AUTO_REASON = "DDP: the replay is exact but not yet timed on a GPU (training_cuda_graphs='on' replays)"
-
-
 def is_ddp_of(model, module: torch.nn.Module) -> bool:
     """Whether ``model`` is the DistributedDataParallel wrapping ``module`` (TRL scores training micro-batches
     through it)."""

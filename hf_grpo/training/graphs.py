@@ -107,8 +107,6 @@ def choose(settings, model: torch.nn.Module, facts: RunFacts, sizes: RunSizes, d
         if setting == "on":
             logger.warning("training_cuda_graphs='on' is not applied: %s", reason)
         return None, reason
-    if setting == "auto" and ddp:
-        return None, ddp_replay.AUTO_REASON
     if setting == "auto" and not facts.gradient_checkpointing:
         # Checkpointed, the pool keeps little more than the layers' inputs; without, it would keep a whole
         # micro-batch's activations through the rollout, which eager training hands back to it.
