@@ -93,8 +93,10 @@ def cache_bytes_per_position(config) -> int:
 
 
 def decode_floor(record: dict, args, bandwidth: float) -> dict:
-    """A decode step of the rollout against the time to read the weights and the rows' filled caches once (on
-    average the prompt and half the completion) at ``bandwidth``."""
+    """A decode step of the last rollout (a later step's with ``--steps`` 2 or more: no compile or capture in it)
+    against the time to read the weights and the rows' filled caches once (on average the prompt and half the
+    completion) at ``bandwidth``. The rollout's steps are its longest completion's tokens: a row that samples its
+    end early leaves fewer tokens, not fewer steps."""
     from types import SimpleNamespace
 
     from hf_grpo.recipe_support.tiny import SHAPES
@@ -108,7 +110,7 @@ def decode_floor(record: dict, args, bandwidth: float) -> dict:
     embeddings = dims["vocab_size"] * h * (1 if dims["tie_word_embeddings"] else 2)
     weight_bytes = 2 * (dims["num_hidden_layers"] * layer + embeddings + h)  # bf16; the merged LoRA adds none
     floor_ms = (weight_bytes + cache_bytes) / bandwidth * 1e3
-    step_ms = 1e3 * args.num_generations / record["decode_tokens_per_s"]
+    step_ms = 1e3 * record["run"]["generation_s"][-1] / record["run"]["rollout_max_len"][-1]
     return {"copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "weights_gb": round(weight_bytes / 1e9, 2),
             "mean_cache_gb": round(cache_bytes / 1e9, 2), "decode_floor_ms": round(floor_ms, 3),
             "decode_step_ms": round(step_ms, 3), "decode_step_over_floor": round(step_ms / floor_ms, 3)}
