@@ -637,10 +637,8 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
         'python bench/decode_attention.py --lengths 1024,4096,16384,32768 '
         '--out bench/results/raw/decode_attention_long.jsonl':
             GPU_BENCHMARK,
-        'python bench/grpo_realistic.py --impl hf_grpo --shape 7b --lora_r 16 --checkpointing on --num_generations 8 '
-        '--per_device_train_batch_size 1 --steps_per_generation 8 --gradient_accumulation_steps 8 '
-        '--max_completion_length 20480 --min_prompt 192 --max_prompt 320 --eos_prob 0 --max_steps 1 --num_prompts 64 '
-        '--phases --out bench/results/raw/long_7b_20k.jsonl':
+        'python bench/long_context.py --shape 7b --lora_r 16 --num_generations 8 --lengths 20480 --steps 2 '
+        '--out bench/results/raw/long_context_20k.jsonl':
             GPU_BENCHMARK,
         'python bench/long_context.py --shape 7b --lora_r 16 --num_generations 8 --lengths 8192,16384,20480,32768 '
         '--out bench/results/raw/long_context.jsonl':
@@ -655,6 +653,10 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
         'IMPLS="hf_grpo_padded hf_grpo_packed" bash bench/run_launch_configs.sh':
             GPU_BENCHMARK,
         'CONFIGS=zero2 IMPLS="hf_grpo_padded hf_grpo_packed trl" TOTAL_SECONDS=510 bash bench/run_launch_configs.sh':
+            GPU_BENCHMARK,
+        'CONFIGS=multi_gpu PROCESS_COUNTS="1 2" IMPLS=hf_grpo bash bench/run_launch_configs.sh':
+            GPU_BENCHMARK,
+        'CONFIGS=multi_gpu PROCESS_COUNTS=2 IMPLS=trl RUN_TIMEOUT=320 STARTUP=120 bash bench/run_launch_configs.sh':
             GPU_BENCHMARK,
         "bash bench/run_launch_configs.sh --tiny":
             NotRun("two CPU launches of minutes each (the smoke run of the GPU benchmark above)",
