@@ -90,7 +90,7 @@ class GRPOConfig(trl.GRPOConfig):
             positions and attends only to itself), so no layer computes over padding. Applies to the
             reference, old-policy and training forwards; models it cannot serve exactly keep padding.
             ``None``: packed where the micro-batches replay from CUDA graphs (``training_cuda_graphs``); where
-            they run eagerly (DDP, ZeRO-3, FSDP, graphs off), packed where the GPU is the bound
+            they run eagerly (ZeRO-3, FSDP, graphs off), packed where the GPU is the bound
             and padded where the host is: on CUDA, packed from ``2 x`` one decoder layer's parameters ``x`` a
             padded micro-batch's tokens of 1.5e12 FLOPs (about 3B parameters at 8 rows of 1.5k tokens; 0.5B and
             1.5B stay padded, where packing measured slower or equal), padded off CUDA
@@ -259,7 +259,7 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "off, auto or on. 'on' replays each training micro-batch's forward and backward from CUDA graphs "
             "captured per shape bucket, rows packed unless padding_free=False (one CUDA process, DeepSpeed "
-            "ZeRO-1/2, DDP with 'on' only; not ZeRO-3, FSDP or a token budget; dense models, sdpa or eager "
+            "ZeRO-1/2, DDP; not ZeRO-3, FSDP or a token budget; dense models, sdpa or eager "
             "attention); 'auto' does so "
             "where the run allows and activation checkpointing is on, eagerly after a failed capture. See "
             "hf_grpo.training.graphs."
