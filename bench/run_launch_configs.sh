@@ -22,7 +22,9 @@
 # so that a slow run still writes its record; such a record says stopped_early), EXTRA (more grpo_realistic.py
 # flags), RESULTS (default $OUT if set, else bench/results/raw), PYTHON (python3).
 # Four runs in 540 s leave a 1.5B TRL run about a minute of training (a few steps): for all 6 steps give each run
-# its own call, e.g. CONFIGS=zero2 IMPLS=trl bash bench/run_launch_configs.sh.
+# its own call, e.g. CONFIGS=zero2 IMPLS=trl bash bench/run_launch_configs.sh. Measured on H200s: TRL's 6 steps
+# under multi_gpu.yaml with two processes took 263 s (RUN_TIMEOUT=320 STARTUP=120 leaves room); under zero3.yaml
+# it did not finish in 255 s (its generate gathers every layer at each token): give it a call of its own.
 # Records (one JSON line a run, rank 0's figures at the top level and every rank's under per_rank, with provenance)
 # are appended to $RESULTS/launch_configs.jsonl; a run that fails or passes its limit appends a line saying so.
 # Under DeepSpeed the optimizer step runs inside accelerator.backward: the phases charge it to "backward".
