@@ -125,8 +125,9 @@ class GRPOConfig(trl.GRPOConfig):
             going on eagerly with a warning if torch cannot compile the layers; ``"cpp_wrapper"``: as "on", with
             the graphs' launch code in C++ (inductor's ``cpp_wrapper``): about a quarter off a host-bound
             training half, for a first compile more than a minute longer from a cold cache; ``"off"``: eager.
-            Under ZeRO-3 and FSDP no setting compiles: their hooks gather each layer's parameters around its
-            forward, which the compiled layers would bypass; the log's "training forward" line says so.
+            Under ZeRO-3 ``"on"`` compiles where the decoder layers are leaf modules (``zero3_leaf_modules``:
+            their gathering hook runs around the compiled layer); ``"auto"`` does not yet (untimed). Under FSDP
+            no setting compiles: its hooks would be bypassed. The log's "training forward" line says which.
             Compiled, prompts and completions are padded to multiples of 8 (TRL's ``pad_to_multiple_of``,
             unless set), so that rollouts of any length share one compiled variant.
         training_cuda_graphs (`str`, *optional*, defaults to `"auto"`):
@@ -250,8 +251,9 @@ class GRPOConfig(trl.GRPOConfig):
             "compiles a few graphs (perf/train_compiles); 'auto' does so on CUDA outside ZeRO-3 and FSDP for runs "
             "of 50 optimizer steps or more, where the compile (20-30 s once) pays for itself; 'cpp_wrapper' compiles "
             "as 'on' with the launch code in C++ (about a quarter off a host-bound training half; the first compile "
-            "takes more than a minute longer from a cold cache). Never under ZeRO-3 or FSDP, whose hooks gather each "
-            "layer's parameters (the log says so). See hf_grpo.training.compiled_layers."
+            "takes more than a minute longer from a cold cache). Under ZeRO-3 'on' only, with the decoder layers as "
+            "leaf modules (zero3_leaf_modules); never under FSDP (the log says so). See "
+            "hf_grpo.training.compiled_layers."
         },
     )
     training_cuda_graphs: str = field(

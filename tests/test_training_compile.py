@@ -229,16 +229,33 @@ def test_suspended_layers_run_their_own_forward():
         ("off", "cuda", None, 1000, "compile_training='off'"),
         ("auto", "cpu", None, 1000, "compiles on CUDA only"),
         ("auto", "cuda", None, 20, "this run has 20: set 'on' to compile"),
-        ("on", "cuda", "ZeRO-3", 1000, "ZeRO-3 shards the parameters: each layer's are gathered by hooks"),
         # the sharding is named first: a short run under ZeRO-3 or FSDP is not told that "on" would compile it
-        ("auto", "cuda", "ZeRO-3", 20, "ZeRO-3 shards the parameters"),
+        ("on", "cuda", "ZeRO-3", 1000, "ZeRO-3 without its decoder layers as leaf modules (zero3_leaf_modules='off')"),
+        ("auto", "cuda", "ZeRO-3", 20, "ZeRO-3 without its decoder layers as leaf modules"),
         ("auto", "cpu", "FSDP", 1000, "FSDP shards the parameters"),
+        ("on", "cuda", "FSDP", 1000, "FSDP shards the parameters"),
     ],
 )
 def test_choose_says_why_not(setting, device, sharded, steps, reason):
     model = build_tiny_model(build_char_tokenizer())
     chosen, why = training_compile.choose(setting, [model], torch.device(device), sharded, steps)
     assert chosen is None and reason in why
+
+
+def test_under_zero3_with_leaf_layers_on_compiles_and_auto_waits_for_a_timing():
+    # ZeRO-3 gathers a leaf module's parameters in one hook around its forward, which runs the compiled layer
+    # (the two train alike: tests/test_packed_launch.py); "auto" keeps eager layers until that is timed.
+    from deepspeed.utils import set_z3_leaf_modules
+
+    model = build_tiny_model(build_char_tokenizer())
+    reference = build_tiny_model(build_char_tokenizer())
+    set_z3_leaf_modules(model, [type(model.model.layers[0])])
+    chosen, why = training_compile.choose("on", [model], torch.device("cuda"), "ZeRO-3", 1000)
+    assert isinstance(chosen, training_compile.CompiledTrainingLayers) and why is None
+    assert training_compile.choose("auto", [model], torch.device("cuda"), "ZeRO-3", 1000) == (
+        None, training_compile.ZERO3_AUTO_REASON)
+    chosen, why = training_compile.choose("on", [model, reference], torch.device("cuda"), "ZeRO-3", 1000)
+    assert chosen is None and "without its decoder layers as leaf modules" in why  # the reference's are not
 
 
 @pytest.mark.parametrize(("setting", "steps"), [("auto", training_compile.AUTO_MIN_STEPS), ("on", 5)])

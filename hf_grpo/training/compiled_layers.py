@@ -18,6 +18,10 @@ activation checkpointing's recompute). Compiled, each layer is a handful of fuse
   keeps for backward little more than the layer's input and recomputes the rest inside the compiled backward
   (``checkpointed_forward``). Nothing in the graph stops torch's compile caches (``TORCHINDUCTOR_CACHE_DIR``)
   from serving a later run.
+* Under ZeRO-3 a decoder layer that is a leaf module (``zero3_leaf_modules``) has its parameters gathered by one
+  hook around its ``forward``, which is the compiled function: the graph reads them gathered, and the compiled
+  backward recomputes from the parameters DeepSpeed gathers again before the layer's backward (``zero3_reason``).
+  FSDP's hooks would be bypassed: never compiled there.
 * Compiling costs about 22 s once per run from a cold cache (6 graphs at 0.5B), about 7 s from a warm one,
   which a short run does not repay: ``choose``. Where "auto" chose to compile, a layer torch cannot compile
   sends the run on eagerly with a warning; where the user asked ("on", "cpp_wrapper"), the error stands.
@@ -197,20 +201,43 @@ def validate_setting(value: str) -> None:
 
 
 def sharding_reason(sharded: str) -> str:
-    """Why layers are not compiled where ``sharded`` (ZeRO-3, FSDP) holds the parameters."""
+    """Why layers are not compiled where FSDP holds the parameters."""
     return (f"{sharded} shards the parameters: each layer's are gathered by hooks around its forward, which the "
             "compiled layers (one compiled function for every layer of a class) would bypass; compiled layers run "
-            "in one process and under DDP and ZeRO-1/2")
+            "in one process, under DDP, ZeRO-1/2 and ZeRO-3")
+
+
+# "auto" under ZeRO-3: the compiled layers train as eager ones there (tests/test_packed_launch.py), untimed on a GPU.
+ZERO3_AUTO_REASON = ("ZeRO-3: the compiled layers are exact inside each layer's gathering hook but not yet timed on "
+                     "a GPU (compile_training='on' compiles)")
+
+
+def zero3_reason(models: list[torch.nn.Module]) -> str | None:
+    """Why the decoder layers cannot run compiled under ZeRO-3, or None. A decoder layer that is a ZeRO-3 leaf
+    module (``zero3_leaf_modules``) has its parameters gathered by one hook around its forward, which runs the
+    compiled function (the layer's ``forward``); without leaves each submodule's hook would run inside it."""
+    from deepspeed.utils import z3_leaf_module  # only under ZeRO-3
+
+    for model in models:
+        if not all(z3_leaf_module(layer) for layer in decoder_layers(model)):
+            return ("ZeRO-3 without its decoder layers as leaf modules (zero3_leaf_modules='off'): each submodule's "
+                    "gathering hook would run inside the compiled layer; zero3_leaf_modules='auto' compiles")
+    return None
 
 
 def choose(setting: str, models: list[torch.nn.Module], device: torch.device, sharded: str | None,
            planned_steps: int):
     """``(CompiledTrainingLayers or None, why not)`` for the ``compile_training`` setting. ``sharded`` names a
-    launch that shards parameters (ZeRO-3, FSDP), whose gathering hooks the compiled layers would bypass;
-    ``planned_steps`` is the run's number of optimizer steps."""
+    launch that shards parameters (ZeRO-3, FSDP): FSDP's gathering the compiled layers would bypass, ZeRO-3's
+    runs around them where the decoder layers are its leaf modules; ``planned_steps`` is the run's number of
+    optimizer steps."""
     if setting == "off":
         return None, "compile_training='off'"
-    if sharded is not None:  # first: no other setting or run length would make it compile
+    if sharded == "ZeRO-3":  # first: no other setting or run length would make it compile
+        reason = zero3_reason(models) or (ZERO3_AUTO_REASON if setting == "auto" else None)
+        if reason is not None:
+            return None, reason
+    elif sharded is not None:
         return None, sharding_reason(sharded)
     if setting == "auto" and device.type != "cuda":
         return None, f"compile_training='auto' compiles on CUDA only (device {device.type})"

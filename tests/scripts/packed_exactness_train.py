@@ -8,7 +8,9 @@ logged losses and grad norms, its trained weights and what it chose.
 (or multi_gpu.yaml, zero3.yaml). A variant is ``padded`` (padding_free=False), ``packed`` (padding_free=True),
 ``graphs`` (padded micro-batches replayed through hf_grpo.training.graphs, "recorded" by tests/scripts/eager_recorder.py
 on the CPU) or ``graphs_all_used`` (``graphs`` with ddp_find_unused_parameters=False, where DDP then does not look
-for unused parameters; the Trainer's default for a LoRA model looks); each trains into OUT_DIR/<variant>. With
+for unused parameters; the Trainer's default for a LoRA model looks), ``checkpointed`` (padded, activation
+checkpointing on) or ``compiled`` (``checkpointed`` with the decoder layers compiled, compile_training="on"; on the
+CPU through AOTAutograd without code generation); each trains into OUT_DIR/<variant>. With
 EXACTNESS_ON_GPU=1 the runs are on the GPU (fp32) and ``graphs`` captures and replays real CUDA graphs. Prompts of 2
 to 12 tokens, completions of 1 to 5, several of each per prompt.
 """
@@ -17,6 +19,8 @@ import json
 import os
 import sys
 
+import functools
+
 import torch
 from datasets import Dataset
 from peft import LoraConfig
@@ -24,7 +28,7 @@ from transformers import PreTrainedTokenizerFast
 
 from hf_grpo import GRPOConfig, GRPOTrainer, close_distributed
 from hf_grpo.generation import HFGenerateBackend
-from hf_grpo.training import padding_free
+from hf_grpo.training import compiled_layers, padding_free
 
 GROUP = 4
 ON_GPU = os.environ.get("EXACTNESS_ON_GPU") == "1"
@@ -77,8 +81,10 @@ def main(out_dir, checkpoint, variant):
         output_dir=out_dir, report_to=[], use_cpu=not ON_GPU, bf16=False, max_steps=3, seed=3,
         per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=GROUP, num_iterations=2,
         max_completion_length=6, beta=0.1, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
-        save_strategy="no", logging_steps=1, disable_tqdm=True, gradient_checkpointing=False,
-        padding_free={"padded": False, "packed": True, "graphs": False, "graphs_all_used": False}[variant],
+        save_strategy="no", logging_steps=1, disable_tqdm=True,
+        gradient_checkpointing=variant in ("checkpointed", "compiled"),
+        compile_training="on" if variant == "compiled" else "auto",
+        padding_free=variant == "packed",
         training_cuda_graphs="on" if variant.startswith("graphs") else "off",
         ddp_find_unused_parameters=False if variant == "graphs_all_used" else None,
     )
@@ -100,7 +106,9 @@ def main(out_dir, checkpoint, variant):
     chosen = dict(eager_rows=str(trainer.decisions.eager_rows), eager_packed=trainer.decisions.eager_rows.packed,
                   grouping=trainer.decisions.prompt_grouping, graphs_failure=graphs and graphs.failure,
                   graph_captures=graphs and graphs.captures, graphs_hand_over=graphs and graphs.hand_over,
-                  ddp_find_unused=getattr(trainer.model_wrapped, "find_unused_parameters", None), **counts)
+                  ddp_find_unused=getattr(trainer.model_wrapped, "find_unused_parameters", None),
+                  compiled_graphs=trainer.decisions.train_layers and trainer.decisions.train_layers.compiles,
+                  compile_failure=trainer.decisions.train_layers and trainer.decisions.train_layers.failure, **counts)
     with open(f"{out_dir}/chosen_rank{rank}.json", "w") as handle:
         json.dump(chosen, handle)
     state = trained_weights(trainer)
@@ -120,6 +128,9 @@ if __name__ == "__main__":
 
     if not ON_GPU:
         record_eagerly()
+        init = compiled_layers.CompiledTrainingLayers.__init__  # no C++ compiler needed on the CPU
+        compiled_layers.CompiledTrainingLayers.__init__ = functools.partialmethod(
+            init, backend="aot_eager_decomp_partition")
 
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("hf_grpo").setLevel(logging.INFO)  # the choices the run logs (as the recipes show them)
