@@ -78,7 +78,7 @@ def test_micro_batches_replayed_under_ddp_train_as_eager_ones(tmp_path):
     assert_same_training(tmp_path / "padded", tmp_path / "graphs_all_used")
 
 
-def test_compiled_layers_under_zero3_train_as_eager_ones(tmp_path):
+def test_compiled_layers_with_packed_rows_under_zero3_train_as_eager_padded_ones(tmp_path):
     # Each decoder layer is a ZeRO-3 leaf module: its one gathering hook runs around the compiled forward, and the
     # compiled backward (activation checkpointing inside the graph) recomputes from the parameters DeepSpeed
     # gathers again before the layer's backward.
@@ -91,6 +91,7 @@ def test_compiled_layers_under_zero3_train_as_eager_ones(tmp_path):
     for rank in (0, 1):
         chose = json.loads((tmp_path / "compiled" / f"chosen_rank{rank}.json").read_text())
         assert chose["compiled_graphs"] > 0 and chose["compile_failure"] is None
+        assert chose["eager_packed"] and chose["shared"] > 0  # packed rows, a prompt run once for its rows
     assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled")
 
 

@@ -9,8 +9,9 @@ logged losses and grad norms, its trained weights and what it chose.
 ``graphs`` (padded micro-batches replayed through hf_grpo.training.graphs, "recorded" by tests/scripts/eager_recorder.py
 on the CPU) or ``graphs_all_used`` (``graphs`` with ddp_find_unused_parameters=False, where DDP then does not look
 for unused parameters; the Trainer's default for a LoRA model looks), ``checkpointed`` (padded, activation
-checkpointing on) or ``compiled`` (``checkpointed`` with the decoder layers compiled, compile_training="on"; on the
-CPU through AOTAutograd without code generation); each trains into OUT_DIR/<variant>. With
+checkpointing on) or ``compiled`` (``checkpointed`` with rows packed and the decoder layers compiled,
+compile_training="on"; on the CPU through AOTAutograd without code generation); each trains into
+OUT_DIR/<variant>. With
 EXACTNESS_ON_GPU=1 the runs are on the GPU (fp32) and ``graphs`` captures and replays real CUDA graphs. Prompts of 2
 to 12 tokens, completions of 1 to 5, several of each per prompt.
 """
@@ -84,7 +85,7 @@ def main(out_dir, checkpoint, variant):
         save_strategy="no", logging_steps=1, disable_tqdm=True,
         gradient_checkpointing=variant in ("checkpointed", "compiled"),
         compile_training="on" if variant == "compiled" else "auto",
-        padding_free=variant == "packed",
+        padding_free=variant in ("packed", "compiled"),
         training_cuda_graphs="on" if variant.startswith("graphs") else "off",
         ddp_find_unused_parameters=False if variant == "graphs_all_used" else None,
     )
