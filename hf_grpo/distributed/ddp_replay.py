@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import deepspeed_replay
 
+
 def is_ddp_of(model, module: torch.nn.Module) -> bool:
     """Whether ``model`` is the DistributedDataParallel wrapping ``module`` (TRL scores training micro-batches
     through it)."""

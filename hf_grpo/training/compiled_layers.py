@@ -204,7 +204,7 @@ def sharding_reason(sharded: str) -> str:
     """Why layers are not compiled where FSDP holds the parameters."""
     return (f"{sharded} shards the parameters: each layer's are gathered by hooks around its forward, which the "
             "compiled layers (one compiled function for every layer of a class) would bypass; compiled layers run "
-            "in one process, under DDP, ZeRO-1/2 and ZeRO-3")
+            "in one process, under DDP, ZeRO-1/2 and ZeRO-3 with leaf modules")
 
 
 # "auto" under ZeRO-3: the compiled layers train as eager ones there (tests/test_packed_launch.py), untimed on a GPU.
