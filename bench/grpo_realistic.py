@@ -132,6 +132,12 @@ def gather_ranks(part: dict) -> list[dict]:
     return parts
 
 
+def progress(line: str) -> None:
+    """A progress line on rank 0's output: ``bench/run_launch_configs.sh`` reads them from a run it had to stop."""
+    if launch_info()["rank"] == 0:
+        print(line, flush=True)
+
+
 class StepTimer(TrainerCallback):
     """Wall time of every optimizer step; optionally stops training once ``max_seconds`` have passed (on every
     rank at the same step)."""
@@ -144,6 +150,7 @@ class StepTimer(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.train_start = time.perf_counter()
+        progress("TRAIN_BEGIN")
 
     def on_step_begin(self, args, state, control, **kwargs):
         cuda_sync(self.device)
@@ -153,6 +160,7 @@ class StepTimer(TrainerCallback):
         cuda_sync(self.device)
         now = time.perf_counter()
         self.times.append(now - self.start)
+        progress(f"STEP {state.global_step} {self.times[-1]:.3f}")  # a run killed at its limit still says how far
         if (self.max_seconds is not None and state.global_step < state.max_steps
                 and any_rank(now - self.train_start > self.max_seconds)):
             self.stopped_early = True

@@ -26,7 +26,8 @@
 # under multi_gpu.yaml with two processes took 263 s (RUN_TIMEOUT=320 STARTUP=120 leaves room); under zero3.yaml
 # it did not finish in 255 s (its generate gathers every layer at each token): give it a call of its own.
 # Records (one JSON line a run, rank 0's figures at the top level and every rank's under per_rank, with provenance)
-# are appended to $RESULTS/launch_configs.jsonl; a run that fails or passes its limit appends a line saying so.
+# are appended to $RESULTS/launch_configs.jsonl; a run that fails or passes its limit appends a line saying so, with
+# whether its training began and the steps it finished (read from its output: a lower bound on a slow baseline).
 # Under DeepSpeed the optimizer step runs inside accelerator.backward: the phases charge it to "backward".
 set -u
 export PYTHONUNBUFFERED=1
@@ -92,14 +93,18 @@ for config in $CONFIGS; do
     if [ "$rc" -ne 0 ]; then
       tail -n 25 "$RESULTS/launch_configs_run.log"
       # the run left no record: say so in the results, with where it came from
-      $PY - "$JSONL" "$config" "$impl" "$NUM_PROCESSES" "$rc" "$RUN_TIMEOUT" <<'EOF'
+      $PY - "$JSONL" "$config" "$impl" "$NUM_PROCESSES" "$rc" "$RUN_TIMEOUT" "$RESULTS/launch_configs_run.log" <<'EOF'
 import json, sys
 sys.path.insert(0, "bench")
 from provenance import with_provenance
-path, config, impl, processes, rc, limit = sys.argv[1:]
+path, config, impl, processes, rc, limit, log = sys.argv[1:]
 timed_out = rc in ("124", "137")
+# how far it got: grpo_realistic.py prints TRAIN_BEGIN, then STEP <n> <seconds> after each step
+lines = [line.split() for line in open(log, errors="replace") if line.startswith(("TRAIN_BEGIN", "STEP "))]
+steps = [float(words[2]) for words in lines if words[0] == "STEP" and len(words) == 3]
 row = dict(bench="grpo_realistic", impl=impl, launch=dict(config=f"accelerate_configs/{config}.yaml",
            world_size=int(processes)), failed=True, exit_code=int(rc), timed_out=timed_out,
+           training_began=any(words[0] == "TRAIN_BEGIN" for words in lines), step_s_done=steps,
            note=f"passed its {limit} s limit" if timed_out else "exited with an error: see the call's output")
 with open(path, "a") as handle:
     handle.write(json.dumps(with_provenance(row)) + "\n")
@@ -116,7 +121,11 @@ print(f"\n{'config':28} {'impl':8} {'rows':8} {'steps':>5} {'later step s':>12} 
 for r in rows:
     config = (r.get("launch") or {}).get("config") or "-"
     if r.get("failed"):
-        print(f"{config:28} {r['impl']:8} failed: {r['note']}")
+        done = r.get("step_s_done") or []
+        began = "" if "training_began" not in r else (
+            f" (training began; {len(done)} steps done" + (f", the first in {done[0]} s)" if done else ")")
+            if r["training_began"] else " (before training began)")
+        print(f"{config:28} {r['impl']:8} failed: {r['note']}{began}")
         continue
     later = r["step_s"][1:]
     half = ((r.get("phases") or {}).get("median_with_rollout") or {}).get("training_half")
