@@ -129,6 +129,22 @@ def test_micro_batches_replayed_from_cuda_graphs_under_ddp_on_two_gpus_train_as_
         assert_same_training(tmp_path / "padded", tmp_path / variant, rtol=1e-4)  # GPU kernels sum in other orders
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_inductor_compiled_layers_under_zero3_on_one_gpu_train_as_eager_ones(tmp_path, monkeypatch):
+    # Inductor's graphs (the CPU test compiles without code generation) read the parameters ZeRO-3 gathers, and
+    # their backward recomputes from the ones it gathers again (fp32).
+    checkpoint = tmp_path / "checkpoint"
+    tokenizer = build_char_tokenizer()
+    build_tiny_model(tokenizer, seed=0).save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    monkeypatch.setenv("EXACTNESS_ON_GPU", "1")
+    launch("zero3", SCRIPT, tmp_path, checkpoint, "checkpointed", "compiled", processes=1)
+    chose = json.loads((tmp_path / "compiled" / "chosen_rank0.json").read_text())
+    assert chose["compiled_graphs"] > 0 and chose["compile_failure"] is None
+    assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled", rtol=1e-4)  # GPU kernels sum in other orders
+
+
 def assert_same_training(padded, other, rtol=RTOL):
     """The same logged losses and grad norms, and the same update of the trained weights, to ``rtol``."""
     want, got = (json.loads((run / "logged.json").read_text()) for run in (padded, other))
