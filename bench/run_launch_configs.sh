@@ -9,13 +9,15 @@
 #   IMPLS="hf_grpo_padded hf_grpo_packed" bash bench/run_launch_configs.sh   # packed against padded under DeepSpeed
 #   bash bench/run_launch_configs.sh --tiny                  # CPU smoke: tiny model, 2 steps, same launches
 #   CONFIGS="multi_gpu zero2" PROCESS_COUNTS="1 2 4 8" bash bench/run_launch_configs.sh   # scaling on one host
+#   SHAPE=7b-lora CONFIGS=zero2 bash bench/run_launch_configs.sh                          # 7B LoRA, 2048 tokens
 #   SHAPE=7b-full CONFIGS=zero3 PROCESS_COUNTS="4 8" bash bench/run_launch_configs.sh     # 7B full fine-tune
 #
 # Env: CONFIGS (default "zero2 zero3"; any accelerate_configs/<name>.yaml), IMPLS (default "trl hf_grpo"; also
 # hf_grpo_padded, hf_grpo_packed: hf_grpo with padding_free forced False / True), NUM_PROCESSES (1), PROCESS_COUNTS
 # (the process counts to launch each config with, default NUM_PROCESSES; the summary gives completions/s per GPU
-# against the smallest count), SHAPE (1.5b-lora: the run above; 7b-full: Qwen2.5-7B's dimensions fully fine-tuned,
-# completions of up to 1024, generation 16 at a time; ZeRO-3 generates from the dense mirror), STEPS (6),
+# against the smallest count), SHAPE (1.5b-lora: the run above; 7b-lora: Qwen2.5-7B's dimensions with LoRA r16,
+# completions of up to 2048; 7b-full: the 7B fully fine-tuned, completions of up to 1024, generation 16 at a time;
+# ZeRO-3 generates from the dense mirror), STEPS (6),
 # TOTAL_SECONDS (540: the whole call, split evenly between its runs), RUN_TIMEOUT (a run's hard limit, default
 # TOTAL_SECONDS / runs), STARTUP (seconds a run's launch, imports and model build may take, default 90 on a GPU),
 # MAX_SECONDS (a run stops training after the step that passes this many seconds, default RUN_TIMEOUT - STARTUP,
@@ -60,9 +62,11 @@ else
   case $SHAPE in
     1.5b-lora) SHAPE_FLAGS="--shape 1.5b --lora_r 16 --min_prompt 64 --max_prompt 1024 --max_completion_length 512
                  --per_device_generation_batch_size 32" ;;
+    7b-lora)   SHAPE_FLAGS="--shape 7b --lora_r 16 --min_prompt 64 --max_prompt 1024 --max_completion_length 2048
+                 --per_device_generation_batch_size 32" ;;
     7b-full)   SHAPE_FLAGS="--shape 7b --lora_r 0 --min_prompt 64 --max_prompt 1024 --max_completion_length 1024
                  --per_device_generation_batch_size 16" ;;
-    *) echo "SHAPE must be 1.5b-lora or 7b-full, got '$SHAPE'"; exit 2 ;;
+    *) echo "SHAPE must be 1.5b-lora, 7b-lora or 7b-full, got '$SHAPE'"; exit 2 ;;
   esac
   LAUNCH_FLAGS=""
 fi
