@@ -20,12 +20,18 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("config", ["multi_gpu", "zero2", "zero3"])
-def test_packed_and_grouped_micro_batches_train_as_padded_ones(tmp_path, config):
+def saved_checkpoint(tmp_path):
+    """A tiny model and its tokenizer saved in a directory, as a hub download lays them out."""
     checkpoint = tmp_path / "checkpoint"
     tokenizer = build_char_tokenizer()
     build_tiny_model(tokenizer, seed=0).save_pretrained(checkpoint)
     tokenizer.save_pretrained(checkpoint)
+    return checkpoint
+
+
+@pytest.mark.parametrize("config", ["multi_gpu", "zero2", "zero3"])
+def test_packed_and_grouped_micro_batches_train_as_padded_ones(tmp_path, config):
+    checkpoint = saved_checkpoint(tmp_path)
     result = launch(config, SCRIPT, tmp_path, checkpoint, "padded", "packed")  # both variants in one launch
     padded, packed = tmp_path / "padded", tmp_path / "packed"
 
@@ -46,10 +52,7 @@ def test_packed_and_grouped_micro_batches_train_as_padded_ones(tmp_path, config)
 def test_micro_batches_replayed_under_deepspeed_train_as_eager_ones(tmp_path, config):
     # The graphs hand their gradients to autograd, whose accumulation runs DeepSpeed's reduction hooks (on a CPU
     # the capture is stood in by an eager "replay": everything around it runs as on a GPU).
-    checkpoint = tmp_path / "checkpoint"
-    tokenizer = build_char_tokenizer()
-    build_tiny_model(tokenizer, seed=0).save_pretrained(checkpoint)
-    tokenizer.save_pretrained(checkpoint)
+    checkpoint = saved_checkpoint(tmp_path)
     launch(config, SCRIPT, tmp_path, checkpoint, "padded", "graphs")
     for rank in (0, 1):
         chose = json.loads((tmp_path / "graphs" / f"chosen_rank{rank}.json").read_text())
@@ -62,10 +65,7 @@ def test_micro_batches_replayed_under_ddp_train_as_eager_ones(tmp_path):
     # DDP's reducer acts on its hooks only after its forward prepared it: the replay runs amid DDP's pre- and
     # post-forward (hf_grpo.distributed.ddp_replay), and its node hands the gradients to autograd, whose
     # accumulation runs the hooks. Gradient accumulation 2: every other micro-batch runs under no_sync().
-    checkpoint = tmp_path / "checkpoint"
-    tokenizer = build_char_tokenizer()
-    build_tiny_model(tokenizer, seed=0).save_pretrained(checkpoint)
-    tokenizer.save_pretrained(checkpoint)
+    checkpoint = saved_checkpoint(tmp_path)
     launch("multi_gpu", SCRIPT, tmp_path, checkpoint, "padded", "graphs", "graphs_all_used")
     for variant, find_unused in (("padded", True), ("graphs", True), ("graphs_all_used", False)):
         for rank in (0, 1):
@@ -82,10 +82,7 @@ def test_compiled_layers_with_packed_rows_under_zero3_train_as_eager_padded_ones
     # Each decoder layer is a ZeRO-3 leaf module: its one gathering hook runs around the compiled forward, and the
     # compiled backward (activation checkpointing inside the graph) recomputes from the parameters DeepSpeed
     # gathers again before the layer's backward.
-    checkpoint = tmp_path / "checkpoint"
-    tokenizer = build_char_tokenizer()
-    build_tiny_model(tokenizer, seed=0).save_pretrained(checkpoint)
-    tokenizer.save_pretrained(checkpoint)
+    checkpoint = saved_checkpoint(tmp_path)
     result = launch("zero3", SCRIPT, tmp_path, checkpoint, "checkpointed", "compiled")
     assert "training forward: decoder layers compiled" in result.stderr
     for rank in (0, 1):
@@ -99,10 +96,7 @@ def test_compiled_layers_with_packed_rows_under_zero3_train_as_eager_padded_ones
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_micro_batches_replayed_from_cuda_graphs_under_zero2_on_one_gpu_train_as_eager_ones(tmp_path, monkeypatch):
     # Real captures and replays (fp32, rows padded: packed rows replay in half precision only) under DeepSpeed.
-    checkpoint = tmp_path / "checkpoint"
-    tokenizer = build_char_tokenizer()
-    build_tiny_model(tokenizer, seed=0).save_pretrained(checkpoint)
-    tokenizer.save_pretrained(checkpoint)
+    checkpoint = saved_checkpoint(tmp_path)
     monkeypatch.setenv("EXACTNESS_ON_GPU", "1")
     launch("zero2", SCRIPT, tmp_path, checkpoint, "padded", "graphs", processes=1)
     chose = json.loads((tmp_path / "graphs" / "chosen_rank0.json").read_text())
@@ -115,10 +109,7 @@ def test_micro_batches_replayed_from_cuda_graphs_under_zero2_on_one_gpu_train_as
 def test_micro_batches_replayed_from_cuda_graphs_under_ddp_on_two_gpus_train_as_eager_ones(tmp_path, monkeypatch):
     # Real captures and replays under DDP over NCCL, one GPU a rank: the reducer's all-reduce runs after each synced
     # replay, with and without find_unused_parameters (fp32, rows padded).
-    checkpoint = tmp_path / "checkpoint"
-    tokenizer = build_char_tokenizer()
-    build_tiny_model(tokenizer, seed=0).save_pretrained(checkpoint)
-    tokenizer.save_pretrained(checkpoint)
+    checkpoint = saved_checkpoint(tmp_path)
     monkeypatch.setenv("EXACTNESS_ON_GPU", "1")
     launch("multi_gpu", SCRIPT, tmp_path, checkpoint, "padded", "graphs", "graphs_all_used", processes=2)
     for variant in ("graphs", "graphs_all_used"):
@@ -134,10 +125,7 @@ def test_micro_batches_replayed_from_cuda_graphs_under_ddp_on_two_gpus_train_as_
 def test_inductor_compiled_layers_under_zero3_on_one_gpu_train_as_eager_ones(tmp_path, monkeypatch):
     # Inductor's graphs (the CPU test compiles without code generation) read the parameters ZeRO-3 gathers, and
     # their backward recomputes from the ones it gathers again (fp32).
-    checkpoint = tmp_path / "checkpoint"
-    tokenizer = build_char_tokenizer()
-    build_tiny_model(tokenizer, seed=0).save_pretrained(checkpoint)
-    tokenizer.save_pretrained(checkpoint)
+    checkpoint = saved_checkpoint(tmp_path)
     monkeypatch.setenv("EXACTNESS_ON_GPU", "1")
     launch("zero3", SCRIPT, tmp_path, checkpoint, "checkpointed", "compiled", processes=1)
     chose = json.loads((tmp_path / "compiled" / "chosen_rank0.json").read_text())
