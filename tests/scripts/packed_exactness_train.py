@@ -11,16 +11,15 @@ on the CPU) or ``graphs_all_used`` (``graphs`` with ddp_find_unused_parameters=F
 for unused parameters; the Trainer's default for a LoRA model looks), ``checkpointed`` (padded, activation
 checkpointing on) or ``compiled`` (``checkpointed`` with rows packed and the decoder layers compiled,
 compile_training="on"; on the CPU through AOTAutograd without code generation); each trains into
-OUT_DIR/<variant>. With
-EXACTNESS_ON_GPU=1 the runs are on the GPU (fp32) and ``graphs`` captures and replays real CUDA graphs. Prompts of 2
-to 12 tokens, completions of 1 to 5, several of each per prompt.
+OUT_DIR/<variant>. With EXACTNESS_ON_GPU=1 the runs are on the GPU (fp32), ``graphs`` captures and replays real CUDA
+graphs and ``compiled`` compiles through inductor. Prompts of 2 to 12 tokens, completions of 1 to 5, several of
+each per prompt.
 """
 
+import functools
 import json
 import os
 import sys
-
-import functools
 
 import torch
 from datasets import Dataset
