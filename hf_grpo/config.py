@@ -196,7 +196,7 @@ class GRPOConfig(trl.GRPOConfig):
             "rows packed into one sequence, so no layer runs over padding (hf_grpo.training.padding_free). "
             "None (default): "
             "packed where the micro-batches replay from CUDA graphs (training_cuda_graphs); where they run eagerly "
-            "(DDP, ZeRO-3, FSDP), packed on CUDA where the GPU is the bound (one layer's FLOPs on a "
+            "(ZeRO-3, FSDP, graphs off), packed on CUDA where the GPU is the bound (one layer's FLOPs on a "
             "micro-batch from 1.5e12: about 3B parameters at 8 rows of 1.5k tokens), padded where the host is (0.5B, "
             "1.5B, CPU runs), as the log says (hf_grpo.training.eager_packing). Models it cannot serve exactly (no "
             "rotary positions, soft-capped or non-causal attention, vision inputs) stay padded, warned if asked for."
