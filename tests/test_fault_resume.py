@@ -47,8 +47,8 @@ def rank_process(launcher, rank):
 
 def kill_rank_after_first_checkpoint(output_dir, *extra, rank=1, timeout=600):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))}
-    launcher = start_launch(zero2_command(output_dir, *extra), processes=2, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    launcher = start_launch(zero2_command(output_dir, *extra), processes=2, cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + timeout
         while not complete_checkpoints(output_dir):

@@ -29,6 +29,11 @@ def saved_checkpoint(tmp_path):
     return checkpoint
 
 
+def chosen(run_dir, rank: int) -> dict:
+    """What a run of the script chose on ``rank`` (its chosen_rank<N>.json)."""
+    return json.loads((run_dir / f"chosen_rank{rank}.json").read_text())
+
+
 @pytest.mark.parametrize("config", ["multi_gpu", "zero2", "zero3"])
 def test_packed_and_grouped_micro_batches_train_as_padded_ones(tmp_path, config):
     checkpoint = saved_checkpoint(tmp_path)
@@ -36,8 +41,8 @@ def test_packed_and_grouped_micro_batches_train_as_padded_ones(tmp_path, config)
     padded, packed = tmp_path / "padded", tmp_path / "packed"
 
     for rank in (0, 1):
-        chose_padded = json.loads((padded / f"chosen_rank{rank}.json").read_text())
-        chose_packed = json.loads((packed / f"chosen_rank{rank}.json").read_text())
+        chose_padded = chosen(padded, rank)
+        chose_packed = chosen(packed, rank)
         assert chose_padded["packed"] == 0 and "scored padded" in chose_padded["grouping"]
         assert chose_packed["eager_rows"] == "rows packed (padding_free=True)"
         assert chose_packed["grouping"] == "on"
@@ -55,7 +60,7 @@ def test_micro_batches_replayed_under_deepspeed_train_as_eager_ones(tmp_path, co
     checkpoint = saved_checkpoint(tmp_path)
     launch(config, SCRIPT, tmp_path, checkpoint, "padded", "graphs")
     for rank in (0, 1):
-        chose = json.loads((tmp_path / "graphs" / f"chosen_rank{rank}.json").read_text())
+        chose = chosen(tmp_path / "graphs", rank)
         assert chose["graphs_hand_over"] is True and chose["graphs_failure"] is None
         assert chose["graph_captures"] > 0
     assert_same_training(tmp_path / "padded", tmp_path / "graphs")
@@ -69,7 +74,7 @@ def test_micro_batches_replayed_under_ddp_train_as_eager_ones(tmp_path):
     launch("multi_gpu", SCRIPT, tmp_path, checkpoint, "padded", "graphs", "graphs_all_used")
     for variant, find_unused in (("padded", True), ("graphs", True), ("graphs_all_used", False)):
         for rank in (0, 1):
-            chose = json.loads((tmp_path / variant / f"chosen_rank{rank}.json").read_text())
+            chose = chosen(tmp_path / variant, rank)
             assert chose["ddp_find_unused"] is find_unused  # the Trainer's default for a LoRA model: True
             if variant != "padded":
                 assert chose["graphs_hand_over"] is True and chose["graphs_failure"] is None
@@ -86,7 +91,7 @@ def test_compiled_layers_with_packed_rows_under_zero3_train_as_eager_padded_ones
     result = launch("zero3", SCRIPT, tmp_path, checkpoint, "checkpointed", "compiled")
     assert "training forward: decoder layers compiled" in result.stderr
     for rank in (0, 1):
-        chose = json.loads((tmp_path / "compiled" / f"chosen_rank{rank}.json").read_text())
+        chose = chosen(tmp_path / "compiled", rank)
         assert chose["compiled_graphs"] > 0 and chose["compile_failure"] is None
         assert chose["eager_packed"] and chose["shared"] > 0  # packed rows, a prompt run once for its rows
     assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled")
@@ -99,7 +104,7 @@ def test_micro_batches_replayed_from_cuda_graphs_under_zero2_on_one_gpu_train_as
     checkpoint = saved_checkpoint(tmp_path)
     monkeypatch.setenv("EXACTNESS_ON_GPU", "1")
     launch("zero2", SCRIPT, tmp_path, checkpoint, "padded", "graphs", processes=1)
-    chose = json.loads((tmp_path / "graphs" / "chosen_rank0.json").read_text())
+    chose = chosen(tmp_path / "graphs", 0)
     assert chose["graphs_hand_over"] is True and chose["graphs_failure"] is None and chose["graph_captures"] > 0
     assert_same_training(tmp_path / "padded", tmp_path / "graphs", rtol=1e-4)  # GPU kernels sum in other orders
 
@@ -114,7 +119,7 @@ def test_micro_batches_replayed_from_cuda_graphs_under_ddp_on_two_gpus_train_as_
     launch("multi_gpu", SCRIPT, tmp_path, checkpoint, "padded", "graphs", "graphs_all_used", processes=2)
     for variant in ("graphs", "graphs_all_used"):
         for rank in (0, 1):
-            chose = json.loads((tmp_path / variant / f"chosen_rank{rank}.json").read_text())
+            chose = chosen(tmp_path / variant, rank)
             assert chose["graphs_hand_over"] is True and chose["graphs_failure"] is None
             assert chose["graph_captures"] > 0
         assert_same_training(tmp_path / "padded", tmp_path / variant, rtol=1e-4)  # GPU kernels sum in other orders
@@ -128,7 +133,7 @@ def test_inductor_compiled_layers_under_zero3_on_one_gpu_train_as_eager_ones(tmp
     checkpoint = saved_checkpoint(tmp_path)
     monkeypatch.setenv("EXACTNESS_ON_GPU", "1")
     launch("zero3", SCRIPT, tmp_path, checkpoint, "checkpointed", "compiled", processes=1)
-    chose = json.loads((tmp_path / "compiled" / "chosen_rank0.json").read_text())
+    chose = chosen(tmp_path / "compiled", 0)
     assert chose["compiled_graphs"] > 0 and chose["compile_failure"] is None
     assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled", rtol=1e-4)  # GPU kernels sum in other orders
 
