@@ -117,6 +117,7 @@ class BatchPlan:
     generation_mirror_kind: str = "ZeRO-3"
     generation_mirror_bytes: int = 0
     generation_mirror_dtype: str | None = None
+    generation_mirror_in_place: bool = False  # ZeRO-3 with one process: the partitions read in place, no copy
     # ZeRO-3 only, set by the trainer (hf_grpo.distributed.zero3_leaves): modules whose parameters one hook fetches together
     leaf_module_classes: tuple[str, ...] = ()
     leaf_module_count: int = 0
@@ -254,6 +255,9 @@ class BatchPlan:
                     "restored after from a host copy; no GPU copy (lora_generation_mirror)")
         if self.generation_mirror != "on":
             return ("│   └── ZeRO-3: no dense mirror, the hf backend generates from the ZeRO-3 model "
+                    "(zero3_generation_mirror)")
+        if self.generation_mirror_in_place:
+            return ("│   └── ZeRO-3: decoded from the partitions in place (one process holds them whole), no GPU copy "
                     "(zero3_generation_mirror)")
         return (f"│   └── ZeRO-3: decoded from a dense mirror, one {self.generation_mirror_dtype} copy of the model per "
                 f"device ({_bytes(self.generation_mirror_bytes)}), refreshed layer by layer "

@@ -145,7 +145,8 @@ def assert_same_training(padded, other, rtol=RTOL):
     for key in ("loss", "grad_norm"):
         expected, actual = torch.tensor([r[key] for r in want]), torch.tensor([r[key] for r in got])
         assert expected.abs().sum() > 0
-        torch.testing.assert_close(actual, expected, rtol=rtol, atol=1e-7, msg=key)
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=1e-7,
+                                   msg=lambda why, key=key: f"{key}: {actual.tolist()} against {expected.tolist()}; {why}")
 
     want, got = (torch.load(run / "params.pt", map_location="cpu") for run in (padded, other))
     assert got["trained"].keys() == want["trained"].keys() and any("lora_" in name for name in want["trained"])

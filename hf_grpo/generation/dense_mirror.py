@@ -16,6 +16,10 @@ With PEFT LoRA the mirror holds the merged weights (base + every active adapter'
 ``merge_and_unload`` computes them) as a plain model: the decoder runs no adapter branch.
 Without ZeRO-3 (a plain or DDP model) ``refresh`` is a plain copy, which is what the tests use.
 
+With one process ZeRO-3 partitions nothing: each parameter's partition holds its whole value, at an address that
+does not move. There the decoder reads the partitions in place instead (``lora_merge``, ``partitions_whole``) and
+no copy is made: the mirror's memory would put the run's peak above the gathered model's.
+
 A LoRA policy outside ZeRO-3 decodes from merged weights for the same reason of speed (``choose_lora``,
 ``lora_generation_mirror``), but with no copy: its adapters are merged into its own weights for the rollout
 and restored after (``lora_merge``).
@@ -23,18 +27,17 @@ and restored after (``lora_merge``).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from . import resolve_backend
 from .base import is_zero3_param, is_zero3_partitioned
-from .lora_merge import InPlaceLoraMerge
-from .weight_sources import add_lora_deltas, is_lora_layer, live_base, skeleton, unsupported_reason, walk
+from .lora_merge import InPlaceLoraMerge, partitions_whole
+from .weight_sources import add_lora_deltas, gathered, is_lora_layer, live_base, skeleton, unsupported_reason, walk
 
 logger = logging.getLogger(__name__)
 
@@ -42,18 +45,6 @@ MIRROR_SETTINGS = ("auto", "on", "off")
 # "auto" builds the mirror only when free memory holds it twice over: the second copy's worth is left
 # for what a rollout allocates on top (KV cache, one gathered layer, the captured step's buffers).
 AUTO_HEADROOM = 2.0
-
-
-@contextlib.contextmanager
-def _gathered(params: list[torch.nn.Parameter]) -> Iterator[None]:
-    """ZeRO-3: gather ``params`` for reading (re-partitioned on exit); otherwise nothing to do."""
-    if not any(is_zero3_param(p) for p in params):
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        yield
 
 
 def _materialize(mirror: torch.nn.Module, base: torch.nn.Module, device: torch.device | None) -> int:
@@ -118,7 +109,7 @@ class DenseMirror:
                     for name, p in m.named_parameters(recurse=False) if id(p) not in done]
             if not todo:
                 continue
-            with _gathered(live_params):
+            with gathered(live_params):
                 for _, source, lora, adapters, name, target in todo:
                     target.copy_(getattr(source, name))
                     if lora is not None:
@@ -203,6 +194,11 @@ class MirrorChoice:
         return 0 if self.mirror is None else self.mirror.nbytes
 
     @property
+    def in_place(self) -> bool:
+        """Whether the decoder reads the policy's own tensors (no GPU copy)."""
+        return isinstance(self.mirror, InPlaceLoraMerge)
+
+    @property
     def dtype(self) -> str | None:
         if self.mirror is None:
             return None
@@ -213,7 +209,8 @@ class MirrorChoice:
     def plan_fields(self) -> dict:
         """The batch plan's fields for it (``BatchPlan.generation_mirror*``)."""
         return {"generation_mirror": "off" if self.mirror is None else "on", "generation_mirror_kind": self.kind,
-                "generation_mirror_bytes": self.nbytes, "generation_mirror_dtype": self.dtype}
+                "generation_mirror_bytes": self.nbytes, "generation_mirror_dtype": self.dtype,
+                "generation_mirror_in_place": self.in_place}
 
     def __str__(self) -> str:
         if self.mirror is None:
@@ -223,6 +220,11 @@ class MirrorChoice:
         if self.kind == "LoRA":
             return (f"on ({self.reason}): the adapters merged into the policy's own weights for each rollout, "
                     f"then restored from a {self.mirror.host_nbytes / 2**30:.2f} GiB host copy (no GPU copy)")
+        if self.in_place:
+            merged = (f", LoRA merged for each rollout and restored from a {self.mirror.host_nbytes / 2**30:.2f} GiB "
+                      f"host copy" if self.mirror.host_nbytes else "")
+            return (f"on ({self.reason}): one process holds ZeRO-3's partitions whole, so the decoder reads them in "
+                    f"place{merged} (no GPU copy)")
         return (f"on ({self.reason}): one {self.dtype} copy of the model per device "
                 f"({self.nbytes / 2**30:.2f} GiB), refreshed layer by layer each rollout")
 
@@ -245,14 +247,17 @@ def _choose(setting: str, model, generation_backend: str, device: torch.device,
     free = free_bytes(device)
     if free is not None:
         free = min_over_ranks(free)
-    on, reason = decide(setting, model, generation_backend, free, field, gpu_copy=kind != "LoRA")
+    # in place where the policy's weights are whole on the device: a LoRA policy, or ZeRO-3 with one process
+    in_place = kind == "LoRA" or bool(min_over_ranks(int(partitions_whole(model, device))))
+    on, reason = decide(setting, model, generation_backend, free, field, gpu_copy=not in_place)
     if not on:
         return MirrorChoice(None, reason, kind)
-    return _build(setting, model, generation_backend, device, reason, kind)
+    return _build(setting, model, generation_backend, device, reason, kind, in_place)
 
 
-def _build(setting: str, model, generation_backend: str, device: torch.device, reason: str, kind: str) -> MirrorChoice:
-    mirror = InPlaceLoraMerge(model) if kind == "LoRA" else DenseMirror(model, device)
+def _build(setting: str, model, generation_backend: str, device: torch.device, reason: str, kind: str,
+           in_place: bool) -> MirrorChoice:
+    mirror = InPlaceLoraMerge(model) if in_place else DenseMirror(model, device)
     backend, why_not = resolve_backend(generation_backend, mirror.module)
     if setting == "auto" and backend.name != "cuda_graph":
         # "auto" keeps the copy only for the decoder it exists for (the model is checked on the copy itself)

@@ -9,9 +9,13 @@ PEFT's ``merge``), one unit (a decoder layer, or a module outside the layer list
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 
 import torch
+
+from .base import is_zero3_param
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -27,6 +31,18 @@ def live_base(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model whose module paths the mirror copies (under PEFT, the LoRA-injected one)."""
     model = unwrap(model)
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@contextlib.contextmanager
+def gathered(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """ZeRO-3: gather ``params`` for reading (re-partitioned on exit); otherwise nothing to do."""
+    if not any(is_zero3_param(p) for p in params):
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield
 
 
 # ---- what each mirror tensor is read from ---------------------------------------------------------

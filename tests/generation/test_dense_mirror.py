@@ -4,12 +4,14 @@ CPU tests check what the trainer relies on: after ``refresh`` the mirror compute
 policy's logits (plain, tied embeddings, LoRA merged as PEFT merges it), its tensors never move
 while their values follow optimizer steps, and the "auto" decision and the config field. The
 two-process DeepSpeed ZeRO-3 run (marked slow) checks the layer-by-layer gather against the
-fully gathered model inside a short GRPO training run; the GPU test checks that the CUDA-graph
+fully gathered model inside a short GRPO training run, and the one-process run the partitions read in place (no
+copy); the GPU test checks that the CUDA-graph
 decoder reading the mirror is captured once across refreshes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -175,9 +177,9 @@ def test_refresh_gathers_one_unit_at_a_time(tokenizer, monkeypatch):
 
     def recording(params):
         opened.append(sum(p.numel() for p in params))
-        return dense_mirror.contextlib.nullcontext()
+        return contextlib.nullcontext()
 
-    monkeypatch.setattr(dense_mirror, "_gathered", recording)
+    monkeypatch.setattr(dense_mirror, "gathered", recording)
     mirror.refresh(model)
     layers = [sum(p.numel() for p in layer.parameters()) for layer in model.model.layers]
     embed, norm, head = (model.model.embed_tokens.weight.numel(), model.model.norm.weight.numel(),
@@ -254,7 +256,9 @@ def test_choose_under_zero3(tokenizer, monkeypatch):
     asked = []
     monkeypatch.setattr(dense_mirror, "free_bytes", lambda device: 2**40)
     choice = dense_mirror.choose("auto", model, "auto", cpu, lambda v: asked.append(v) or v // 2)
-    assert asked == [2**40]  # the tightest rank decides, so every rank takes the same path
+    # the tightest rank decides, so every rank takes the same path; and whether every rank holds its partitions
+    # whole (one process: read in place, no copy), which these tagged parameters do not
+    assert asked == [2**40, 0]
     assert choice.mirror is None and "cuda_graph backend would not serve it" in choice.reason
     assert "cpu" in choice.reason
 
@@ -282,29 +286,36 @@ def test_the_plan_says_whether_the_mirror_is_on_and_its_memory(tokenizer):
 
 # ---- ZeRO-3 (two processes) and CUDA -------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def zero3_mirror_runs(tmp_path_factory):
-    """Both variants trained in turn in one launch: 2 CPU processes under the shipped zero3.yaml; the script asserts
+@pytest.fixture(scope="module", params=[2, 1], ids=["two_processes", "one_process"])
+def zero3_mirror_runs(request, tmp_path_factory):
+    """Both variants trained in turn in one launch: CPU processes under the shipped zero3.yaml; the script asserts
     the mirror path (see its docstring) and writes each variant's result.json."""
-    out_dir = tmp_path_factory.mktemp("zero3_mirror")
+    processes = request.param
+    out_dir = tmp_path_factory.mktemp(f"zero3_mirror_{processes}")
     command = accelerate_command("--config_file", ROOT / "accelerate_configs" / "zero3.yaml", "--mixed_precision", "no",
                                  ROOT / "tests" / "scripts" / "zero3_dense_mirror.py", out_dir, "plain", "lora-tied",
-                                 processes=2)
+                                 processes=processes)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DIFFU_", "WORLD_SIZE", "RANK", "LOCAL_RANK"))}
-    result = run_launch(command, processes=2, timeout=900, cwd=ROOT, env=env)
+    result = run_launch(command, processes=processes, timeout=900, cwd=ROOT, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-6000:]
-    return out_dir
+    return out_dir, processes
 
 
 @pytest.mark.slow
 @pytest.mark.launch
-@pytest.mark.parametrize("variant, gathers", [("plain", 5), ("lora-tied", 4)])
-def test_zero3_grpo_run_generates_from_a_layerwise_refreshed_mirror(zero3_mirror_runs, variant, gathers):
-    found = json.loads((zero3_mirror_runs / variant / "result.json").read_text())
-    assert found["mirror"] == "on" and found["mirror_bytes"] > 0
-    # embeddings, 2 decoder layers, final norm, and the head unless it is the embeddings' tensor
-    assert found["gathers_per_refresh"] == gathers
-    assert "decoded from a dense mirror" in found["plan"]
+@pytest.mark.parametrize("variant", ["plain", "lora-tied"])
+def test_zero3_grpo_run_generates_from_a_layerwise_refreshed_mirror(zero3_mirror_runs, variant):
+    out_dir, processes = zero3_mirror_runs
+    found = json.loads((out_dir / variant / "result.json").read_text())
+    assert found["mirror"] == "on"
+    if processes == 2:  # a copy, refreshed from one gather a unit: embeddings, 2 decoder layers, final norm, and
+        assert found["mirror_bytes"] > 0 and not found["in_place"]  # the head unless it is the embeddings' tensor
+        assert found["gathers_per_refresh"] == {"plain": 5, "lora-tied": 4}[variant]
+        assert "decoded from a dense mirror" in found["plan"]
+    else:  # the partitions read in place: no copy, a gather only for the adapters of each decoder layer
+        assert found["mirror_bytes"] == 0 and found["in_place"]
+        assert found["gathers_per_refresh"] == {"plain": 0, "lora-tied": 2}[variant]
+        assert "decoded from the partitions in place" in found["plan"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

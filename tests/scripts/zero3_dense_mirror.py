@@ -1,6 +1,6 @@
 """Train GRPO under ZeRO-3 with the dense generation mirror forced on, then check the mirror against the model.
 
-    accelerate launch --num_processes 2 --config_file accelerate_configs/zero3.yaml --mixed_precision no \
+    accelerate launch --num_processes 2|1 --config_file accelerate_configs/zero3.yaml --mixed_precision no \
         tests/scripts/zero3_dense_mirror.py OUT_DIR plain|lora-tied [plain|lora-tied]
 
 ``lora-tied``: LoRA adapters on a model whose input and output embeddings are one tensor. Each variant trains in
@@ -8,7 +8,9 @@ turn in the same two processes (tests/scripts/one_launch.py), into OUT_DIR/<vari
 On CPU the "hf" backend generates (the cuda_graph one needs CUDA); what is checked is the mirror path:
 every rollout generates from the mirror, no gather is larger than one unit (a decoder layer, the
 embeddings, ...), and after the last optimizer step a refresh writes the weights into the same tensors,
-whose values then equal the fully gathered model's (through PEFT's own merge under LoRA). Writes
+whose values then equal the fully gathered model's (through PEFT's own merge under LoRA). With one process the
+partitions hold the whole weights and the decoder reads them in place: no copy, the adapters merged into them for
+the rollout and the base weights restored after. Writes
 OUT_DIR/<variant>/result.json on rank 0; any failed check exits non-zero.
 """
 
@@ -112,9 +114,17 @@ def main(out_dir: str, lora: bool) -> GRPOTrainer:
     layers = live.get_base_model().model.layers if lora else live.model.layers
     largest_layer = max(sum(p.ds_numel for p in layer.parameters()) for layer in layers)
     total = sum(p.ds_numel for p in live.parameters())
-    assert max(GATHERS) <= largest_layer < total, (GATHERS, largest_layer, total)
+    assert max(GATHERS, default=0) <= largest_layer < total, (GATHERS, largest_layer, total)  # in place: none
 
-    # The last optimizer step came after the last rollout: refresh, same tensors, the new values.
+    # One process holds every partition whole: the decoder reads them in place (no copy), elsewhere a dense mirror.
+    in_place = trainer.decisions.mirror.in_place
+    assert in_place == (trainer.accelerator.num_processes == 1), trainer.decisions.mirror
+    if in_place:
+        partitions = {p.ds_tensor.untyped_storage().data_ptr() for p in live.parameters()}
+        assert all(p.untyped_storage().data_ptr() in partitions for p in mirror.module.parameters())
+
+    # The last optimizer step came after the last rollout: refresh, same tensors, the new values (read in place:
+    # already there before the refresh, which then only merges the adapters).
     pointers = [p.data_ptr() for p in mirror.module.parameters()]
     before = [p.detach().clone() for p in mirror.module.parameters()]
     del GATHERS[:]
@@ -122,20 +132,22 @@ def main(out_dir: str, lora: bool) -> GRPOTrainer:
     refresh_gathers = list(GATHERS)
     assert [p.data_ptr() for p in mirror.module.parameters()] == pointers, "the refresh moved a mirror tensor"
     changed = sum(not torch.equal(a, p) for a, p in zip(before, mirror.module.parameters()))
-    assert changed > 0, "the optimizer step did not reach the mirror"
+    assert changed > 0 or (in_place and not lora), "the optimizer step did not reach the mirror"
+    input_ids = torch.tensor([TOKENIZER.encode("abc> de")] * 2)
+    with torch.no_grad():
+        got = mirror.module(input_ids).logits
+    mirror.restore()  # in place: the base weights unmerged before the model is read again
 
     with deepspeed.zero.GatheredParameters(list(live.parameters())):
         state = {name: tensor.clone() for name, tensor in live.state_dict().items()}  # tied: under both names
-    input_ids = torch.tensor([TOKENIZER.encode("abc> de")] * 2)
     with torch.no_grad():
         expected = reference_logits(live, state, lora, input_ids)
-        got = mirror.module(input_ids).logits
     assert torch.equal(got, expected), (got - expected).abs().max()
 
     if trainer.is_world_process_zero():
         plan = trainer.batch_plan()
         with open(f"{out_dir}/result.json", "w") as handle:
-            json.dump({"losses": losses, "gathers_per_refresh": len(refresh_gathers), "changed": changed,
+            json.dump({"losses": losses, "gathers_per_refresh": len(refresh_gathers), "in_place": in_place,
                        "mirror": plan.generation_mirror, "mirror_bytes": plan.generation_mirror_bytes,
                        "plan": str(plan)}, handle)
     return trainer
