@@ -127,14 +127,13 @@ def test_micro_batches_replayed_from_cuda_graphs_under_ddp_on_two_gpus_train_as_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_inductor_compiled_layers_under_zero3_on_one_gpu_train_as_eager_ones(tmp_path, monkeypatch):
-    # Inductor's graphs (the CPU test compiles without code generation) read the parameters ZeRO-3 gathers, and
-    # their backward recomputes from the ones it gathers again (fp32).
+def test_compiled_layers_asked_for_under_zero3_on_a_gpu_are_refused_and_the_run_trains_as_eager(tmp_path, monkeypatch):
+    # Compiled by inductor under ZeRO-3 on an H200, the layers trained differently from eager ones (fp32: the first
+    # step's grad norm 0.157 against 0.190; without DeepSpeed, and on the CPU, they train alike): refused there.
     checkpoint = saved_checkpoint(tmp_path)
     monkeypatch.setenv("EXACTNESS_ON_GPU", "1")
     launch("zero3", SCRIPT, tmp_path, checkpoint, "checkpointed", "compiled", processes=1)
-    chose = chosen(tmp_path / "compiled", 0)
-    assert chose["compiled_graphs"] > 0 and chose["compile_failure"] is None
+    assert chosen(tmp_path / "compiled", 0)["compiled_graphs"] is None  # compile_training="on", not applied
     assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled", rtol=1e-4)  # GPU kernels sum in other orders
 
 

@@ -242,19 +242,20 @@ def test_choose_says_why_not(setting, device, sharded, steps, reason):
     assert chosen is None and reason in why
 
 
-def test_under_zero3_with_leaf_layers_on_compiles_and_auto_waits_for_a_timing():
-    # ZeRO-3 gathers a leaf module's parameters in one hook around its forward, which runs the compiled layer
-    # (the two train alike: tests/test_packed_launch.py); "auto" keeps eager layers until that is timed.
+def test_under_zero3_with_leaf_layers_on_compiles_on_the_cpu_and_never_on_a_gpu():
+    # ZeRO-3 gathers a leaf module's parameters in one hook around its forward, which runs the compiled layer: the
+    # two train alike on the CPU (tests/test_packed_launch.py), not on a GPU, where the layers stay eager.
     from deepspeed.utils import set_z3_leaf_modules
 
     model = build_tiny_model(build_char_tokenizer())
     reference = build_tiny_model(build_char_tokenizer())
     set_z3_leaf_modules(model, [type(model.model.layers[0])])
-    chosen, why = training_compile.choose("on", [model], torch.device("cuda"), "ZeRO-3", 1000)
+    chosen, why = training_compile.choose("on", [model], torch.device("cpu"), "ZeRO-3", 1000)
     assert isinstance(chosen, training_compile.CompiledTrainingLayers) and why is None
-    assert training_compile.choose("auto", [model], torch.device("cuda"), "ZeRO-3", 1000) == (
-        None, training_compile.ZERO3_AUTO_REASON)
-    chosen, why = training_compile.choose("on", [model, reference], torch.device("cuda"), "ZeRO-3", 1000)
+    for setting in ("on", "auto", "cpp_wrapper"):
+        assert training_compile.choose(setting, [model], torch.device("cuda"), "ZeRO-3", 1000) == (
+            None, training_compile.ZERO3_CUDA_REASON)
+    chosen, why = training_compile.choose("on", [model, reference], torch.device("cpu"), "ZeRO-3", 1000)
     assert chosen is None and "without its decoder layers as leaf modules" in why  # the reference's are not
 
 
