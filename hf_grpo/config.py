@@ -105,7 +105,8 @@ class GRPOConfig(trl.GRPOConfig):
             layer by layer each rollout, so the ``cuda_graph`` backend can serve ZeRO-3 (cost: one model copy
             per device in the generation dtype, the whole run); ``"off"`` gathers the full model each rollout
             and generates with ``"hf"``; ``"auto"`` is ``"on"`` when the ``cuda_graph`` backend would serve the
-            model and free memory holds the copy twice over. No effect without ZeRO-3.
+            model and free memory holds the copy twice over. With one process the partitions hold the whole
+            weights: ``"on"`` then decodes from them in place, with no copy. No effect without ZeRO-3.
         zero3_leaf_modules (`str`, *optional*, defaults to `"auto"`):
             Under DeepSpeed ZeRO-3: module classes made DeepSpeed "leaf modules", each instance's parameters
             gathered by one hook instead of one per submodule (less host overhead a step, same values).
@@ -125,9 +126,9 @@ class GRPOConfig(trl.GRPOConfig):
             going on eagerly with a warning if torch cannot compile the layers; ``"cpp_wrapper"``: as "on", with
             the graphs' launch code in C++ (inductor's ``cpp_wrapper``): about a quarter off a host-bound
             training half, for a first compile more than a minute longer from a cold cache; ``"off"``: eager.
-            Under ZeRO-3 ``"on"`` compiles where the decoder layers are leaf modules (``zero3_leaf_modules``:
-            their gathering hook runs around the compiled layer); ``"auto"`` does not yet (untimed). Under FSDP
-            no setting compiles: its hooks would be bypassed. The log's "training forward" line says which.
+            Under ZeRO-3 on a GPU no setting compiles (there the compiled layers did not train as eager ones; on
+            the CPU ``"on"`` compiles where the decoder layers are leaf modules). Under FSDP no setting compiles:
+            its hooks would be bypassed. The log's "training forward" line says which.
             Compiled, prompts and completions are padded to multiples of 8 (TRL's ``pad_to_multiple_of``,
             unless set), so that rollouts of any length share one compiled variant.
         training_cuda_graphs (`str`, *optional*, defaults to `"auto"`):
@@ -215,7 +216,8 @@ class GRPOConfig(trl.GRPOConfig):
         metadata={
             "help": "ZeRO-3 only: auto, on or off. 'on' generates from a dense copy of the weights refreshed layer by "
             "layer each rollout (one model copy per device), so the cuda_graph backend serves ZeRO-3; 'auto' does so "
-            "when that backend applies and memory allows (see hf_grpo.generation.dense_mirror)."
+            "when that backend applies and memory allows; with one process, from the partitions in place, no copy "
+            "(see hf_grpo.generation.dense_mirror)."
         },
     )
     zero3_leaf_modules: str = field(
@@ -251,8 +253,8 @@ class GRPOConfig(trl.GRPOConfig):
             "compiles a few graphs (perf/train_compiles); 'auto' does so on CUDA outside ZeRO-3 and FSDP for runs "
             "of 50 optimizer steps or more, where the compile (20-30 s once) pays for itself; 'cpp_wrapper' compiles "
             "as 'on' with the launch code in C++ (about a quarter off a host-bound training half; the first compile "
-            "takes more than a minute longer from a cold cache). Under ZeRO-3 'on' only, with the decoder layers as "
-            "leaf modules (zero3_leaf_modules); never under FSDP (the log says so). See "
+            "takes more than a minute longer from a cold cache). Never under ZeRO-3 on a GPU (there the compiled layers "
+            "did not train as eager ones) or under FSDP (the log says so). See "
             "hf_grpo.training.compiled_layers."
         },
     )
