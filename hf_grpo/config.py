@@ -253,8 +253,8 @@ class GRPOConfig(trl.GRPOConfig):
             "compiles a few graphs (perf/train_compiles); 'auto' does so on CUDA outside ZeRO-3 and FSDP for runs "
             "of 50 optimizer steps or more, where the compile (20-30 s once) pays for itself; 'cpp_wrapper' compiles "
             "as 'on' with the launch code in C++ (about a quarter off a host-bound training half; the first compile "
-            "takes more than a minute longer from a cold cache). Never under ZeRO-3 on a GPU (there the compiled layers "
-            "did not train as eager ones) or under FSDP (the log says so). See "
+            "takes more than a minute longer from a cold cache). Never under ZeRO-3 on a GPU (there the compiled "
+            "layers did not train as eager ones) or under FSDP (the log says so). See "
             "hf_grpo.training.compiled_layers."
         },
     )

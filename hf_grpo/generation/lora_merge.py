@@ -84,8 +84,9 @@ class InPlaceLoraMerge:
     """A plain model sharing ``model``'s tensors; ``refresh`` merges the LoRA adapters into them, ``restore`` undoes it.
 
     ``model`` is a policy whose weights are whole on this device - a PEFT LoRA model, or under ZeRO-3 with one
-    process any model (``partitions_whole``) - possibly under a DDP/DeepSpeed ``.module`` wrapper. Between ``refresh`` and ``restore`` the policy itself computes
-    with merged base weights *and* its adapters, so only ``module`` may run in that window.
+    process any model (``partitions_whole``) - possibly under a DDP/DeepSpeed ``.module`` wrapper. Between
+    ``refresh`` and ``restore`` the policy itself computes with merged base weights *and* its adapters, so only
+    ``module`` may run in that window.
     """
 
     nbytes = 0  # GPU memory it adds
