@@ -37,7 +37,7 @@ def chosen(run_dir, rank: int) -> dict:
 @pytest.mark.parametrize("config", ["multi_gpu", "zero2", "zero3"])
 def test_packed_and_grouped_micro_batches_train_as_padded_ones(tmp_path, config):
     checkpoint = saved_checkpoint(tmp_path)
-    result = launch(config, SCRIPT, tmp_path, checkpoint, "padded", "packed")  # both variants in one launch
+    launch(config, SCRIPT, tmp_path, checkpoint, "padded", "packed")  # both variants in one launch
     padded, packed = tmp_path / "padded", tmp_path / "packed"
 
     for rank in (0, 1):
@@ -47,9 +47,6 @@ def test_packed_and_grouped_micro_batches_train_as_padded_ones(tmp_path, config)
         assert chose_packed["eager_rows"] == "rows packed (padding_free=True)"
         assert chose_packed["grouping"] == "on"
         assert chose_packed["shared"] > 0, "some micro-batches ran a prompt once for its rows"
-    if config == "zero3":  # "auto" does not compile under ZeRO-3 yet, and says why
-        assert "training forward: eager (ZeRO-3: the compiled layers are exact" in result.stderr
-
     assert_same_training(padded, packed)
 
 
