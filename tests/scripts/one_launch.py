@@ -1,7 +1,6 @@
 """Several trainings in turn in the processes of one launch: each launch pays ~10 s of imports per process on a
 2-core machine, so a test script that trains several variants to compare them trains them all in one launch."""
 
-import contextlib
 import gc
 
 import torch
@@ -24,13 +23,3 @@ def release_for_the_next_run(trainer) -> None:
     AcceleratorState._reset_state()
     GradientState._reset_state()
 
-
-def gathered(params):
-    """The whole of ``params`` inside the block: ZeRO-3 holds a shard of each on each rank (a collective there)."""
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-
-    if is_deepspeed_zero3_enabled():
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(params)
-    return contextlib.nullcontext()

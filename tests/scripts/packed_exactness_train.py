@@ -28,6 +28,7 @@ from transformers import PreTrainedTokenizerFast
 
 from hf_grpo import GRPOConfig, GRPOTrainer, close_distributed
 from hf_grpo.generation import HFGenerateBackend
+from hf_grpo.generation.weight_sources import gathered
 from hf_grpo.training import compiled_layers, padding_free
 
 GROUP = 4
@@ -67,8 +68,6 @@ def count_shared_packs(counts):
 
 
 def trained_weights(trainer) -> dict:
-    from one_launch import gathered  # next to this file
-
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     with gathered([p for _, p in trained]):  # ZeRO-3 holds a shard of each parameter on each rank

@@ -20,6 +20,7 @@ from datasets import Dataset
 
 from hf_grpo import GRPOConfig, GRPOTrainer, close_distributed
 from hf_grpo.generation import HFGenerateBackend
+from hf_grpo.generation.weight_sources import gathered
 from hf_grpo.memory import packing
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
@@ -97,8 +98,6 @@ def main(out_dir, budget):
     rank = trainer.accelerator.process_index
     with open(f"{out_dir}/passes_rank{rank}.json", "w") as handle:
         json.dump(counts, handle)
-    from one_launch import gathered  # next to this file
-
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     with gathered(list(model.parameters())):  # ZeRO-3 holds a shard of each parameter on each rank
         state = {n: p.detach().clone() for n, p in model.named_parameters()}
