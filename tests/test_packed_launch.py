@@ -94,13 +94,17 @@ def test_compiled_layers_with_packed_rows_under_zero3_train_as_eager_padded_ones
     assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled")
 
 
+def launch_on_gpu(monkeypatch, tmp_path, config, *variants, processes=1):
+    """The script's ``variants`` in one launch on the GPU (fp32), from a checkpoint saved in the test."""
+    monkeypatch.setenv("EXACTNESS_ON_GPU", "1")
+    launch(config, SCRIPT, tmp_path, saved_checkpoint(tmp_path), *variants, processes=processes)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_micro_batches_replayed_from_cuda_graphs_under_zero2_on_one_gpu_train_as_eager_ones(tmp_path, monkeypatch):
     # Real captures and replays (fp32, rows padded: packed rows replay in half precision only) under DeepSpeed.
-    checkpoint = saved_checkpoint(tmp_path)
-    monkeypatch.setenv("EXACTNESS_ON_GPU", "1")
-    launch("zero2", SCRIPT, tmp_path, checkpoint, "padded", "graphs", processes=1)
+    launch_on_gpu(monkeypatch, tmp_path, "zero2", "padded", "graphs")
     chose = chosen(tmp_path / "graphs", 0)
     assert chose["graphs_hand_over"] is True and chose["graphs_failure"] is None and chose["graph_captures"] > 0
     assert_same_training(tmp_path / "padded", tmp_path / "graphs", rtol=1e-4)  # GPU kernels sum in other orders
@@ -111,9 +115,7 @@ def test_micro_batches_replayed_from_cuda_graphs_under_zero2_on_one_gpu_train_as
 def test_micro_batches_replayed_from_cuda_graphs_under_ddp_on_two_gpus_train_as_eager_ones(tmp_path, monkeypatch):
     # Real captures and replays under DDP over NCCL, one GPU a rank: the reducer's all-reduce runs after each synced
     # replay, with and without find_unused_parameters (fp32, rows padded).
-    checkpoint = saved_checkpoint(tmp_path)
-    monkeypatch.setenv("EXACTNESS_ON_GPU", "1")
-    launch("multi_gpu", SCRIPT, tmp_path, checkpoint, "padded", "graphs", "graphs_all_used", processes=2)
+    launch_on_gpu(monkeypatch, tmp_path, "multi_gpu", "padded", "graphs", "graphs_all_used", processes=2)
     for variant in ("graphs", "graphs_all_used"):
         for rank in (0, 1):
             chose = chosen(tmp_path / variant, rank)
@@ -127,9 +129,7 @@ def test_micro_batches_replayed_from_cuda_graphs_under_ddp_on_two_gpus_train_as_
 def test_packed_and_grouped_micro_batches_under_zero3_on_one_gpu_train_as_padded_ones(tmp_path, monkeypatch):
     # The eager path ZeRO-3 takes on a GPU: packed rows through the CUDA attention kernels, each layer's parameters
     # gathered by its hook, the rollout read from the partitions in place (one process; fp32).
-    checkpoint = saved_checkpoint(tmp_path)
-    monkeypatch.setenv("EXACTNESS_ON_GPU", "1")
-    launch("zero3", SCRIPT, tmp_path, checkpoint, "padded", "packed", processes=1)
+    launch_on_gpu(monkeypatch, tmp_path, "zero3", "padded", "packed")
     chose = chosen(tmp_path / "packed", 0)
     assert chose["eager_packed"] and chose["shared"] > 0
     assert_same_training(tmp_path / "padded", tmp_path / "packed", rtol=1e-4)  # GPU kernels sum in other orders
@@ -140,9 +140,7 @@ def test_packed_and_grouped_micro_batches_under_zero3_on_one_gpu_train_as_padded
 def test_compiled_layers_asked_for_under_zero3_on_a_gpu_are_refused_and_the_run_trains_as_eager(tmp_path, monkeypatch):
     # Compiled by inductor under ZeRO-3 on an H200, the layers trained differently from eager ones (fp32: the first
     # step's grad norm 0.157 against 0.190; without DeepSpeed, and on the CPU, they train alike): refused there.
-    checkpoint = saved_checkpoint(tmp_path)
-    monkeypatch.setenv("EXACTNESS_ON_GPU", "1")
-    launch("zero3", SCRIPT, tmp_path, checkpoint, "checkpointed", "compiled", processes=1)
+    launch_on_gpu(monkeypatch, tmp_path, "zero3", "checkpointed", "compiled")
     assert chosen(tmp_path / "compiled", 0)["compiled_graphs"] is None  # compile_training="on", not applied
     assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled", rtol=1e-4)  # GPU kernels sum in other orders
 
