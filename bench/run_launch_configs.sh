@@ -22,7 +22,8 @@
 # TOTAL_SECONDS / runs), STARTUP (seconds a run's launch, imports and model build may take, default 90 on a GPU),
 # MAX_SECONDS (a run stops training after the step that passes this many seconds, default RUN_TIMEOUT - STARTUP,
 # so that a slow run still writes its record; such a record says stopped_early), EXTRA (more grpo_realistic.py
-# flags), RESULTS (default $OUT if set, else bench/results/raw), PYTHON (python3).
+# flags), LAUNCH_EXTRA (more `accelerate launch` flags, e.g. `--main_process_port 29600` beside another launch on
+# the host), RESULTS (default $OUT if set, else bench/results/raw), PYTHON (python3).
 # Four runs in 540 s leave a 1.5B TRL run about a minute of training (a few steps): for all 6 steps give each run
 # its own call, e.g. CONFIGS=zero2 IMPLS=trl bash bench/run_launch_configs.sh. Measured on H200s: TRL's 6 steps
 # under multi_gpu.yaml with two processes took 263 s (RUN_TIMEOUT=320 STARTUP=120 leaves room); under zero3.yaml
@@ -88,7 +89,8 @@ for config in $CONFIGS; do
     start=$(date +%s)
     # shellcheck disable=SC2086
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout -k 10 "$RUN_TIMEOUT" $PY -m accelerate.commands.launch \
-        --config_file "accelerate_configs/$config.yaml" --num_processes "$NUM_PROCESSES" $LAUNCH_FLAGS \
+        --config_file "accelerate_configs/$config.yaml" --num_processes "$NUM_PROCESSES" \
+        $LAUNCH_FLAGS ${LAUNCH_EXTRA:-} \
         bench/grpo_realistic.py $flags $SHAPE_FLAGS --max_steps "$STEPS" --max_seconds "$MAX_SECONDS" --phases \
         --launch_config "accelerate_configs/$config.yaml" --label "$label" --out "$JSONL" ${EXTRA:-} \
         > "$RESULTS/launch_configs_run.log" 2>&1
