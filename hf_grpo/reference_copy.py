@@ -9,6 +9,9 @@ attention, ZeRO-3 partitioning at load time) from the policy's initial weights.
 Each process writes and reads its own copy, in its own temporary directory: no shared disk is needed, and
 the directory is gone when ``GRPOTrainer.__init__`` returns (or fails). Every process must therefore hold the
 same initial weights, as a seeded model built the same way on every process does.
+
+Under ZeRO-3 the reference loads inside ``zero.Init``, which needs DeepSpeed's communication layer up; a policy
+loaded from a directory before the trainer (no copy needed) gets that too.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ def reference_loadable(model, beta: float, peft_config=None):
     """Within the block, a policy built in code (``needs_copy``) names a directory holding its weights, from
     which TRL loads the reference model; after it, the directory is removed and the name is empty again."""
     if not needs_copy(model, beta, peft_config):
+        if beta != 0.0 and peft_config is None and not hasattr(model, "peft_config"):
+            _deepspeed_comm_up_for_zero3()  # TRL loads the reference from the policy's path, inside zero.Init
         yield
         return
     if any(hasattr(parameter, "ds_id") for parameter in model.parameters()):
@@ -65,9 +70,9 @@ def reference_loadable(model, beta: float, peft_config=None):
 
 def _deepspeed_comm_up_for_zero3() -> None:
     """Under ZeRO-3, TRL loads the reference inside ``zero.Init``, which reads the world size from DeepSpeed's
-    communication layer before starting it; a run whose policy was built in code has not started it yet (on a CPU
-    Accelerate leaves it to DeepSpeed), so it would read 1 and refuse the batch sizes. Started here on the
-    process group torch.distributed already has."""
+    communication layer before starting it; a run whose policy was built or loaded before the trainer has not
+    started it yet (on a CPU Accelerate leaves it to DeepSpeed), so it would read 1 and refuse the batch sizes.
+    Started here on the process group torch.distributed already has."""
     from transformers.integrations import is_deepspeed_zero3_enabled
 
     if not is_deepspeed_zero3_enabled() or not torch.distributed.is_initialized():
