@@ -121,6 +121,8 @@ def test_micro_batches_replayed_from_cuda_graphs_under_ddp_on_two_gpus_train_as_
             chose = chosen(tmp_path / variant, rank)
             assert chose["graphs_hand_over"] is True and chose["graphs_failure"] is None
             assert chose["graph_captures"] > 0
+        # each micro-batch in one shape on both ranks (rank_shapes): they capture the same graphs, none waits
+        assert chosen(tmp_path / variant, 0)["graph_captures"] == chosen(tmp_path / variant, 1)["graph_captures"]
         assert_same_training(tmp_path / "padded", tmp_path / variant, rtol=1e-4)  # GPU kernels sum in other orders
 
 

@@ -66,11 +66,17 @@ def _collective_device() -> torch.device:
 
 def max_over_ranks(value: int) -> int:
     """The largest ``value`` over all ranks (``value`` itself when not distributed). Every rank must call it."""
+    return maxima_over_ranks([value])[0]
+
+
+def maxima_over_ranks(values: list[int]) -> list[int]:
+    """Each of ``values``' largest over all ranks, in one all-reduce (``values`` when not distributed). Every rank
+    must call it, with as many values."""
     if not _distributed():
-        return int(value)
-    tensor = torch.tensor([int(value)], dtype=torch.long, device=_collective_device())
+        return [int(value) for value in values]
+    tensor = torch.tensor([int(value) for value in values], dtype=torch.long, device=_collective_device())
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+    return tensor.tolist()
 
 
 def min_over_ranks(value: int) -> int:

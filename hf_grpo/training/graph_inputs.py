@@ -50,23 +50,27 @@ def bucket(width: int, per_octave: int = 8) -> int:
     return -(-width // step) * step
 
 
-def pad_to_bucket(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int, pad_token_id: int):
+def pad_to_bucket(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int, pad_token_id: int,
+                  at_least: tuple[int, int] = (0, 0)):
     """``(input_ids, attention_mask, position_ids)`` with the prompt part padded on the left and the last
-    ``completion_width`` columns on the right, each to its ``bucket``; every real token keeps the position it has
-    unpadded, so its log-prob is the unpadded one."""
+    ``completion_width`` columns on the right, each to its ``bucket`` (of at least ``at_least``'s prompt and
+    completion widths: the widest over the ranks); every real token keeps the position it has unpadded, so its
+    log-prob is the unpadded one."""
     prompt_width = input_ids.shape[1] - completion_width
-    left = (bucket(prompt_width) if prompt_width else 0) - prompt_width
-    right = bucket(completion_width) - completion_width
+    wanted = max(prompt_width, at_least[0])
+    left = (bucket(wanted) if wanted else 0) - prompt_width
+    right = bucket(max(completion_width, at_least[1])) - completion_width
     ids = torch.nn.functional.pad(input_ids, (left, right), value=pad_token_id)
     mask = torch.nn.functional.pad(attention_mask, (left, right), value=0)
     positions = (torch.arange(ids.shape[1], device=ids.device) - left).clamp(min=0).expand(ids.shape[0], -1)
     return ids, mask, positions
 
 
-def padded(input_ids, attention_mask, completion_width: int, pad_token_id: int) -> StaticBatch:
-    """The micro-batch padded to its bucket."""
-    ids, mask, positions = pad_to_bucket(input_ids, attention_mask, completion_width, pad_token_id)
-    window = bucket(completion_width)
+def padded(input_ids, attention_mask, completion_width: int, pad_token_id: int,
+           at_least: tuple[int, int] = (0, 0)) -> StaticBatch:
+    """The micro-batch padded to its bucket (``pad_to_bucket``)."""
+    ids, mask, positions = pad_to_bucket(input_ids, attention_mask, completion_width, pad_token_id, at_least)
+    window = bucket(max(completion_width, at_least[1]))
     inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
     return StaticBatch(("padded", ids.shape[1] - window, 0), inputs, window, lambda values: values[:, :completion_width])
 
@@ -74,6 +78,18 @@ def padded(input_ids, attention_mask, completion_width: int, pad_token_id: int) 
 def scored_width(scored: int) -> int:
     """The static width of a packed micro-batch's ``scored`` tokens: the power of two at or above, at least 64."""
     return max(64, 1 << max(scored - 1, 0).bit_length())
+
+
+class PackedPlan(NamedTuple):
+    """A micro-batch's rows packed (``plan_packed``), before its static tensors are built at a shape."""
+
+    rows: padding_free.PackedRows
+    keys: int  # the places the rows' keys take (the tokens, or more where rows share a prompt's)
+    before: torch.Tensor  # the packed column of the state that predicts each completion column
+    labels: torch.Tensor  # [rows, completion width], -100 where unscored
+    row_of: torch.Tensor  # the scored labels' rows and columns
+    column_of: torch.Tensor
+    shape: tuple[int, int, int]  # its own (length, shared, window)
 
 
 def packed(model: torch.nn.Module, input_ids, attention_mask, completion_width: int, pad_token_id: int,
@@ -85,6 +101,15 @@ def packed(model: torch.nn.Module, input_ids, attention_mask, completion_width: 
     of the tokens sharing saved), whose end, after every row's keys, is the padding row's. Two device-to-host
     copies: the row lengths, the number of scored tokens. ``fit(length, shared, window)`` may give a larger shape
     to build instead (a captured graph's: ``hf_grpo.training.shape_reuse``)."""
+    plan = plan_packed(model, input_ids, attention_mask, completion_width)
+    if plan is None:
+        return None
+    return build_packed(plan, input_ids.shape[0], completion_width, pad_token_id,
+                        plan.shape if fit is None else fit(*plan.shape))
+
+
+def plan_packed(model: torch.nn.Module, input_ids, attention_mask, completion_width: int) -> PackedPlan | None:
+    """The packing of ``packed`` and its own shape; None where the rows cannot be packed."""
     first = input_ids.shape[1] - completion_width
     rows = padding_free.pack_rows(input_ids, attention_mask, first if padding_free.shares_prompts(model) else 0)
     if rows is None or not padding_free.packable(model, rows):
@@ -101,15 +126,18 @@ def packed(model: torch.nn.Module, input_ids, attention_mask, completion_width: 
     else:  # nor where the token before is padding (a row without a prompt token)
         labels = labels.masked_fill(attention_mask[:, before] == 0, -100)
     row_of, column_of = (labels != -100).nonzero(as_tuple=True)
-    scored = row_of.numel()
-    window = scored_width(scored)
-    if fit is not None:
-        natural = length, shared, window
-        length, shared, window = fit(*natural)
-        if any(built < own for built, own in zip((length, shared, window), natural)):
-            raise ValueError(f"a packed micro-batch of length {natural[0]}, {natural[1]} shared places and scored "
-                             f"width {natural[2]} cannot be built as ({length}, {shared}, {window}): each must be "
-                             "at least its own")
+    return PackedPlan(rows, keys, before, labels, row_of, column_of, (length, shared, scored_width(row_of.numel())))
+
+
+def build_packed(plan: PackedPlan, row_count: int, completion_width: int, pad_token_id: int,
+                 shape: tuple[int, int, int]) -> StaticBatch:
+    """``plan``'s static tensors at ``shape`` (length, shared places, scored width), each at least its own."""
+    if any(built < own for built, own in zip(shape, plan.shape)):
+        raise ValueError(f"a packed micro-batch of length {plan.shape[0]}, {plan.shape[1]} shared places and scored "
+                         f"width {plan.shape[2]} cannot be built as {tuple(shape)}: each must be at least its own")
+    length, shared, window = shape
+    rows, keys, before, labels, row_of, column_of = plan[:6]
+    tokens, scored = rows.tokens, row_of.numel()
     ids = torch.nn.functional.pad(rows.input_ids, (0, length - tokens), value=pad_token_id)
     positions = torch.cat([rows.position_ids[0], torch.arange(length - tokens, device=ids.device)]).unsqueeze(0)
     ends = torch.tensor([length], dtype=torch.int32)
@@ -136,8 +164,7 @@ def packed(model: torch.nn.Module, input_ids, attention_mask, completion_width: 
         inputs["cu_key_lens"] = inputs["cu_key_lens_host"].to(ids.device)
 
     def spread(values: torch.Tensor) -> torch.Tensor:
-        return values.new_zeros(input_ids.shape[0], completion_width).index_put((row_of, column_of),
-                                                                                values[0, :scored])
+        return values.new_zeros(row_count, completion_width).index_put((row_of, column_of), values[0, :scored])
 
     return StaticBatch(("packed", length, shared), inputs, window, spread)
 

@@ -45,7 +45,7 @@ import torch
 from ..distributed import ddp_replay
 from ..generation.static_cache import weights_signature
 from ..run_state import RunDecisions, RunFacts, RunSizes
-from . import graph_inputs, padding_free, shape_reuse
+from . import graph_inputs, padding_free, rank_shapes, shape_reuse
 from .cuda_graph_recorder import CudaGraphRecorder
 from .graph_buckets import Bucket, Replay, chunked_scoring
 from .parameter_aliases import ParameterAliases
@@ -117,7 +117,7 @@ def choose(settings, model: torch.nn.Module, facts: RunFacts, sizes: RunSizes, d
     compiled = decisions.train_layers is not None or bool(getattr(settings, "torch_compile", 0))
     return TrainingGraphs(model, pad if pad is not None else 0, eager_on_failure=setting == "auto",
                           compiled_layers=compiled, packed=unpacked_reason(settings.padding_free, model, facts) is None,
-                          hand_over=facts.deepspeed or ddp), None
+                          hand_over=facts.deepspeed or ddp, over_ranks=facts.num_processes > 1), None
 
 
 def unpacked_reason(setting: bool | None, model: torch.nn.Module, facts: RunFacts) -> str | None:
@@ -156,8 +156,9 @@ def replay(graphs: TrainingGraphs | None, perf, autocast: Callable, model, input
     as ``train_graph_reuses``), the rollout's no-grad scoring replayed alike; None where it runs as TRL's (no graphs
     or a failed capture, images, the MoE auxiliary loss, a micro-batch of another model or outside training).
     ``autocast`` is the accelerator's."""
-    if (graphs is None or graphs.failure is not None or compute_aux_loss
-            or any(value is not None for value in model_inputs.values())):
+    if graphs is None or compute_aux_loss or any(value is not None for value in model_inputs.values()):
+        return None
+    if graphs.failure is not None and not graphs.over_ranks:  # (else the scorer or logps join the agreement)
         return None
     before = (graphs.captures, graphs.reuse.reused)
 
@@ -182,7 +183,7 @@ def replay(graphs: TrainingGraphs | None, perf, autocast: Callable, model, input
     if batch_size is not None or model is not graphs.model or not torch.is_grad_enabled() or not model.training:
         return None
     run = lambda: graphs.logps(score, input_ids, attention_mask, logits_to_keep, compute_entropy)  # noqa: E731
-    result = run() if wrapper is None else around(wrapper, run)
+    result = run() if wrapper is None or graphs.failure is not None else around(wrapper, run)
     return counted(None if result is None else (*result, None))
 
 
@@ -191,9 +192,10 @@ class TrainingGraphs:
 
     def __init__(self, model: torch.nn.Module, pad_token_id: int, eager_on_failure: bool = True,
                  recorder: CudaGraphRecorder | None = None, compiled_layers: bool = False, packed: bool = False,
-                 reuse: shape_reuse.ShapeReuse | None = None, hand_over: bool = False):
+                 reuse: shape_reuse.ShapeReuse | None = None, hand_over: bool = False, over_ranks: bool = False):
         self.model = model
         self.hand_over = hand_over  # DeepSpeed or DDP reduce .grad: the replay's node hands gradients over (module doc)
+        self.over_ranks = over_ranks  # several processes: each micro-batch's shape agreed over them (rank_shapes)
         self.packed = packed  # rows packed into one sequence where they allow it (padding_free), else padded
         self.warmup_passes = WARMUP_PASSES["compiled" if compiled_layers else "eager"]
         self.eager_on_failure = eager_on_failure
@@ -220,6 +222,8 @@ class TrainingGraphs:
         """``(logps, entropies)`` of the completion's ``completion_width`` columns, as ``score(inputs, window)``
         computes them eagerly from the micro-batch's static form (``static_inputs``); None after a failed capture."""
         if self.failure is not None:
+            if self.over_ranks:
+                rank_shapes.join_without_a_batch()
             return None
         signature = weights_signature(self.model)
         if signature != self._signature:
@@ -246,14 +250,10 @@ class TrainingGraphs:
     def static_inputs(self, input_ids, attention_mask, completion_width: int,
                       fit: Callable[[int, int, int], tuple[int, int, int]] | None = None
                       ) -> graph_inputs.StaticBatch:
-        """A micro-batch in the run's static layout (``graph_inputs``); packed, at the length and scored width
-        ``fit`` gives (see ``graph_inputs.packed``)."""
-        if self.packed:
-            packed = graph_inputs.packed(self.model, input_ids, attention_mask, completion_width, self.pad_token_id,
-                                         fit)
-            if packed is not None:
-                return packed
-        return graph_inputs.padded(input_ids, attention_mask, completion_width, self.pad_token_id)
+        """A micro-batch in the run's static layout, of the same shape on every rank (``rank_shapes``); packed at
+        the length and scored width ``fit`` gives (see ``graph_inputs.packed``)."""
+        return rank_shapes.static_batch(self.model, input_ids, attention_mask, completion_width, self.pad_token_id,
+                                        packed=self.packed, over_ranks=self.over_ranks, fit=fit)
 
     def scorer(self, score: Callable, model: torch.nn.Module, compute_entropy: bool) -> Callable:
         """``score_rows(input_ids, attention_mask, completion_width)`` for ``chunked_scoring`` without gradients
