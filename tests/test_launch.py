@@ -79,6 +79,20 @@ def test_tiny_model_with_a_reference_model_with_two_processes(tmp_path, monkeypa
     assert len(per_rank) == 2 and all(rank["peak_memory_gib"] > 0 for rank in per_rank), per_rank
 
 
+@pytest.mark.launch
+def test_a_policy_loaded_before_the_trainer_trains_with_its_reference_under_zero3(tmp_path):
+    """A user's script loads the checkpoint, then builds the trainer: TRL loads the reference from its path inside
+    zero.Init, which needs DeepSpeed's communication layer up (on a CPU Accelerate leaves it down)."""
+    from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "checkpoint")
+    launch("zero3", "tests/scripts/loaded_policy_train.py", checkpoint, tmp_path / "out")
+    rows = json.loads((tmp_path / "out" / "logged.json").read_text())
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["kl"]) for r in rows), rows
+    # step 1 samples from the policy as loaded: the reference, loaded from the same directory, gives a KL of 0
+    assert abs(rows[0]["kl"]) < 1e-6, rows[0]
+
+
 def _update(path, initial):
     params = torch.load(path)
     return torch.cat([(params[k] - initial[k]).flatten() for k in sorted(params)])
