@@ -71,3 +71,15 @@ def spawn_ranks(function, args: tuple, processes: int):
 
     refuse_unless_marked(processes, f"torch.multiprocessing.spawn({function.__name__})")
     return torch.multiprocessing.spawn(function, args=args, nprocs=processes, join=False)
+
+
+def join_ranks(context, timeout: float) -> list[int]:
+    """Wait up to ``timeout`` seconds for each of ``spawn_ranks``' ranks; kill any still running and return their
+    pids (a rank that waits for the other forever: empty when none hung)."""
+    for process in context.processes:
+        process.join(timeout=timeout)
+    hung = [process.pid for process in context.processes if process.is_alive()]
+    for process in context.processes:
+        if process.is_alive():
+            process.kill()
+    return hung

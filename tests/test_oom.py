@@ -3,13 +3,13 @@ one that used the smaller size from the start."""
 
 import json
 import os
-import socket
 import types
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from launching import spawn_ranks
+from launching import join_ranks, spawn_ranks
+from side_by_side import free_port
 from test_trainer import TOKENIZER, make_trainer, train_one_step
 from transformers import GenerationConfig
 
@@ -153,12 +153,6 @@ def test_train_step_with_a_logprob_oom_equals_the_smaller_chunk_from_the_start(t
 
 
 # ---- two processes over gloo: only rank 1 runs out of memory, and neither hangs -------------------
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _two_rank_worker(rank, port, results):
     import torch.distributed as dist
 
@@ -199,13 +193,7 @@ def _two_rank_worker(rank, port, results):
 @pytest.mark.launch
 def test_two_ranks_agree_when_only_one_runs_out_of_memory():
     results = mp.Manager().dict()
-    context = spawn_ranks(_two_rank_worker, (_free_port(), results), processes=2)
-    for process in context.processes:
-        process.join(timeout=90)
-    hung = [p.pid for p in context.processes if p.is_alive()]
-    for process in context.processes:
-        if process.is_alive():
-            process.kill()
+    hung = join_ranks(spawn_ranks(_two_rank_worker, (free_port(), results), processes=2), timeout=90)
     assert not hung, "a rank hung waiting for the other"
     assert dict(results) == {0: dict(same=True, size=2, gave_up=True), 1: dict(same=True, size=2, gave_up=True)}
 

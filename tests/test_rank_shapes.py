@@ -2,12 +2,12 @@
 DDP they capture the same CUDA graphs at the same call; each rank's log-probs stay its own micro-batch's."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from launching import spawn_ranks
+from launching import join_ranks, spawn_ranks
+from side_by_side import free_port
 from test_training_compile import batch
 from test_training_graphs import checkpointed_model
 
@@ -15,12 +15,6 @@ from hf_grpo.training import graph_inputs, rank_shapes
 
 # rank 0's micro-batch is short, rank 1's long: on their own they would be built in different shapes
 SHAPES = {0: dict(prompt=11, completion=6, seed=0), 1: dict(prompt=70, completion=90, seed=40)}
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _scored(model, built, ids):
@@ -68,13 +62,7 @@ def _worker(rank, port, results):
 @pytest.mark.launch
 def test_two_ranks_build_their_micro_batches_in_one_shape_and_keep_their_own_log_probs():
     results = mp.Manager().dict()
-    context = spawn_ranks(_worker, (_free_port(), results), processes=2)
-    for process in context.processes:
-        process.join(timeout=120)
-    hung = [p.pid for p in context.processes if p.is_alive()]
-    for process in context.processes:
-        if process.is_alive():
-            process.kill()
+    hung = join_ranks(spawn_ranks(_worker, (free_port(), results), processes=2), timeout=120)
     assert not hung, "a rank hung waiting for the other"
     assert sorted(results.keys()) == [0, 1], "a rank failed: see its traceback above"
     first, second = results[0], results[1]
