@@ -72,6 +72,21 @@ def is_zero3_partitioned(model: torch.nn.Module) -> bool:
     return any(is_zero3_param(p) for p in model.parameters())
 
 
+def fsdp_sharding(model: torch.nn.Module) -> str | None:
+    """How FSDP shards the model's parameters ("FSDP (version 1)": flattened into flat parameters, "FSDP (version
+    2)": each a DTensor), or None where FSDP does not manage them."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support: no FSDP either
+        return None
+    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+        return "FSDP (version 1) flattens and shards the parameters"
+    if any(isinstance(parameter, DTensor) for parameter in model.parameters()):
+        return "FSDP (version 2) shards the parameters as DTensors"
+    return None
+
+
 def padded_length(prompt_ids: Sequence[Sequence[int]], pad_to_multiple_of: int | None = None) -> int:
     """Length of the longest prompt, rounded up to ``pad_to_multiple_of`` when given."""
     length = max(len(p) for p in prompt_ids)

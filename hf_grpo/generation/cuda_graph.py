@@ -60,6 +60,7 @@ from transformers import GenerationConfig
 from .base import (
     GenerationBackend,
     cut_after_eos,
+    fsdp_sharding,
     is_zero3_partitioned,
     iter_chunks,
     left_pad,
@@ -202,6 +203,9 @@ class CudaGraphBackend(GenerationBackend):
             return f"{type(base).__name__} has no transformers config"
         if getattr(config, "is_encoder_decoder", False):
             return "encoder-decoder models are not supported by the cuda_graph backend"
+        if (sharding := fsdp_sharding(model)) is not None:
+            # Seen on 2 x H200: the fused projections mix DTensors with plain tensors, or read a rank's flat shard.
+            return f"{sharding}, which the decoder's fused projections read whole (no mirror serves FSDP yet)"
         device = model_device(model)
         if device.type != "cuda":
             return f"the model is on {device.type}, and the cuda_graph backend needs a CUDA device"
