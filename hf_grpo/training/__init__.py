@@ -5,8 +5,10 @@
 ``graph_inputs`` brings it to the static shape of a bucket (``shape_reuse``: a new shape's first micro-batches in a
 captured larger one), ``graphs`` replays its forward and backward (and the rollout's reference and old-policy
 scoring) from CUDA graphs (``graph_buckets``) through ``cuda_graph_recorder``, ``compiled_layers``
-compiles one decoder layer for every layer, ``cudnn_attention`` keeps cuDNN's attention out of training.
+compiles one decoder layer for every layer, ``cudnn_attention`` keeps cuDNN's attention out of training, and
+``rank_shapes`` gives a micro-batch one static shape on every rank.
 
-May import: ``hf_grpo.generation`` (the compiled-layer and weight-signature helpers the decoder shares), torch,
-transformers. Never the trainer or the config class: they import from here.
+May import: ``hf_grpo.generation`` (the compiled-layer and weight-signature helpers the decoder shares),
+``hf_grpo.run_state``, ``hf_grpo.distributed`` (DDP around a replay), ``hf_grpo.memory`` (rank agreement helpers),
+torch, transformers. Never the trainer or the config class: they import from here.
 """
