@@ -12,6 +12,8 @@ module fixture that launches is set up inside the first test that requests it, s
 
 from __future__ import annotations
 
+import contextlib
+import os
 import pathlib
 import subprocess
 import sys
@@ -83,3 +85,23 @@ def join_ranks(context, timeout: float) -> list[int]:
         if process.is_alive():
             process.kill()
     return hung
+
+
+@contextlib.contextmanager
+def gloo_group(rank: int, port: int, world_size: int):
+    """This process as ``rank`` of a gloo process group of ``world_size`` meeting on ``port``; the group is
+    destroyed and the environment it needed restored after the block."""
+    import torch.distributed as dist
+
+    before = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -2,13 +2,12 @@
 one that used the smaller size from the start."""
 
 import json
-import os
 import types
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from launching import join_ranks, spawn_ranks
+from launching import gloo_group, join_ranks, spawn_ranks
 from side_by_side import free_port
 from test_trainer import TOKENIZER, make_trainer, train_one_step
 from transformers import GenerationConfig
@@ -154,11 +153,7 @@ def test_train_step_with_a_logprob_oom_equals_the_smaller_chunk_from_the_start(t
 
 # ---- two processes over gloo: only rank 1 runs out of memory, and neither hangs -------------------
 def _two_rank_worker(rank, port, results):
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, port, world_size=2):
         tokenizer = build_char_tokenizer()
         model = build_tiny_model(tokenizer, seed=0)
         kwargs = dict(generation_config=SAMPLING, pad_token_id=0, eos_token_ids=[1])
@@ -185,8 +180,6 @@ def _two_rank_worker(rank, port, results):
         except torch.OutOfMemoryError:
             gave_up = True
         results[rank] = dict(same=got == expected, size=owner.per_device_generation_batch_size, gave_up=gave_up)
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

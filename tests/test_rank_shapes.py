@@ -1,12 +1,10 @@
 """Two ranks over gloo build their micro-batches in one static shape (hf_grpo.training.rank_shapes), so that under
 DDP they capture the same CUDA graphs at the same call; each rank's log-probs stay its own micro-batch's."""
 
-import os
-
 import pytest
 import torch
 import torch.multiprocessing as mp
-from launching import join_ranks, spawn_ranks
+from launching import gloo_group, join_ranks, spawn_ranks
 from side_by_side import free_port
 from test_training_compile import batch
 from test_training_graphs import checkpointed_model
@@ -17,18 +15,14 @@ from hf_grpo.training import graph_inputs, rank_shapes
 SHAPES = {0: dict(prompt=11, completion=6, seed=0), 1: dict(prompt=70, completion=90, seed=40)}
 
 
-def _scored(model, built, ids):
+def _scored(model, built):
     """The log-probs a graph of ``built`` gives, in TRL's layout (as graphs.replay's ``score``)."""
     out = model(**graph_inputs.model_kwargs(built.inputs, built.window))
     return built.spread(out.log_probs[:, -built.window:])
 
 
 def _worker(rank, port, results):
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
+    with gloo_group(rank, port, world_size=2):
         model = checkpointed_model()
         ids, mask, labels = batch(3, **SHAPES[rank])
         width = SHAPES[rank]["completion"]
@@ -39,7 +33,7 @@ def _worker(rank, port, results):
             for packed in (False, True):
                 own = rank_shapes.static_batch(model, ids, mask, width, 0, packed=packed, over_ranks=False)
                 agreed = rank_shapes.static_batch(model, ids, mask, width, 0, packed=packed, over_ranks=True)
-                logps = _scored(model, agreed, ids)
+                logps = _scored(model, agreed)
                 got[packed] = dict(own=(own.key, own.window), agreed=(agreed.key, agreed.window),
                                    same=torch.allclose(logps, expected, rtol=1e-5, atol=1e-6))
             # rank 1's capture failed (it scores eagerly): it joins the agreement without a batch of its own
@@ -54,8 +48,6 @@ def _worker(rank, port, results):
             either = rank_shapes.static_batch(model, ids, mask, width, 0, packed=True, over_ranks=True)
             got["unpackable"] = either.key[0]
         results[rank] = got
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow

@@ -2,11 +2,9 @@
 keeps flattened and sharded and version 2 as DTensors (on two H200s the first rollout failed either way: "got mixed
 torch.Tensor and DTensor", "b must be 2D"). "auto" generates with the "hf" backend and says why."""
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
+from launching import gloo_group
 from side_by_side import free_port
 
 from hf_grpo.generation import HFGenerateBackend, resolve_backend
@@ -14,13 +12,10 @@ from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 
 @pytest.fixture
-def one_process_group(monkeypatch):
+def one_process_group():
     """A gloo group of this process alone, as FSDP needs one."""
-    monkeypatch.setitem(os.environ, "MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setitem(os.environ, "MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+    with gloo_group(0, free_port(), world_size=1):
+        yield
 
 
 def test_fsdp_sharded_models_generate_with_the_hf_backend_and_say_why(one_process_group):
