@@ -41,9 +41,9 @@ def needs_copy(model, beta: float, peft_config) -> bool:
 def reference_loadable(model, beta: float, peft_config=None):
     """Within the block, a policy built in code (``needs_copy``) names a directory holding its weights, from
     which TRL loads the reference model; after it, the directory is removed and the name is empty again."""
+    if beta != 0.0 and peft_config is None and not hasattr(model, "peft_config"):
+        _deepspeed_comm_up_for_zero3()  # TRL loads the reference from a path (the copy's, below), inside zero.Init
     if not needs_copy(model, beta, peft_config):
-        if beta != 0.0 and peft_config is None and not hasattr(model, "peft_config"):
-            _deepspeed_comm_up_for_zero3()  # TRL loads the reference from the policy's path, inside zero.Init
         yield
         return
     if any(hasattr(parameter, "ds_id") for parameter in model.parameters()):
@@ -61,7 +61,6 @@ def reference_loadable(model, beta: float, peft_config=None):
         with every_rank, torch.no_grad():
             model.save_pretrained(directory)
         model.config._name_or_path = directory
-        _deepspeed_comm_up_for_zero3()
         yield
     finally:
         model.config._name_or_path = ""
