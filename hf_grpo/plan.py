@@ -118,6 +118,7 @@ class BatchPlan:
     generation_mirror_bytes: int = 0
     generation_mirror_dtype: str | None = None
     generation_mirror_in_place: bool = False  # ZeRO-3 with one process: the partitions read in place, no copy
+    generation_mirror_freed: bool = False  # the copy's memory freed after each rollout (release_generation_memory)
     # ZeRO-3 only, set by the trainer (hf_grpo.distributed.zero3_leaves): modules whose parameters one hook fetches together
     leaf_module_classes: tuple[str, ...] = ()
     leaf_module_count: int = 0
@@ -259,8 +260,10 @@ class BatchPlan:
         if self.generation_mirror_in_place:
             return ("│   └── ZeRO-3: decoded from the partitions in place (one process holds them whole), no GPU copy "
                     "(zero3_generation_mirror)")
+        held = (", held during rollouts only (release_generation_memory)" if self.generation_mirror_freed
+                else ", held for the whole run")
         return (f"│   └── ZeRO-3: decoded from a dense mirror, one {self.generation_mirror_dtype} copy of the model per "
-                f"device ({_bytes(self.generation_mirror_bytes)}), refreshed layer by layer "
+                f"device ({_bytes(self.generation_mirror_bytes)}), refreshed layer by layer{held} "
                 f"(zero3_generation_mirror)")
 
     def __str__(self) -> str:

@@ -292,6 +292,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                     mirror.restore()
         if self.args.release_generation_memory:
             backend.release(empty_cache=False)  # the training step reuses the blocks; the compile is kept
+        if self.decisions.mirror is not None and self.decisions.mirror.freed_between_rollouts:
+            mirror.release()  # ZeRO-3's dense copy too: the next rollout's refresh allocates and fills it again
         self.perf.add("generated_tokens", float(sum(len(ids) for ids in completion_ids)))
         for key, after in backend_counts(backend).items():
             self.perf.add(key, float(after - counts_before[key]))

@@ -10,7 +10,11 @@ the graph captured on the mirror stays valid across rollouts and optimizer steps
 ``refresh`` gathers one unit at a time (a decoder layer, or a module outside the layer list
 such as the embeddings), so its transient peak is the mirror plus one layer, not the mirror
 plus a second gathered copy of the model. Its cost is one dense model copy per device, in the
-policy's own dtype (``nbytes``), held for the whole run.
+policy's own dtype (``nbytes``). Where the decoder captures its graphs afresh every rollout
+(``release_generation_memory``, the default) nothing needs the addresses between rollouts, so
+``release`` frees the copy's memory after each one and the next ``refresh`` allocates it again:
+the copy is held during rollouts only, and the training step, ZeRO-3's peak on several GPUs
+(the mirror plus the training half's activations), no longer carries it.
 
 With PEFT LoRA the mirror holds the merged weights (base + every active adapter's delta, as
 ``merge_and_unload`` computes them) as a plain model: the decoder runs no adapter branch.
@@ -96,13 +100,38 @@ class DenseMirror:
         self.nbytes = _materialize(self.module, base, self.device)
         self.module.eval()
         self.module.generation_config = copy.deepcopy(base.generation_config)
+        # what ``release`` frees: each parameter's storage (a tied one once); the buffers (RoPE) are small and
+        # copied only once, so they stay
+        self._storages = [(param, param.untyped_storage().nbytes()) for param in self.module.parameters()]
+        self.released = False
+
+    @property
+    def resident_nbytes(self) -> int:
+        """Device memory the mirror's parameters hold now: 0 between ``release`` and the next ``refresh``."""
+        return sum(param.untyped_storage().nbytes() for param, _ in self._storages)
+
+    def release(self) -> None:
+        """Free the parameters' memory until the next ``refresh``, which allocates it again and writes every weight.
+
+        Only for a decoder that captures its graphs afresh each rollout: a graph kept across rollouts reads these
+        addresses, and the new allocation may lie elsewhere. The tensors stay the same objects (shapes, dtypes);
+        reading one before the refresh is an error, never stale values.
+        """
+        for param, _ in self._storages:
+            param.untyped_storage().resize_(0)
+        self.released = True
 
     @torch.no_grad()
     def refresh(self, model: torch.nn.Module) -> torch.nn.Module:
         """Copy ``model``'s current weights into the mirror in place, one unit at a time; return the mirror.
 
-        Under ZeRO-3 every rank must call it (each unit is one all-gather), as with any collective.
+        Under ZeRO-3 every rank must call it (each unit is one all-gather), as with any collective. After
+        ``release`` it first allocates the parameters' memory again (uninitialized: every weight is written below).
         """
+        if self.released:
+            for param, nbytes in self._storages:
+                param.untyped_storage().resize_(nbytes)
+            self.released = False
         done: set[int] = set()  # a tied weight is copied once
         for live_params, members in walk(self.module, live_base(model)):
             todo = [(m, s, lora, adapters, name, p) for m, s, lora, adapters in members
@@ -205,12 +234,15 @@ class MirrorChoice:
         return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in self.mirror.module.parameters()}))
 
     kind: str = "ZeRO-3"  # what the mirror stands in for: "ZeRO-3" (partitioned weights) or "LoRA" (adapters)
+    # a dense copy's memory freed after each rollout (``DenseMirror.release``): release_generation_memory
+    freed_between_rollouts: bool = False
 
     def plan_fields(self) -> dict:
         """The batch plan's fields for it (``BatchPlan.generation_mirror*``)."""
         return {"generation_mirror": "off" if self.mirror is None else "on", "generation_mirror_kind": self.kind,
                 "generation_mirror_bytes": self.nbytes, "generation_mirror_dtype": self.dtype,
-                "generation_mirror_in_place": self.in_place}
+                "generation_mirror_in_place": self.in_place,
+                "generation_mirror_freed": self.freed_between_rollouts}
 
     def __str__(self) -> str:
         if self.mirror is None:
@@ -225,8 +257,9 @@ class MirrorChoice:
                       f"host copy" if self.mirror.host_nbytes else "")
             return (f"on ({self.reason}): one process holds ZeRO-3's partitions whole, so the decoder reads them in "
                     f"place{merged} (no GPU copy)")
+        freed = " and freed after it (release_generation_memory)" if self.freed_between_rollouts else ""
         return (f"on ({self.reason}): one {self.dtype} copy of the model per device "
-                f"({self.nbytes / 2**30:.2f} GiB), refreshed layer by layer each rollout")
+                f"({self.nbytes / 2**30:.2f} GiB), refreshed layer by layer each rollout{freed}")
 
 
 def choose(setting: str, model: torch.nn.Module, generation_backend: str, device: torch.device,
@@ -293,6 +326,9 @@ def choose_for_run(settings, model: torch.nn.Module, zero3_configured: bool, dev
     pick, setting = ((choose, settings.zero3_generation_mirror) if zero3 else
                      (choose_lora, settings.lora_generation_mirror))
     choice = pick(setting, model, settings.generation_backend, device, agree)
+    if choice is not None and isinstance(choice.mirror, DenseMirror):
+        # the decoder captures afresh each rollout, so nothing reads the copy's addresses between rollouts
+        choice.freed_between_rollouts = settings.release_generation_memory
     if choice is not None and main:
         logging.getLogger("hf_grpo").info("%s generation mirror: %s", choice.kind, choice)
     return True, choice

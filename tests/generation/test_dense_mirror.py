@@ -142,6 +142,42 @@ def test_refresh_after_an_optimizer_step_keeps_addresses_and_follows_values(toke
     assert torch.equal(after, _logits(expected, _ids()))
 
 
+@pytest.mark.parametrize("kind", ["plain", "tied", "lora"])
+def test_released_mirror_holds_no_memory_and_its_refresh_fills_it_again(tokenizer, kind):
+    """Between rollouts (release_generation_memory) the copy gives its memory back; the next refresh allocates
+    it again and writes every weight, the optimizer's step included: no value survives from before the release."""
+    policy = _model(tokenizer, tied=kind == "tied")
+    if kind == "lora":
+        policy = _lora(policy)
+    mirror = DenseMirror(policy)
+    mirror.refresh(policy)
+    params = list(mirror.module.parameters())
+    held = sum(p.numel() * p.element_size() for p in params)
+    assert mirror.resident_nbytes == held > 0
+
+    mirror.release()
+    assert mirror.resident_nbytes == 0 and all(p.untyped_storage().nbytes() == 0 for p in params)
+    with pytest.raises(RuntimeError):  # a read before the refresh fails; it never sees stale weights
+        _logits(mirror.module, _ids())
+
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=0.5)
+    policy.train()
+    policy(_ids(), labels=_ids()).loss.backward()
+    optimizer.step()
+    policy.eval()
+
+    assert mirror.refresh(policy) is mirror.module
+    assert list(mirror.module.parameters()) == params  # the same parameter objects, tied ones still one
+    assert (mirror.module.lm_head.weight is mirror.module.model.embed_tokens.weight) == (kind == "tied")
+    assert mirror.resident_nbytes == held
+    expected = copy.deepcopy(policy).merge_and_unload() if kind == "lora" else policy
+    assert torch.equal(_logits(mirror.module, _ids()), _logits(expected, _ids()))
+    mirror.release()  # released and refilled again: a second cycle behaves as the first
+    mirror.refresh(policy)
+    assert torch.equal(_logits(mirror.module, _ids()), _logits(expected, _ids()))
+
+
 def test_refresh_reads_through_a_ddp_wrapper(tokenizer, tmp_path):
     import torch.distributed as dist
 
@@ -263,6 +299,25 @@ def test_choose_under_zero3(tokenizer, monkeypatch):
     assert "cpu" in choice.reason
 
 
+@pytest.mark.parametrize("release", [True, False])
+def test_a_dense_mirror_is_freed_between_rollouts_when_generation_memory_is_released(tokenizer, release):
+    from types import SimpleNamespace
+
+    model = _tagged_as_zero3(_model(tokenizer, dtype=torch.bfloat16))
+    settings = SimpleNamespace(zero3_generation_mirror="on", lora_generation_mirror="auto", generation_backend="hf",
+                               release_generation_memory=release)
+    decided, choice = dense_mirror.choose_for_run(settings, model, True, torch.device("cpu"), lambda v: v, False)
+    assert decided and isinstance(choice.mirror, DenseMirror)
+    assert choice.freed_between_rollouts is release
+    assert choice.plan_fields()["generation_mirror_freed"] is release
+    assert ("freed after it (release_generation_memory)" in str(choice)) is release
+    base = BatchPlan(per_device_train_batch_size=4, gradient_accumulation_steps=1, steps_per_generation=1,
+                     num_generations=4, num_iterations=1, per_device_generation_batch_size=4, tensor_batch_size=None)
+    line = str(BatchPlan(**{**base.__dict__, **choice.plan_fields()}))
+    assert ("held during rollouts only (release_generation_memory)" in line) is release
+    assert ("held for the whole run" in line) is not release
+
+
 def test_config_rejects_an_unknown_mirror_setting(make_config):
     with pytest.raises(ValueError, match=r"zero3_generation_mirror must be one of \('auto', 'on', 'off'\), got 'yes'"):
         make_config(zero3_generation_mirror="yes")
@@ -310,14 +365,18 @@ def test_zero3_grpo_run_generates_from_a_layerwise_refreshed_mirror(zero3_mirror
     assert found["mirror"] == "on"
     if processes == 2:  # a copy, refreshed from one gather a unit: embeddings, 2 decoder layers, final norm, and
         assert found["mirror_bytes"] > 0 and not found["in_place"]  # the head unless it is the embeddings' tensor
+        # lora-tied runs with release_generation_memory (the default): the copy is freed after each rollout
+        assert found["freed_between_rollouts"] == (variant == "lora-tied")
+        assert ("held during rollouts only" in found["plan"]) == (variant == "lora-tied")
         assert found["gathers_per_refresh"] == {"plain": 5, "lora-tied": 4}[variant]
         assert "decoded from a dense mirror" in found["plan"]
     else:  # the partitions read in place: no copy, a gather only for the adapters of each decoder layer
-        assert found["mirror_bytes"] == 0 and found["in_place"]
+        assert found["mirror_bytes"] == 0 and found["in_place"] and not found["freed_between_rollouts"]
         assert found["gathers_per_refresh"] == {"plain": 0, "lora-tied": 2}[variant]
         assert "decoded from the partitions in place" in found["plan"]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graph_on_the_mirror_is_captured_once_across_refreshes(tokenizer):
     from hf_grpo.generation.cuda_graph import CudaGraphBackend
@@ -341,3 +400,40 @@ def test_cuda_graph_on_the_mirror_is_captured_once_across_refreshes(tokenizer):
         optimizer.step()
         policy.eval()
     assert backend.num_captures == 1  # the second rollout replayed the first capture on refreshed values
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_decodes_a_released_and_refilled_mirror_as_the_policy(tokenizer):
+    """The trainer's default cycle on a GPU: refresh, decode (captured graph), free the decoder's memory and the
+    mirror's, an optimizer step, then the next rollout captures again on the refilled copy."""
+    from hf_grpo.generation.cuda_graph import CudaGraphBackend
+
+    policy = _lora(_model(tokenizer, dtype=torch.float32).cuda())
+    mirror = DenseMirror(policy)
+    backend = CudaGraphBackend(compile=False)
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=1)
+    prompts = [[5, 6, 7], [8, 9]]
+    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.5)
+    allocated = []
+    for _ in range(3):
+        mirror.refresh(policy)
+        ours = backend.generate(mirror.module, prompts, generation_config=config, chunk_size=2, pad_token_id=0,
+                                eos_token_ids=[1])
+        merged = copy.deepcopy(policy).merge_and_unload()
+        theirs = CudaGraphBackend(use_cuda_graph=False, compile=False).generate(
+            merged, prompts, generation_config=config, chunk_size=2, pad_token_id=0, eos_token_ids=[1])
+        assert ours == theirs
+        del merged
+        backend.release(empty_cache=False)
+        before = torch.cuda.memory_allocated()
+        mirror.release()
+        allocated.append(before - torch.cuda.memory_allocated())
+        policy.train()
+        policy(_ids().cuda(), labels=_ids().cuda()).loss.backward()
+        optimizer.step()
+        policy.eval()
+    assert backend.num_captures == 3  # a capture a rollout, each on the refilled copy
+    held = sum(p.numel() * p.element_size() for p in mirror.module.parameters())
+    # each release gave the whole copy back to the allocator (which rounds every block up to 512 bytes)
+    assert mirror.resident_nbytes == 0 and allocated[0] >= held and allocated == [allocated[0]] * 3, (allocated, held)
