@@ -367,6 +367,15 @@ def parse_args(argv=None):
                         help="hf_grpo only: score rows packed (on) or padded (off); default: the config's default")
     parser.add_argument("--lora_generation_mirror", choices=["default", "auto", "on", "off"], default="default",
                         help="hf_grpo only: decode LoRA rollouts from the weights with the adapters merged (default: the config's)")
+    parser.add_argument("--zero3_generation_mirror", choices=["default", "auto", "on", "off"], default="default",
+                        help="hf_grpo only: ZeRO-3's dense generation mirror (default: the config's)")
+    parser.add_argument("--release_generation_memory", choices=["default", "on", "off"], default="default",
+                        help="hf_grpo only: free the decoder's cache and graphs, and ZeRO-3's mirror, after each "
+                        "rollout (default: the config's, on)")
+    parser.add_argument("--dense_mirror_in_one_process", action="store_true",
+                        help="hf_grpo only, a probe: under ZeRO-3 with one process decode from the dense copy that "
+                        "several processes decode from (one process otherwise reads its whole partitions in place), "
+                        "so that the mirror's memory can be measured on one GPU")
     parser.add_argument("--compile_training", choices=["default", "auto", "on", "cpp_wrapper", "off"], default="default",
                         help="hf_grpo only: compile the training forward's decoder layers (default: the config's)")
     parser.add_argument("--training_cuda_graphs", choices=["default", "auto", "on", "off"], default="default",
@@ -483,6 +492,15 @@ def main(argv=None) -> int:
             common["lora_generation_mirror"] = args.lora_generation_mirror
         if args.training_cuda_graphs != "default":
             common["training_cuda_graphs"] = args.training_cuda_graphs
+        if args.zero3_generation_mirror != "default":
+            common["zero3_generation_mirror"] = args.zero3_generation_mirror
+        if args.release_generation_memory != "default":
+            common["release_generation_memory"] = args.release_generation_memory == "on"
+        if args.dense_mirror_in_one_process:
+            from hf_grpo.generation import dense_mirror
+
+            # as on several processes, where no rank holds its partitions whole
+            dense_mirror.partitions_whole = lambda model, device: False
         if args.lora_fused_forward != "default":
             common["lora_fused_forward"] = args.lora_fused_forward == "on"
         if args.shape_reuse_capture_cost is not None:
@@ -586,6 +604,8 @@ def main(argv=None) -> int:
         shape_reuse_capture_cost=getattr(getattr(getattr(decisions, "train_graphs", None), "reuse", None),
                                          "capture_cost", None),
         generation_mirror=str(decisions.mirror) if decisions else None,
+        release_generation_memory=getattr(trainer.args, "release_generation_memory", None),
+        dense_mirror_in_one_process=args.dense_mirror_in_one_process or None,
         lora_fused_layers=getattr(decisions, "lora_fused_layers", None),
         share_prompts=args.share_prompts == "on" if args.impl == "hf_grpo" else None,
         prompt_grouping=getattr(decisions, "prompt_grouping", None),
