@@ -329,6 +329,8 @@ def choose_for_run(settings, model: torch.nn.Module, zero3_configured: bool, dev
     if choice is not None and isinstance(choice.mirror, DenseMirror):
         # the decoder captures afresh each rollout, so nothing reads the copy's addresses between rollouts
         choice.freed_between_rollouts = settings.release_generation_memory
+        if choice.freed_between_rollouts:
+            choice.mirror.release()  # held from the first rollout's refresh on, not through the start of the run
     if choice is not None and main:
         logging.getLogger("hf_grpo").info("%s generation mirror: %s", choice.kind, choice)
     return True, choice

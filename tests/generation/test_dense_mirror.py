@@ -309,6 +309,9 @@ def test_a_dense_mirror_is_freed_between_rollouts_when_generation_memory_is_rele
     decided, choice = dense_mirror.choose_for_run(settings, model, True, torch.device("cpu"), lambda v: v, False)
     assert decided and isinstance(choice.mirror, DenseMirror)
     assert choice.freed_between_rollouts is release
+    # freed: nothing held before the first rollout's refresh either
+    held = sum(p.numel() * p.element_size() for p in choice.mirror.module.parameters())
+    assert choice.mirror.resident_nbytes == (0 if release else held)
     assert choice.plan_fields()["generation_mirror_freed"] is release
     assert ("freed after it (release_generation_memory)" in str(choice)) is release
     base = BatchPlan(per_device_train_batch_size=4, gradient_accumulation_steps=1, steps_per_generation=1,
