@@ -3,18 +3,19 @@
 Why: a captured CUDA graph reads its weights at fixed addresses. ZeRO-3 keeps each parameter
 split across the GPUs and gathers it into a fresh buffer whenever it is used, so a graph
 captured on the gathered model would read freed memory at the next rollout. The mirror is a
-plain (hook-free) model of the same architecture on this device whose tensors are allocated
-once and never move: ``refresh`` writes the current weights into them in place (``copy_``), so
-the graph captured on the mirror stays valid across rollouts and optimizer steps.
+plain (hook-free) model of the same architecture on this device whose tensors do not move while
+it is held: ``refresh`` writes the current weights into them in place (``copy_``), so a graph
+captured on the mirror stays valid across rollouts and optimizer steps.
 
 ``refresh`` gathers one unit at a time (a decoder layer, or a module outside the layer list
 such as the embeddings), so its transient peak is the mirror plus one layer, not the mirror
 plus a second gathered copy of the model. Its cost is one dense model copy per device, in the
-policy's own dtype (``nbytes``). Where the decoder captures its graphs afresh every rollout
-(``release_generation_memory``, the default) nothing needs the addresses between rollouts, so
-``release`` frees the copy's memory after each one and the next ``refresh`` allocates it again:
-the copy is held during rollouts only, and the training step, ZeRO-3's peak on several GPUs
-(the mirror plus the training half's activations), no longer carries it.
+policy's own dtype (``nbytes``), allocated by the first ``refresh``. Where the decoder captures its
+graphs afresh every rollout (``release_generation_memory``, the default) nothing reads the addresses
+between rollouts, so for a model that trains all its weights ``release`` frees the copy after each
+rollout and the next ``refresh`` allocates it again: the copy is held during rollouts only, and the
+training half, where such a run peaks (gradients, optimizer states), no longer carries it. A LoRA
+run peaks in its rollouts, which hold the copy anyway: there it is kept (``choose_for_run``).
 
 With PEFT LoRA the mirror holds the merged weights (base + every active adapter's delta, as
 ``merge_and_unload`` computes them) as a plain model: the decoder runs no adapter branch.
@@ -53,7 +54,9 @@ AUTO_HEADROOM = 2.0
 
 def _materialize(mirror: torch.nn.Module, base: torch.nn.Module, device: torch.device | None) -> int:
     """Give every parameter of the meta ``mirror`` its own tensor (tied ones share one), in the dtype of the
-    policy tensor it copies, and copy the buffers; return the bytes. ``device=None`` only counts them."""
+    policy tensor it copies, and copy the buffers; return the bytes. ``device=None`` only counts them. The
+    parameters hold no memory yet (their storage is freed as each is made, so building peaks at one tensor): the
+    first ``refresh`` allocates and fills them."""
     made: dict[int, torch.nn.Parameter] = {}  # meta parameter id -> its one parameter (tied weights)
     nbytes = 0
     for _, members in walk(mirror, base):
@@ -70,6 +73,8 @@ def _materialize(mirror: torch.nn.Module, base: torch.nn.Module, device: torch.d
                         f"builds {tuple(meta.shape)}; the dense mirror needs a config that describes the model")
                 tensor = torch.empty(meta.shape, dtype=live.dtype, device=device or "meta")
                 nbytes += tensor.numel() * tensor.element_size()
+                if device is not None:
+                    tensor.untyped_storage().resize_(0)
                 made[id(meta)] = torch.nn.Parameter(tensor, requires_grad=False)
                 mirror_module._parameters[name] = made[id(meta)]
             for name, _ in list(mirror_module.named_buffers(recurse=False)):
@@ -82,12 +87,14 @@ def _materialize(mirror: torch.nn.Module, base: torch.nn.Module, device: torch.d
 
 
 class DenseMirror:
-    """A plain copy of ``model`` on ``device`` whose tensors never move; ``refresh(model)`` updates it in place.
+    """A plain copy of ``model`` on ``device`` whose tensors do not move while held; ``refresh(model)`` updates it
+    in place.
 
     ``model`` is the policy as the trainer holds it: a transformers model or a PEFT (LoRA) model, possibly
     under a DDP/DeepSpeed ``.module`` wrapper, its parameters whole or ZeRO-3 partitioned. Every mirror
     tensor takes the dtype of the tensor it copies (the generation dtype), so the mirror's forward equals
-    the policy's. Building allocates one model copy (``nbytes``) and reads no weights: call ``refresh``.
+    the policy's. Building reads no weights and holds no parameter memory: ``refresh`` allocates the copy
+    (``nbytes``) and fills it, and keeps it until ``release``.
     """
 
     def __init__(self, model: torch.nn.Module, device: torch.device | str | None = None):
@@ -100,10 +107,10 @@ class DenseMirror:
         self.nbytes = _materialize(self.module, base, self.device)
         self.module.eval()
         self.module.generation_config = copy.deepcopy(base.generation_config)
-        # what ``release`` frees: each parameter's storage (a tied one once); the buffers (RoPE) are small and
-        # copied only once, so they stay
-        self._storages = [(param, param.untyped_storage().nbytes()) for param in self.module.parameters()]
-        self.released = False
+        # what ``refresh`` allocates and ``release`` frees: each parameter's storage (a tied one once); the buffers
+        # (RoPE) are small and copied only once, so they stay
+        self._storages = [(param, param.numel() * param.element_size()) for param in self.module.parameters()]
+        self.released = True  # nothing held until the first refresh
 
     @property
     def resident_nbytes(self) -> int:
@@ -234,8 +241,10 @@ class MirrorChoice:
         return "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in self.mirror.module.parameters()}))
 
     kind: str = "ZeRO-3"  # what the mirror stands in for: "ZeRO-3" (partitioned weights) or "LoRA" (adapters)
-    # a dense copy's memory freed after each rollout (``DenseMirror.release``): release_generation_memory
+    # a dense copy's memory freed after each rollout (``DenseMirror.release``), and what happens to it between
+    # rollouts, in words (``choose_for_run``)
     freed_between_rollouts: bool = False
+    between_rollouts: str = ""
 
     def plan_fields(self) -> dict:
         """The batch plan's fields for it (``BatchPlan.generation_mirror*``)."""
@@ -257,9 +266,9 @@ class MirrorChoice:
                       f"host copy" if self.mirror.host_nbytes else "")
             return (f"on ({self.reason}): one process holds ZeRO-3's partitions whole, so the decoder reads them in "
                     f"place{merged} (no GPU copy)")
-        freed = " and freed after it (release_generation_memory)" if self.freed_between_rollouts else ""
+        after = f", {self.between_rollouts}" if self.between_rollouts else ""
         return (f"on ({self.reason}): one {self.dtype} copy of the model per device "
-                f"({self.nbytes / 2**30:.2f} GiB), refreshed layer by layer each rollout{freed}")
+                f"({self.nbytes / 2**30:.2f} GiB), refreshed layer by layer each rollout{after}")
 
 
 def choose(setting: str, model: torch.nn.Module, generation_backend: str, device: torch.device,
@@ -327,10 +336,16 @@ def choose_for_run(settings, model: torch.nn.Module, zero3_configured: bool, dev
                      (choose_lora, settings.lora_generation_mirror))
     choice = pick(setting, model, settings.generation_backend, device, agree)
     if choice is not None and isinstance(choice.mirror, DenseMirror):
-        # the decoder captures afresh each rollout, so nothing reads the copy's addresses between rollouts
-        choice.freed_between_rollouts = settings.release_generation_memory
-        if choice.freed_between_rollouts:
-            choice.mirror.release()  # held from the first rollout's refresh on, not through the start of the run
+        # Freed where that lowers the run's peak: a model that trains all its weights peaks in the training half
+        # (gradients, optimizer states), which the copy would sit through. A LoRA run peaks in its rollouts, which
+        # hold the copy anyway; freeing it there measured a slower training half (7B on one H200: docs/performance.md).
+        # The decoder captures afresh each rollout (release_generation_memory), so nothing reads the old addresses.
+        lora = has_lora(model)
+        choice.freed_between_rollouts = settings.release_generation_memory and not lora
+        choice.between_rollouts = (
+            "freed after it (release_generation_memory)" if choice.freed_between_rollouts else
+            "kept between rollouts (release_generation_memory=False)" if not settings.release_generation_memory else
+            "kept between rollouts: a LoRA run peaks in its rollouts, which hold the copy anyway")
     if choice is not None and main:
         logging.getLogger("hf_grpo").info("%s generation mirror: %s", choice.kind, choice)
     return True, choice

@@ -8,9 +8,10 @@ turn in the same two processes (tests/scripts/one_launch.py), into OUT_DIR/<vari
 On CPU the "hf" backend generates (the cuda_graph one needs CUDA); what is checked is the mirror path:
 every rollout generates from the mirror, no gather is larger than one unit (a decoder layer, the
 embeddings, ...), and after the last optimizer step a refresh writes the weights into the mirror, whose values
-then equal the fully gathered model's (through PEFT's own merge under LoRA). ``plain`` keeps the copy between
-rollouts (``release_generation_memory=False``): the refresh writes into the same tensors. ``lora-tied`` frees it
-after each rollout (the default): the run ends holding none of it, and the refresh fills it again. With one process the
+then equal the fully gathered model's (through PEFT's own merge under LoRA). ``plain`` frees the copy after each
+rollout (``release_generation_memory``, the default): the run ends holding none of it, and the refresh fills it
+again. ``lora-tied`` keeps it (a LoRA run peaks in its rollouts): the refresh writes into the same tensors. With
+one process the
 partitions hold the whole weights and the decoder reads them in place: no copy, the adapters merged into them for
 the rollout and the base weights restored after. Writes
 OUT_DIR/<variant>/result.json on rank 0; any failed check exits non-zero.
@@ -79,7 +80,7 @@ def reference_logits(live, state, lora: bool, input_ids):
     return model.eval()(input_ids).logits
 
 
-def main(out_dir: str, lora: bool, release: bool) -> GRPOTrainer:
+def main(out_dir: str, lora: bool) -> GRPOTrainer:
     deepspeed.zero.GatheredParameters = RecordingGather
     del GATHERS[:], GENERATED_FROM[:]  # this run's only
     args = GRPOConfig(
@@ -87,7 +88,6 @@ def main(out_dir: str, lora: bool, release: bool) -> GRPOTrainer:
         per_device_train_batch_size=4, num_generations=4, max_completion_length=6, temperature=1.0,
         learning_rate=0.05, optim="sgd", lr_scheduler_type="constant", save_strategy="no", logging_steps=1,
         disable_tqdm=True, gradient_checkpointing=False, zero3_generation_mirror="on", generation_backend="hf",
-        release_generation_memory=release,
     )
     peft_config = None
     if lora:
@@ -126,11 +126,11 @@ def main(out_dir: str, lora: bool, release: bool) -> GRPOTrainer:
         partitions = {p.ds_tensor.untyped_storage().data_ptr() for p in live.parameters()}
         assert all(p.untyped_storage().data_ptr() in partitions for p in mirror.module.parameters())
 
-    # A dense copy released its memory after the last rollout (release_generation_memory), or kept it: then the
-    # refresh writes the new values into the same tensors. Read in place, the values are there before the refresh,
-    # which then only merges the adapters.
+    # A plain model's dense copy released its memory after the last rollout (release_generation_memory, the
+    # default); a LoRA run's kept it: the refresh writes the new values into the same tensors. Read in place, the
+    # values are there before the refresh, which then only merges the adapters.
     freed = trainer.decisions.mirror.freed_between_rollouts
-    assert freed == (release and not in_place), trainer.decisions.mirror
+    assert freed == (not lora and not in_place), trainer.decisions.mirror
     if not in_place:
         assert (mirror.resident_nbytes == 0) == freed, f"{mirror.resident_nbytes} bytes held after the run"
     params = list(mirror.module.parameters())
@@ -175,8 +175,7 @@ if __name__ == "__main__":
         assert variant in ("plain", "lora-tied"), variant
         run_dir = os.path.join(sys.argv[1], variant)
         os.makedirs(run_dir, exist_ok=True)
-        # the plain model keeps its copy between rollouts, the LoRA one frees it (the default)
-        trainer = main(run_dir, lora=variant == "lora-tied", release=variant == "lora-tied")
+        trainer = main(run_dir, lora=variant == "lora-tied")
         if index < len(variants) - 1:
             release_for_the_next_run(trainer)
     close_distributed(trainer)
