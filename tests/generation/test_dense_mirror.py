@@ -116,22 +116,29 @@ def test_lora_mirror_follows_a_disabled_adapter(tokenizer):
         assert not torch.equal(_logits(mirror.module, _ids()), _logits(policy, _ids()))
 
 
+def _policy(tokenizer, kind: str):
+    """A float64 policy: ``plain``, ``tied`` (one embedding matrix) or ``lora``."""
+    policy = _model(tokenizer, tied=kind == "tied")
+    return _lora(policy) if kind == "lora" else policy
+
+
+def _one_optimizer_step(policy):
+    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.5)
+    policy.train()
+    policy(_ids(), labels=_ids()).loss.backward()
+    optimizer.step()
+    policy.eval()
+
+
 @pytest.mark.parametrize("kind", ["plain", "tied", "lora"])
 def test_refresh_after_an_optimizer_step_keeps_addresses_and_follows_values(tokenizer, kind):
-    policy = _model(tokenizer, tied=kind == "tied")
-    if kind == "lora":
-        policy = _lora(policy)
+    policy = _policy(tokenizer, kind)
     mirror = DenseMirror(policy)
     mirror.refresh(policy)
     pointers = [p.data_ptr() for p in mirror.module.parameters()]
     before = _logits(mirror.module, _ids())
 
-    trainable = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(trainable, lr=0.5)
-    policy.train()
-    policy(_ids(), labels=_ids()).loss.backward()
-    optimizer.step()
-    policy.eval()
+    _one_optimizer_step(policy)
 
     assert torch.equal(_logits(mirror.module, _ids()), before)  # nothing read before the refresh
     mirror.refresh(policy)
@@ -146,9 +153,7 @@ def test_refresh_after_an_optimizer_step_keeps_addresses_and_follows_values(toke
 def test_released_mirror_holds_no_memory_and_its_refresh_fills_it_again(tokenizer, kind):
     """Between rollouts (release_generation_memory) the copy gives its memory back; the next refresh allocates
     it again and writes every weight, the optimizer's step included: no value survives from before the release."""
-    policy = _model(tokenizer, tied=kind == "tied")
-    if kind == "lora":
-        policy = _lora(policy)
+    policy = _policy(tokenizer, kind)
     mirror = DenseMirror(policy)
     assert mirror.resident_nbytes == 0  # built without memory: the first refresh allocates the copy
     mirror.refresh(policy)
@@ -161,12 +166,7 @@ def test_released_mirror_holds_no_memory_and_its_refresh_fills_it_again(tokenize
     with pytest.raises(RuntimeError):  # a read before the refresh fails; it never sees stale weights
         _logits(mirror.module, _ids())
 
-    trainable = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(trainable, lr=0.5)
-    policy.train()
-    policy(_ids(), labels=_ids()).loss.backward()
-    optimizer.step()
-    policy.eval()
+    _one_optimizer_step(policy)
 
     assert mirror.refresh(policy) is mirror.module
     assert list(mirror.module.parameters()) == params  # the same parameter objects, tied ones still one
@@ -387,9 +387,10 @@ def test_zero3_grpo_run_generates_from_a_layerwise_refreshed_mirror(zero3_mirror
         assert "decoded from the partitions in place" in found["plan"]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_graph_on_the_mirror_is_captured_once_across_refreshes(tokenizer):
+def _cuda_graph_rollouts(tokenizer, rollouts: int, after_rollout=None):
+    """``rollouts`` rollouts of a LoRA policy on CUDA decoded from its mirror by the cuda_graph backend, each equal
+    to the eager decode of PEFT's merged model, an optimizer step after each; ``after_rollout(backend, mirror)`` runs
+    between a rollout and its step. Returns the backend and the mirror."""
     from hf_grpo.generation.cuda_graph import CudaGraphBackend
 
     policy = _lora(_model(tokenizer, dtype=torch.float32).cuda())
@@ -398,36 +399,7 @@ def test_cuda_graph_on_the_mirror_is_captured_once_across_refreshes(tokenizer):
     config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=1)
     prompts = [[5, 6, 7], [8, 9]]
     optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.5)
-    for _ in range(2):
-        mirror.refresh(policy)
-        ours = backend.generate(mirror.module, prompts, generation_config=config, chunk_size=2, pad_token_id=0,
-                                eos_token_ids=[1])
-        merged = copy.deepcopy(policy).merge_and_unload()
-        theirs = CudaGraphBackend(use_cuda_graph=False, compile=False).generate(
-            merged, prompts, generation_config=config, chunk_size=2, pad_token_id=0, eos_token_ids=[1])
-        assert ours == theirs
-        policy.train()
-        policy(_ids().cuda(), labels=_ids().cuda()).loss.backward()
-        optimizer.step()
-        policy.eval()
-    assert backend.num_captures == 1  # the second rollout replayed the first capture on refreshed values
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_graph_decodes_a_released_and_refilled_mirror_as_the_policy(tokenizer):
-    """The trainer's default cycle on a GPU: refresh, decode (captured graph), free the decoder's memory and the
-    mirror's, an optimizer step, then the next rollout captures again on the refilled copy."""
-    from hf_grpo.generation.cuda_graph import CudaGraphBackend
-
-    policy = _lora(_model(tokenizer, dtype=torch.float32).cuda())
-    mirror = DenseMirror(policy)
-    backend = CudaGraphBackend(compile=False)
-    config = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=1)
-    prompts = [[5, 6, 7], [8, 9]]
-    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=0.5)
-    allocated = []
-    for _ in range(3):
+    for _ in range(rollouts):
         mirror.refresh(policy)
         ours = backend.generate(mirror.module, prompts, generation_config=config, chunk_size=2, pad_token_id=0,
                                 eos_token_ids=[1])
@@ -436,15 +408,37 @@ def test_cuda_graph_decodes_a_released_and_refilled_mirror_as_the_policy(tokeniz
             merged, prompts, generation_config=config, chunk_size=2, pad_token_id=0, eos_token_ids=[1])
         assert ours == theirs
         del merged
-        backend.release(empty_cache=False)
-        before = torch.cuda.memory_allocated()
-        mirror.release()
-        allocated.append(before - torch.cuda.memory_allocated())
+        if after_rollout is not None:
+            after_rollout(backend, mirror)
         policy.train()
         policy(_ids().cuda(), labels=_ids().cuda()).loss.backward()
         optimizer.step()
         policy.eval()
+    return backend, mirror
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_on_the_mirror_is_captured_once_across_refreshes(tokenizer):
+    backend, _ = _cuda_graph_rollouts(tokenizer, 2)
+    assert backend.num_captures == 1  # the second rollout replayed the first capture on refreshed values
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graph_decodes_a_released_and_refilled_mirror_as_the_policy(tokenizer):
+    """The trainer's default cycle on a GPU: refresh, decode (captured graph), free the decoder's memory and the
+    mirror's, an optimizer step, then the next rollout captures again on the refilled copy."""
+    freed = []
+
+    def release(backend, mirror):
+        backend.release(empty_cache=False)
+        before = torch.cuda.memory_allocated()
+        mirror.release()
+        freed.append(before - torch.cuda.memory_allocated())
+
+    backend, mirror = _cuda_graph_rollouts(tokenizer, 3, release)
     assert backend.num_captures == 3  # a capture a rollout, each on the refilled copy
     held = sum(p.numel() * p.element_size() for p in mirror.module.parameters())
     # each release gave the whole copy back to the allocator (which rounds every block up to 512 bytes)
-    assert mirror.resident_nbytes == 0 and allocated[0] >= held and allocated == [allocated[0]] * 3, (allocated, held)
+    assert mirror.resident_nbytes == 0 and freed[0] >= held and freed == [freed[0]] * 3, (freed, held)
