@@ -85,7 +85,8 @@ class GRPOConfig(trl.GRPOConfig):
         release_generation_memory (`bool`, *optional*, defaults to `True`):
             Free the generation backend's KV cache and captured graph after each rollout (the
             decode step's compile is kept), and under ZeRO-3 the dense mirror's copy of the weights
-            (``zero3_generation_mirror``), so they do not sit in memory through the backward.
+            (``zero3_generation_mirror``) of a model that trains all its weights, so they do not sit in
+            memory through the backward. A LoRA run keeps the copy: it peaks in its rollouts anyway.
         padding_free (`bool`, *optional*, defaults to `None`):
             Score micro-batches with their rows packed into one sequence (each row keeps its own
             positions and attends only to itself), so no layer computes over padding. Applies to the
@@ -104,8 +105,8 @@ class GRPOConfig(trl.GRPOConfig):
         zero3_generation_mirror (`str`, *optional*, defaults to `"auto"`):
             Under DeepSpeed ZeRO-3: ``"on"`` decodes from a dense copy of the weights, refreshed in place
             layer by layer each rollout, so the ``cuda_graph`` backend can serve ZeRO-3 (cost: one model copy
-            per device in the generation dtype, during rollouts only with ``release_generation_memory``, else
-            the whole run); ``"off"`` gathers the full model each rollout
+            per device in the generation dtype, during rollouts only for a model that trains all its weights
+            with ``release_generation_memory``, else the whole run); ``"off"`` gathers the full model each rollout
             and generates with ``"hf"``; ``"auto"`` is ``"on"`` when the ``cuda_graph`` backend would serve the
             model and free memory holds the copy twice over. With one process the partitions hold the whole
             weights: ``"on"`` then decodes from them in place, with no copy. No effect without ZeRO-3.
@@ -188,9 +189,10 @@ class GRPOConfig(trl.GRPOConfig):
         default=True,
         metadata={
             "help": "Free the cuda_graph backend's KV cache and captured graph after each rollout, and ZeRO-3's dense "
-            "mirror of the weights, so the training step gets that memory; the next rollout captures again (its "
-            "compile is kept) and refills the mirror. False keeps them between rollouts (no capture per rollout; "
-            "perf stats report the cache's size as generation_cache_gib)."
+            "mirror of the weights unless the policy trains LoRA adapters (a LoRA run peaks in its rollouts), so the "
+            "training step gets that memory; the next rollout captures again (its compile is kept) and refills the "
+            "mirror. False keeps them between rollouts (no capture per rollout; perf stats report the cache's size "
+            "as generation_cache_gib)."
         },
     )
     padding_free: bool | None = field(

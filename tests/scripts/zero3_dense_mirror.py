@@ -11,10 +11,9 @@ embeddings, ...), and after the last optimizer step a refresh writes the weights
 then equal the fully gathered model's (through PEFT's own merge under LoRA). ``plain`` frees the copy after each
 rollout (``release_generation_memory``, the default): the run ends holding none of it, and the refresh fills it
 again. ``lora-tied`` keeps it (a LoRA run peaks in its rollouts): the refresh writes into the same tensors. With
-one process the
-partitions hold the whole weights and the decoder reads them in place: no copy, the adapters merged into them for
-the rollout and the base weights restored after. Writes
-OUT_DIR/<variant>/result.json on rank 0; any failed check exits non-zero.
+one process the partitions hold the whole weights and the decoder reads them in place: no copy, the adapters merged
+into them for the rollout and the base weights restored after. Writes OUT_DIR/<variant>/result.json on rank 0; any
+failed check exits non-zero.
 """
 
 import json
