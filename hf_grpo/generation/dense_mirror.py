@@ -109,13 +109,13 @@ class DenseMirror:
         self.module.generation_config = copy.deepcopy(base.generation_config)
         # what ``refresh`` allocates and ``release`` frees: each parameter's storage (a tied one once); the buffers
         # (RoPE) are small and copied only once, so they stay
-        self._storages = [(param, param.numel() * param.element_size()) for param in self.module.parameters()]
+        self._params = list(self.module.parameters())
         self.released = True  # nothing held until the first refresh
 
     @property
     def resident_nbytes(self) -> int:
         """Device memory the mirror's parameters hold now: 0 between ``release`` and the next ``refresh``."""
-        return sum(param.untyped_storage().nbytes() for param, _ in self._storages)
+        return sum(param.untyped_storage().nbytes() for param in self._params)
 
     def release(self) -> None:
         """Free the parameters' memory until the next ``refresh``, which allocates it again and writes every weight.
@@ -124,7 +124,7 @@ class DenseMirror:
         addresses, and the new allocation may lie elsewhere. The tensors stay the same objects (shapes, dtypes);
         reading one before the refresh is an error, never stale values.
         """
-        for param, _ in self._storages:
+        for param in self._params:
             param.untyped_storage().resize_(0)
         self.released = True
 
@@ -136,8 +136,8 @@ class DenseMirror:
         ``release`` it first allocates the parameters' memory again (uninitialized: every weight is written below).
         """
         if self.released:
-            for param, nbytes in self._storages:
-                param.untyped_storage().resize_(nbytes)
+            for param in self._params:
+                param.untyped_storage().resize_(param.numel() * param.element_size())
             self.released = False
         done: set[int] = set()  # a tied weight is copied once
         for live_params, members in walk(self.module, live_base(model)):
