@@ -1,4 +1,5 @@
-"""Performance figures of a run: time per phase, tokens per second, peak memory."""
+"""Performance figures of a run: time per phase, tokens per second, peak memory, and on a GPU how near each phase
+runs to the device's measured rates (``flops``, ``device_rates``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
+
+from .device_rates import DeviceRates
 
 PHASES = ("generation", "reward", "logprob", "optimizer")
 COUNTS = ("decode_compiles", "graph_captures", "train_compiles", "train_graph_captures", "train_graph_reuses",
@@ -32,6 +35,7 @@ class PerformanceStats:
 
     def __init__(self, device: torch.device | None = None):
         self.device = device
+        self.rates: DeviceRates | None = None  # set on a GPU (device_rates): the efficiency figures need them
         self._total = defaultdict(float)
         self._window = defaultdict(float)
 
@@ -60,7 +64,30 @@ class PerformanceStats:
         self._window[key] += amount
 
     @staticmethod
-    def _report(counts: dict, device) -> dict[str, float]:
+    def _efficiency(counts: dict, rates: DeviceRates, steps: float) -> dict[str, float]:
+        """Achieved rates against the device's, and the floor each phase's work sets (``flops``): only what was
+        counted and timed (the decode loop is timed by the cuda_graph backend alone)."""
+        report = {}
+        matmul, copy = rates.matmul_tflops * 1e12, rates.copy_gbps * 1e9
+        for name, flops, seconds in (("train", "train_flops", "train_s"), ("scoring", "scoring_flops", "scoring_s")):
+            if counts.get(flops) and counts.get(seconds):
+                achieved = counts[flops] / counts[seconds]
+                report[f"{name}_tflops"] = achieved / 1e12
+                report[f"{name}_matmul_fraction"] = achieved / matmul
+        if counts.get("decode_bytes") and counts.get("decode_s"):
+            achieved = counts["decode_bytes"] / counts["decode_s"]
+            report["decode_gbps"] = achieved / 1e9
+            report["decode_bandwidth_fraction"] = achieved / copy
+        if counts.get("train_flops"):
+            report["training_half_floor_s"] = counts["train_flops"] / matmul / steps
+        if counts.get("decode_bytes"):
+            report["generation_floor_s"] = (counts["decode_bytes"] / copy + counts.get("prefill_flops", 0.0) / matmul
+                                            ) / steps
+        if "training_half_floor_s" in report and "generation_floor_s" in report:
+            report["step_floor_s"] = report["training_half_floor_s"] + report["generation_floor_s"]
+        return report
+
+    def _report(self, counts: dict, device) -> dict[str, float]:
         steps = max(counts.get("optimizer_steps", 0.0), 1.0)
         report = {"step_s": counts.get("step_s", 0.0) / steps}
         report.update({f"{name}_s_per_step": counts.get(f"{name}_s", 0.0) / steps for name in PHASES})
@@ -71,6 +98,8 @@ class PerformanceStats:
         # compiles and captures of the cuda_graph decoder (a number that keeps rising is thrash), OOM back-offs
         for count in COUNTS:
             report[count] = counts.get(count, 0.0)
+        if self.rates is not None:
+            report.update(self._efficiency(counts, self.rates, steps))
         return report
 
     def summary(self) -> dict[str, float]:
