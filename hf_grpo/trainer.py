@@ -51,6 +51,8 @@ from .generation import GenerationBackend, backend_counts, compile_workers, dens
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
 from .memory import autosize, prompt_lengths, token_budget, train_backoff
+from .memory.device_rates import device_rates
+from .memory.flops import BatchTokens, ModelWork
 from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
 from .memory.stats import PerformanceStats
 from . import reference_copy, run_files
@@ -96,6 +98,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._oom_knobs[token_budget.FIELD], self.loss_type, self.accelerator,
             lambda: self.model.zero_grad(set_to_none=True), lambda: self._metrics["train"], self._longest_row)
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        self.work = ModelWork.from_model(policy)  # the per-token work the efficiency figures count (memory.flops)
         # eager micro-batches packed or padded: the user's padding_free, else chosen at train begin, once the
         # sizes are settled (eager_packing; padded until then, as the "auto" sizes' probes run)
         self.decisions.eager_rows = eager_packing.Choice(False, "chosen at train begin")
@@ -295,6 +298,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.decisions.mirror is not None and self.decisions.mirror.freed_between_rollouts:
             mirror.release()  # ZeRO-3's dense copy too: the next rollout's refresh allocates and fills it again
         self.perf.add("generated_tokens", float(sum(len(ids) for ids in completion_ids)))
+        self._count_rollout_work(prompt_ids, completion_ids)
         for key, after in backend_counts(backend).items():
             self.perf.add(key, float(after - counts_before[key]))
         return completion_ids, None
@@ -313,7 +317,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             kwargs["batch_size"] = token_budget.scoring_batch_size(
                 model, kwargs["batch_size"], input_ids.shape[1], self.sizes.max_tokens_per_micro_batch,
                 self.__dict__.setdefault("_scoring_chunks_logged", set()), self.accelerator.is_main_process)
-        with self.perf.phase("logprob"):
+        scoring = not torch.is_grad_enabled()  # TRL's no-grad passes: the reference and the old policy
+        self._count_forward_work(input_ids, *args, scoring=scoring, **kwargs)
+        with self.perf.phase("logprob"), self.perf.phase("scoring") if scoring else contextlib.nullcontext():
             replayed = training_graphs.replay(self.decisions.train_graphs, self.perf, self.accelerator.autocast,
                                               model, input_ids, *args, **kwargs)  # a training micro-batch
             if replayed is not None:
@@ -321,6 +327,30 @@ class GRPOTrainer(trl.GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
 
     # ---- helpers -----------------------------------------------------------------------------
+    def _count_forward_work(self, input_ids, attention_mask=None, logits_to_keep=None, *_, scoring: bool, **kwargs):
+        """The FLOPs of a scoring or training forward (and its backward), on a GPU whose rates are measured."""
+        if self.perf.rates is None or self.work is None:
+            return
+        attention_mask = kwargs.get("attention_mask", attention_mask)
+        logits_to_keep = kwargs.get("logits_to_keep", logits_to_keep)
+        batch = BatchTokens.from_masks(input_ids, attention_mask, int(logits_to_keep))
+        if scoring:
+            flops = self.work.forward_flops(batch.tokens, batch.pairs, batch.scored)
+            self.perf.add("scoring_flops", flops)
+        else:
+            flops = self.work.training_flops(batch.tokens, batch.pairs, batch.scored,
+                                             recompute=self.facts.gradient_checkpointing)
+        self.perf.add("train_flops", flops)  # the training half: the scoring passes run inside training_step
+
+    def _count_rollout_work(self, prompt_ids, completion_ids) -> None:
+        """The bytes the rollout's decode steps must read and its prefill's FLOPs (``memory.flops``)."""
+        if self.perf.rates is None or self.work is None:
+            return
+        prompts, completions = [len(ids) for ids in prompt_ids], [len(ids) for ids in completion_ids]
+        chunk = self.sizes.per_device_generation_batch_size or len(prompts)  # None: the whole rollout at once
+        self.perf.add("decode_bytes", self.work.decode_bytes(prompts, completions, chunk))
+        self.perf.add("prefill_flops", self.work.prefill_flops(prompts))
+
     def _run_facts(self) -> RunFacts:
         """What the helpers read of this run, fixed once TRL has set it up (``hf_grpo.run_state``)."""
         args, model, accelerator = self.args, self.model, self.accelerator
@@ -376,6 +406,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         decisions.train_graphs = training_graphs.start(self.args, self.model, self.facts, self.sizes, decisions,
                                                        self.accelerator.is_main_process, self.model_wrapped)
         self._generation_mirror()  # decided on every rank before the plan is printed
+        if self.work is not None:  # a GPU's measured rates: the efficiency figures (memory.device_rates)
+            self.perf.rates = device_rates(self.accelerator.device)
         if world_process_zero:
             plan = self.batch_plan()
             logger.info("hf-grpo batch plan (world size %d):\n%s", plan.world_size, plan)

@@ -126,7 +126,9 @@ def cut_after_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) ->
     return [row[: end + 1] for row, end in zip(ids.tolist(), first_eos.tolist())]
 
 
-def backend_counts(backend: GenerationBackend) -> dict[str, int]:
-    """The cuda_graph backend's compile and capture counters (zeros for backends without them)."""
+def backend_counts(backend: GenerationBackend) -> dict[str, float]:
+    """The cuda_graph backend's compile and capture counters and its decode loops' device seconds (zeros for
+    backends without them)."""
     return {"decode_compiles": getattr(backend, "num_compiles", 0),
-            "graph_captures": getattr(backend, "num_captures", 0)}
+            "graph_captures": getattr(backend, "num_captures", 0),
+            "decode_s": getattr(backend, "decode_seconds", 0.0)}

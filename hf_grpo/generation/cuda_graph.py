@@ -192,6 +192,7 @@ class CudaGraphBackend(GenerationBackend):
         self._warned: set[str] = set()
         self.num_captures = 0  # how many times a decode step was captured (tests and logs read it)
         self.num_compiles = 0  # how many decode shapes (batch, cache length, dtype) were compiled
+        self.decode_seconds = 0.0  # the device time of the decode loops, prefills and captures left out (CUDA)
         self.reserved_len = 0  # the longest prompt + new tokens the run will need, when known (``reserve``)
         self._compiled_shapes: set[tuple] = set()
 
@@ -311,6 +312,7 @@ class CudaGraphBackend(GenerationBackend):
                 if decoder.compile_error is not None and self.compile_error is None:
                     self.compile_error = decoder.compile_error  # later decoders capture the eager forward
                 completions.extend(cut_after_eos(generated[:n_real], sampling.eos_token_ids))
+            self.decode_seconds += decoder.pop_decode_seconds()
         return completions
 
     def release(self, empty_cache: bool = True) -> None:

@@ -165,6 +165,7 @@ class StaticDecoder:
         params = inspect.signature(base.forward).parameters
         self._cache_kw = "past_key_values" if "past_key_values" in params and "cache" not in params else "cache"
         self._logits_to_keep = "logits_to_keep" in params
+        self.decode_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # each run's decode loop (CUDA)
 
     # ------------------------------------------------------------------ memory
     def nbytes(self) -> int:
@@ -200,6 +201,10 @@ class StaticDecoder:
                 self._prefill(model, input_ids, attention_mask)
             else:
                 self._rewind(state)
+        timing = None
+        if self.out.is_cuda:  # the decode loop alone, without the prefill and capture (efficiency: decode_gbps)
+            timing = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            timing[0].record()
         done = 1
         while done < steps:
             if use_graph:
@@ -209,7 +214,19 @@ class StaticDecoder:
             done += 1
             if done % check_every == 0 and not bool(self.unfinished.any()):
                 break
+        if timing is not None:
+            timing[1].record()
+            self.decode_timings.append(timing)
         return self.out[:, :done].clone()
+
+    def pop_decode_seconds(self) -> float:
+        """Seconds the decode loops since the last call took on the device (waits for the last to end)."""
+        seconds = 0.0
+        for start, end in self.decode_timings:
+            end.synchronize()
+            seconds += start.elapsed_time(end) / 1e3
+        self.decode_timings.clear()
+        return seconds
 
     def _capture_is_rewindable(self) -> bool:
         """True for a cache of plain static layers, whose only state besides K/V is where the next K/V goes."""
