@@ -335,6 +335,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--impl", choices=["trl", "hf_grpo"], required=True)
     parser.add_argument("--backend", default="auto", help="hf_grpo generation_backend: auto, hf, cuda_graph")
+    parser.add_argument("--trl_continuous_batching", action="store_true",
+                        help="--impl trl only: TRL's use_transformers_continuous_batching=True (its no-vLLM fast path)")
     parser.add_argument("--shape", choices=["0.5b", "1.5b", "7b", "tiny"], default="0.5b")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--per_device_train_batch_size", type=int, default=8)
@@ -511,14 +513,18 @@ def main(argv=None) -> int:
 
         padding_free.SHARE_PROMPTS = args.share_prompts == "on"
         prompt_groups.GROUP_PROMPTS = args.group_prompts == "on"
-    elif args.cudnn_attention != "default":
-        torch.backends.cuda.enable_cudnn_sdp(args.cudnn_attention == "on")
+    else:
+        if args.cudnn_attention != "default":
+            torch.backends.cuda.enable_cudnn_sdp(args.cudnn_attention == "on")
+        if args.trl_continuous_batching:
+            common["use_transformers_continuous_batching"] = True
     config = GRPOConfig(**common)
 
     timer = StepTimer(device, args.max_seconds)
     callbacks = [timer]
     if args.profile_step is not None:
-        label = args.impl if args.impl == "trl" else f"{args.impl}_{args.backend}"
+        label = (("trl_cb" if args.trl_continuous_batching else "trl") if args.impl == "trl"
+                 else f"{args.impl}_{args.backend}")
         callbacks.append(StepProfiler(args.profile_step, args.profile_dir, args.label or label))
     peft_config = None
     if args.lora_r:
@@ -589,7 +595,9 @@ def main(argv=None) -> int:
     record = dict(
         bench="grpo_realistic",
         impl=args.impl,
-        backend=getattr(getattr(trainer, "_backend", None), "name", None) or ("trl" if args.impl == "trl" else args.backend),
+        backend=getattr(getattr(trainer, "_backend", None), "name", None) or (
+            ("trl_continuous_batching" if args.trl_continuous_batching else "trl") if args.impl == "trl"
+            else args.backend),
         backend_requested=args.backend if args.impl == "hf_grpo" else "trl",
         model_shape=args.shape, dtype="bfloat16" if args.bf16 else "float32", device=device,
         completions_per_step=args.per_device_train_batch_size * args.gradient_accumulation_steps,
