@@ -344,7 +344,7 @@ def translates_and_lists_the_rest(ran: Ran) -> None:
 
 # ---- checks for what is not run --------------------------------------------------------------------
 
-README_INSTALL = 'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[deepspeed,dev]"'
+README_INSTALL = 'python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e ".[deepspeed,dev,math]"'
 
 
 def _ci_commands() -> list[str]:
@@ -727,8 +727,8 @@ def test_documented_command(doc, documented, tmp_path):
 
 def test_this_virtualenv_is_what_the_install_line_builds():
     """The set-up part of the README's two commands, not re-run: the virtualenv the tests run in must be what it
-    builds (the pinned torch where it is a CPU build, the project installed editable from this checkout with its
-    deepspeed and dev extras, the console scripts the README's commands call)."""
+    builds (the pinned torch where it is a CPU build, the project installed editable from this checkout with the
+    extras it names, the console scripts the README's commands call)."""
     import importlib.metadata
 
     import torch
@@ -740,7 +740,7 @@ def test_this_virtualenv_is_what_the_install_line_builds():
         assert torch.__version__.split("+")[0] == pin, torch.__version__
     assert pathlib.Path(hf_grpo.__file__).resolve().parent == ROOT / "hf_grpo"
     requires = importlib.metadata.requires("hf-grpo") or []
-    for extra in ("deepspeed", "dev"):
+    for extra in re.search(r'-e "\.\[([\w,]+)\]"', README_INSTALL).group(1).split(","):
         for requirement in (r for r in requires if f'extra == "{extra}"' in r):
             name = re.match(r"[A-Za-z0-9_.-]+", requirement).group(0)
             importlib.metadata.version(name)  # raises if the extra's package is missing

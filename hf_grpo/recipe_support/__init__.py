@@ -2,7 +2,8 @@
 models built in code, metrics files and plots.
 
 ``launch`` parses a recipe's arguments and runs it, ``recipe_args`` holds the arguments every recipe takes,
-``tasks`` builds the datasets, ``rewards`` scores completions (``answer_parsing`` reads answers out of them),
+``tasks`` builds the datasets, ``rewards`` scores completions (``answer_parsing`` reads answers out of them,
+``math_answers`` compares math answers, with math-verify when the ``math`` extra is installed),
 ``tiny`` builds tiny models and tokenizers (``diffusion_tiny`` the bidirectional ones, ``diffusion_launch`` runs
 the diffusion recipes), ``reporting`` draws the reward plot (the trainer writes
 ``metrics.jsonl``: ``hf_grpo.run_files``).

@@ -1,6 +1,7 @@
 """Reading answers out of model completions, never raising and never calling ``eval``: the last
 ``<answer>`` tag, a Countdown equation under a restricted grammar (exact rational arithmetic, guard limits),
-and a GSM8K-style final number. ``rewards`` scores what these return.
+and a GSM8K-style final number. ``rewards`` scores what these return. The final number is what GSM8K answers are
+compared by when math-verify (the ``math`` extra) is not installed, or cannot be used (``math_answers`` says when).
 
 May import: the standard library only.
 """

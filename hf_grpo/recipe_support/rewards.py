@@ -28,8 +28,9 @@ Countdown (:func:`countdown_reward`):
       grammar, division by zero, or a guard limit exceeded.
 
 GSM8K:
-    * :func:`gsm8k_correctness_reward` -- ``1.0`` when the number extracted from the completion
-      equals the reference final number (the ``#### N`` line of the GSM8K answer), else ``0.0``;
+    * :func:`gsm8k_correctness_reward` -- ``1.0`` when the completion's final answer equals the
+      reference's (the ``#### N`` line of the GSM8K answer), else ``0.0``; compared by math-verify
+      with the ``math`` extra, else as plain numbers (:mod:`.math_answers`);
     * :func:`gsm8k_format_reward` -- ``0.2`` (:data:`GSM8K_FORMAT_REWARD`) when the completion is
       reasoning followed by one final ``<answer>NUMBER</answer>`` tag and nothing after it,
       else ``0.0``.
@@ -59,6 +60,7 @@ from .answer_parsing import (
     parse_countdown_equation,
     parse_with_claim,
 )
+from .math_answers import answers_match
 
 __all__ = [
     "COUNTDOWN_FORMAT_REWARD",
@@ -233,23 +235,20 @@ def countdown_format_reward(completions, **kwargs) -> list[float]:
 
 
 # ---------------------------------------------------------------------------------------------
-# GSM8K (the final number: answer_parsing.extract_final_number)
+# GSM8K (the final answer: math_answers, math-verify or answer_parsing.extract_final_number)
 # ---------------------------------------------------------------------------------------------
 
 
 def gsm8k_correctness_reward(completions, answer=None, **kwargs) -> list[float]:
-    """``1.0`` when :func:`extract_final_number` of the completion equals that of the reference
-    ``answer`` (GSM8K style: reasoning then ``#### 72``; a bare number works too), else ``0.0``
-    (also ``0.0`` when either side has no number)."""
+    """``1.0`` when the completion's final answer equals the reference ``answer``'s (GSM8K style: reasoning
+    then ``#### 72``; a bare number works too), else ``0.0`` (also ``0.0`` when either side has none).
 
-    def score(text: str, reference: Any) -> float:
-        if isinstance(reference, (int, float)) and not isinstance(reference, bool):
-            reference = str(reference)
-        want = extract_final_number(reference)
-        return 1.0 if want is not None and extract_final_number(text) == want else 0.0
-
+    The answer is the last ``<answer>`` tag's content, else the ``####`` line, else what math-verify finds
+    (``\\boxed{}``, "the answer is", the last number). With the ``math`` extra, math-verify reads and compares
+    the values (``\\frac{3}{4}`` = ``0.75``, ``1,000`` = ``1000``, ``3.50`` = ``3.5``); without it,
+    :func:`extract_final_number` compares plain numbers (:mod:`hf_grpo.recipe_support.math_answers`)."""
     require_columns("gsm8k_correctness_reward", answer=answer)
-    return _score_each(completions, score, answer)
+    return _score_each(completions, lambda text, reference: float(answers_match(text, reference)), answer)
 
 
 # Expected GSM8K completion format: some reasoning (at least one non-space character), then a
