@@ -13,7 +13,8 @@
 #   SHAPE=7b-full CONFIGS=zero3 PROCESS_COUNTS="4 8" bash bench/run_launch_configs.sh     # 7B full fine-tune
 #
 # Env: CONFIGS (default "zero2 zero3"; any accelerate_configs/<name>.yaml), IMPLS (default "trl hf_grpo"; also
-# hf_grpo_padded, hf_grpo_packed: hf_grpo with padding_free forced False / True), NUM_PROCESSES (1), PROCESS_COUNTS
+# trl_cb: TRL with use_transformers_continuous_batching=True; hf_grpo_padded, hf_grpo_packed: hf_grpo with
+# padding_free forced False / True), NUM_PROCESSES (1), PROCESS_COUNTS
 # (the process counts to launch each config with, default NUM_PROCESSES; the summary gives completions/s per GPU
 # against the smallest count), SHAPE (1.5b-lora: the run above; 7b-lora: Qwen2.5-7B's dimensions with LoRA r16,
 # completions of up to 2048; 7b-full: the 7B fully fine-tuned, completions of up to 1024, generation 16 at a time;
@@ -79,10 +80,11 @@ for config in $CONFIGS; do
   for impl in $IMPLS; do
     case $impl in
       trl)            flags="--impl trl" ;;
+      trl_cb)         flags="--impl trl --trl_continuous_batching" ;;
       hf_grpo)        flags="--impl hf_grpo" ;;
       hf_grpo_padded) flags="--impl hf_grpo --padding_free off" ;;
       hf_grpo_packed) flags="--impl hf_grpo --padding_free on" ;;
-      *) echo "unknown impl $impl (from: trl hf_grpo hf_grpo_padded hf_grpo_packed)"; continue ;;
+      *) echo "unknown impl $impl (from: trl trl_cb hf_grpo hf_grpo_padded hf_grpo_packed)"; continue ;;
     esac
     label="$config x$NUM_PROCESSES, $impl"
     echo "=== $label: $flags"
@@ -123,7 +125,9 @@ done
 $PY - "$JSONL" <<'EOF'
 import json, statistics, sys
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-print(f"\n{'config':28} {'impl':8} {'rows':8} {'steps':>5} {'later step s':>12} {'training half s':>15}  peak GiB by rank")
+# the step's floor (hf_grpo's perf figures on a GPU: the work counted, over the measured matmul rate and bandwidth)
+print(f"\n{'config':28} {'impl':8} {'rows':8} {'steps':>5} {'later step s':>12} {'training half s':>15} "
+      f"{'floor s':>7} {'matmul %':>8} {'decode bw %':>11}  peak GiB by rank")
 for r in rows:
     config = (r.get("launch") or {}).get("config") or "-"
     if r.get("failed"):
@@ -134,12 +138,17 @@ for r in rows:
         print(f"{config:28} {r['impl']:8} failed: {r['note']}{began}")
         continue
     later = r["step_s"][1:]
+    if r["impl"] == "trl" and r.get("backend") == "trl_continuous_batching":
+        r["impl"] = "trl_cb"
     half = ((r.get("phases") or {}).get("median_with_rollout") or {}).get("training_half")
     peaks = [rank.get("peak_mem_gib") for rank in r.get("per_rank", [])]
-    layout = "-" if r["impl"] == "trl" else (r.get("eager_rows") or "-").split(" (")[0].replace("rows ", "")
+    layout = "-" if r["impl"].startswith("trl") else (r.get("eager_rows") or "-").split(" (")[0].replace("rows ", "")
+    perf = r.get("perf") or {}
+    fraction = lambda key: 100 * perf[key] if key in perf else float("nan")  # noqa: E731
     print(f"{config:28} {r['impl']:8} {layout:8} {r['steps_done']:5} "
           f"{statistics.median(later) if later else float('nan'):12.3f} {half if half is not None else float('nan'):15.3f}"
-          f"  {peaks}")
+          f" {perf.get('step_floor_s', float('nan')):7.2f} {fraction('train_matmul_fraction'):8.1f}"
+          f" {fraction('decode_bandwidth_fraction'):11.1f}  {peaks}")
 # Scaling: completions a second per GPU (each rank generates and trains its own, completions_per_step of them a
 # step) over the later steps, against the fewest processes each config and impl ran with.
 per_gpu = {}
