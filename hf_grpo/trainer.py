@@ -302,17 +302,10 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         with self.perf.phase("reward"):
             rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        metrics = self._metrics["train" if self.model.training else "eval"]
-        # every rank the same: the rewards are gathered. Infinite or overflowing rewards count as None (unscored)
-        out_of_range, bound = unscored.unscore_out_of_range(rewards, self.reward_weights)
-        warned = self.__dict__.setdefault("_out_of_range_warned", set())
-        for name, count in zip(self.reward_func_names, out_of_range.tolist(), strict=True):
-            metrics[unscored.NON_FINITE_METRIC.format(name=name)].append(float(count))
-            if count and name not in warned and self.accelerator.is_main_process:
-                warned.add(name)
-                logger.warning(unscored.out_of_range_warning(name, count, rewards.shape[0], bound))
-        count = unscored.count_unscored(rewards, self.reward_func_names, int(out_of_range.sum()))
-        metrics[unscored.METRIC].append(float(count))
+        # every rank the same (the rewards are gathered); infinite ones set to NaN here, warned about once per function
+        warned = self.__dict__.setdefault("_out_of_range_warned", set() if self.accelerator.is_main_process else None)
+        for key, value in unscored.check_rollout(rewards, self.reward_func_names, self.reward_weights, warned).items():
+            self._metrics["train" if self.model.training else "eval"][key].append(value)
         return rewards
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):

@@ -17,6 +17,7 @@ into NaN before TRL's statistics, so it counts as that function's ``None``; they
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 
@@ -24,6 +25,7 @@ import torch
 
 METRIC = "rewards/unscored"
 NON_FINITE_METRIC = "rewards/{name}/non_finite"
+logger = logging.getLogger("hf_grpo")
 
 
 class UnscoredRolloutError(ValueError):
@@ -78,3 +80,19 @@ def count_unscored(rewards_per_func: torch.Tensor, names: Sequence[str], out_of_
             f"return one float per completion; None means 'no opinion' on that completion and needs another "
             f"function, or another completion of the rollout, to be scored")
     return int(unscored.sum())
+
+
+def check_rollout(rewards_per_func: torch.Tensor, names: Sequence[str], weights: torch.Tensor,
+                  warned: set[str] | None) -> dict[str, float]:
+    """A rollout's gathered rewards made fit for TRL's statistics: those out of range set to NaN (in place), a warning
+    for each function's first such rollout (``warned``: the functions warned about so far; None on the processes
+    that do not log), and an error if nothing is left scored. Returns the rollout's metrics."""
+    out_of_range, bound = unscore_out_of_range(rewards_per_func, weights)
+    metrics = {}
+    for name, count in zip(names, out_of_range.tolist(), strict=True):
+        metrics[NON_FINITE_METRIC.format(name=name)] = float(count)
+        if count and warned is not None and name not in warned:
+            warned.add(name)
+            logger.warning(out_of_range_warning(name, count, rewards_per_func.shape[0], bound))
+    metrics[METRIC] = float(count_unscored(rewards_per_func, names, int(out_of_range.sum())))
+    return metrics
