@@ -9,6 +9,7 @@ logging step) and ``performance.json`` (every rank's timings and peak memory, at
 from __future__ import annotations
 
 import json
+import math
 import os
 import weakref
 
@@ -54,7 +55,16 @@ class MetricsFileCallback(TrainerCallback):
         if self.run is not None:
             row.update(run=self.run, run_start_step=self.run_start_step)
         with open(self.path, "a") as handle:
-            handle.write(json.dumps(row) + "\n")
+            handle.write(json_line(row) + "\n")
+
+
+def json_line(row: dict) -> str:
+    """``row`` as one line of standard JSON: a non-finite float (a NaN loss, an infinite grad norm) as null. Python's
+    ``json`` would write ``NaN`` and ``Infinity``, which JSON does not have and strict parsers (JavaScript's
+    ``JSON.parse``, ``json.loads`` with ``parse_constant``) refuse."""
+    finite = {key: None if isinstance(value, float) and not math.isfinite(value) else value
+              for key, value in row.items()}
+    return json.dumps(finite, allow_nan=False)
 
 
 def read_metrics(path: str) -> list[dict]:

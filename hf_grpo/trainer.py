@@ -8,7 +8,7 @@ Every override of TRL's and transformers' methods is here, written against trl 1
   dense mirror under ZeRO-3 or with a LoRA policy's adapters merged (``generation.dense_mirror``, ``lora_merge``).
 - ``compute_loss`` (public): token-budget passes (``memory.token_budget``); in one process the backward runs here,
   so an out-of-memory in it can be retried (``memory.train_backoff``).
-- ``_calculate_rewards``: timed; unscored completions counted (``checks.unscored``).
+- ``_calculate_rewards``: timed; unscored completions counted, infinite rewards made unscored (``checks.unscored``).
   ``_get_per_token_logps_and_entropies``: timed; no-grad scoring chunks of ``token_budget.scoring_rows``; the
   models' ``forward`` runs the log-softmax ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
 - ``_prepare_inputs``: TRL's, then a prompt's rows kept in the same micro-batches where the gradient stays the same
@@ -44,7 +44,7 @@ from .training import compiled_layers as training_compile, eager_packing, graphs
 from .training import prompt_groups
 from .checks import inputs as checks
 from .checks import output_lock, resume
-from .checks.unscored import METRIC as UNSCORED_METRIC, count_unscored
+from .checks import unscored
 from .config import GRPOConfig
 from .distributed import plain_to_zero, zero3_leaves
 from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, open_backend
@@ -306,8 +306,10 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         with self.perf.phase("reward"):
             rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        unscored = count_unscored(rewards, self.reward_func_names)  # every rank the same: the rewards are gathered
-        self._metrics["train" if self.model.training else "eval"][UNSCORED_METRIC].append(float(unscored))
+        # every rank the same (the rewards are gathered); infinite ones set to NaN here, warned about once per function
+        warned = self.__dict__.setdefault("_out_of_range_warned", set() if self.accelerator.is_main_process else None)
+        for key, value in unscored.check_rollout(rewards, self.reward_func_names, self.reward_weights, warned).items():
+            self._metrics["train" if self.model.training else "eval"][key].append(value)
         return rewards
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):

@@ -15,6 +15,7 @@ from peft import LoraConfig, get_peft_model
 
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 from hf_grpo.training import lora_forward
+from tolerances import backward_terms, reordered
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -55,8 +56,9 @@ def test_fused_forward_equals_peft_in_float32_outputs_and_adapter_gradients(drop
     got_logits, got_grads = outputs_and_grads(policy, ids)
     assert torch.allclose(got_logits, want_logits, rtol=1e-5, atol=1e-5)
     assert got_grads.keys() == want_grads.keys() and len(got_grads) == 2 * 7 * policy.config.num_hidden_layers
-    for name, grad in got_grads.items():
-        assert torch.allclose(grad, want_grads[name], rtol=1e-5, atol=1e-6), name
+    terms = backward_terms(policy.config, ids.numel())
+    for name, grad in got_grads.items():  # the adapters' sums taken in another order than PEFT's
+        assert torch.allclose(grad, want_grads[name], **reordered(want_grads[name], terms)), name
 
 
 def test_fused_forward_takes_the_addmm_path_under_bf16_autocast_and_agrees_with_peft(monkeypatch):
@@ -198,5 +200,6 @@ def test_compiled_training_layers_run_the_fused_forward_as_eager_peft():
         assert layers.compiles > 0
         torch.testing.assert_close(logps, want_logps, rtol=1e-5, atol=1e-6)
         assert grads.keys() == want_grads.keys() and any("lora_B" in name for name in grads)
-        for name, grad in want_grads.items():
-            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+        terms = backward_terms(eager.config, inputs[0].numel())
+        for name, grad in want_grads.items():  # compiled kernels sum in other orders than eager PEFT
+            torch.testing.assert_close(grads[name], grad, **reordered(grad, terms), msg=name)

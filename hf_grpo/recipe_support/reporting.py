@@ -24,11 +24,12 @@ def plot_metrics(metrics_path: str, png_path: str, title: str = "GRPO training")
     rows = [r for r in current_run_rows(read_metrics(metrics_path)) if "reward" in r]
     steps = [r["step"] for r in rows]
     fig, reward_axis = plt.subplots(figsize=(7, 4))
-    reward_axis.plot(steps, [r["reward"] for r in rows], color="tab:blue", marker="o", markersize=3, label="reward")
+    rewards = [math.nan if r["reward"] is None else r["reward"] for r in rows]  # null: a non-finite value
+    reward_axis.plot(steps, rewards, color="tab:blue", marker="o", markersize=3, label="reward")
     reward_axis.set_xlabel("optimizer step")
     reward_axis.set_ylabel("mean reward", color="tab:blue")
     loss_axis = reward_axis.twinx()
-    losses = [r.get("loss", math.nan) for r in rows]
+    losses = [math.nan if r.get("loss") is None else r["loss"] for r in rows]
     loss_axis.plot(steps, losses, color="tab:orange", alpha=0.7, label="loss")
     loss_axis.set_ylabel("loss", color="tab:orange")
     reward_axis.set_title(title)
