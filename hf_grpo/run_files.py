@@ -78,10 +78,14 @@ def current_run_rows(rows: list[dict]) -> list[dict]:
 class PerformanceFileCallback(TrainerCallback):
     """Writes ``output_dir/performance.json``, ``{"per_rank": [stats of rank 0, rank 1, ...]}``, when training ends
     (``GRPOTrainer.get_performance_stats``): peak memory differs per GPU under ZeRO, so every rank's figures are
-    kept."""
+    kept. A ``train()`` that ran no step leaves an existing file as it is."""
 
     def __init__(self, trainer):
         self.trainer = trainer
+        self.start_step = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start_step = state.global_step
 
     def on_train_end(self, args, state, control, **kwargs):
         stats = self.trainer.get_performance_stats()
@@ -89,7 +93,9 @@ class PerformanceFileCallback(TrainerCallback):
         per_rank = [None] * torch.distributed.get_world_size() if distributed else [stats]
         if distributed:  # every rank reaches on_train_end: the gather is a collective they all join
             torch.distributed.all_gather_object(per_rank, stats)
-        if state.is_world_process_zero:
+        # a train() that trained no step (a finished run resumed) keeps the figures of the run that trained
+        kept = state.global_step == self.start_step and os.path.exists(os.path.join(args.output_dir, PERFORMANCE_FILE))
+        if state.is_world_process_zero and not kept:
             os.makedirs(args.output_dir, exist_ok=True)
             with open(os.path.join(args.output_dir, PERFORMANCE_FILE), "w") as handle:
                 json.dump({"per_rank": per_rank}, handle, indent=1)
