@@ -37,9 +37,10 @@ class MetricsFileCallback(TrainerCallback):
     """Appends ``{"step", "reward", "loss", ..., "run", "run_start_step"}`` to ``output_dir/metrics.jsonl`` at
     every training log.
 
-    The file is only ever appended to: each ``train()`` into the directory is a new ``run`` (1, 2, ...) whose
-    rows carry the step it started from (0 fresh, N resumed from ``checkpoint-N``). ``current_run_rows`` reads
-    back the rows of the latest run's history; nothing a failed or redone run logged is lost from the file.
+    The file is only appended to (a torn last line moved aside first): each ``train()`` into the directory is a
+    new ``run`` (1, 2, ...) whose rows carry the step it started from (0 fresh, N resumed from ``checkpoint-N``).
+    ``current_run_rows`` reads back the rows of the latest run's history; nothing a failed or redone run logged is
+    lost from the file.
     """
 
     def __init__(self, output_dir: str):

@@ -57,6 +57,24 @@ def test_a_finished_run_resumed_trains_nothing_and_keeps_its_final_checkpoint_an
     assert json.loads((out / "performance.json").read_text())["per_rank"][0]["step_s"] == 0  # written: it was gone
 
 
+def test_a_library_resume_past_max_steps_trains_nothing_and_holds_the_checkpoints_weights(tmp_path, caplog):
+    from test_trainer import make_trainer
+
+    make_trainer(tmp_path, max_steps=2, save_strategy="steps", save_steps=2).train()
+    checkpoint = tmp_path / "out" / "checkpoint-2"
+    saved = load_file(checkpoint / "model.safetensors")
+    trainer = make_trainer(tmp_path, max_steps=1, save_strategy="steps", save_steps=1)  # below the checkpoint's step
+    with caplog.at_level("WARNING", logger="hf_grpo"):
+        trainer.train(resume_from_checkpoint=True)
+    assert trainer.state.global_step == 2 and sorted(p.name for p in checkpoint.parent.glob("checkpoint-*")) == [
+        "checkpoint-2"]
+    held = trainer.model.state_dict()  # what the script's save_model() then writes
+    assert saved.keys() <= held.keys()
+    for name, tensor in saved.items():
+        torch.testing.assert_close(held[name], tensor, rtol=0, atol=0)
+    assert f"resume_from_checkpoint: {checkpoint} is at step 2, past the run's max_steps=1" in caplog.text
+
+
 @pytest.mark.slow
 @pytest.mark.launch
 def test_a_finished_zero2_run_resumed_on_two_processes_trains_nothing(tmp_path, zero2_quickstart_run):
