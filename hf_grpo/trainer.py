@@ -439,6 +439,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.perf.add("train_compiles", float(layers.compiles - before))
 
     _check_inputs = staticmethod(checks.check_before_loading)  # before TRL loads anything
+    # transformers', running no epoch where a resume finds the run finished (hf_grpo.checks.resume.no_epoch_if_finished)
+    _init_training_state = resume.no_epoch_if_finished(trl.GRPOTrainer._init_training_state)
 
     def _longest_prompt(self) -> int | None:
         """Tokens in the training set's longest prompt (scanned once: cache sizing and "auto" probes both ask)."""

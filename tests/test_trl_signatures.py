@@ -36,6 +36,8 @@ RECORDED = {
     "_prepare_inputs": "(self, generation_batch)",
     # transformers' Trainer's (transformers 5.24): overridden, and the loaders its override calls
     "_prepare_for_training": "(self, max_steps, train_dataloader, resume_from_checkpoint)",
+    "_init_training_state": "(self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, "
+                            "trial)",
     "_load_from_checkpoint": "(self, resume_from_checkpoint, model=None)",
     "_load_optimizer_and_scheduler": "(self, checkpoint)",
     "_load_scaler": "(self, checkpoint)",

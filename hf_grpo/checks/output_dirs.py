@@ -5,7 +5,7 @@ directories is refused: otherwise its checkpoint rotation (``save_total_limit``)
 run's last good checkpoint, and a run that then fails leaves nothing good behind. The user says what they
 mean: ``resume_from_checkpoint`` (continue that run; rotation then only drops checkpoints older than a newer
 one of the same run) or ``overwrite_output_dir`` (start over; the previous checkpoints are deleted first, said
-in the log). ``metrics.jsonl`` is only ever appended to (``hf_grpo.recipe_support.reporting``).
+in the log). ``metrics.jsonl`` is only appended to, after a torn last line is moved aside (``hf_grpo.run_files``).
 """
 
 from __future__ import annotations
