@@ -39,8 +39,8 @@ def _count_values(root: yaml.Node, name: str) -> int:
             return counts[key]
         if key in open_nodes:
             raise AliasExpansionError(
-                f"{name}: an alias names the value that holds it (a recursive structure, line {node.start_mark.line + 1}); "
-                f"a config is a finite tree: write the value out")
+                f"{name}: an alias names the value that holds it (a recursive structure, line "
+                f"{node.start_mark.line + 1}); a config is a finite tree: write the value out")
         open_nodes.add(key)
         total = 1
         if isinstance(node, yaml.SequenceNode):
