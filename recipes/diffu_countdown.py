@@ -1,9 +1,13 @@
 """Countdown with a masked-diffusion LM (diffu-GRPO, the d1 method): LLaDA-8B-Instruct + LoRA by default.
 
-    accelerate launch --config_file accelerate_configs/zero2.yaml recipes/diffu_countdown.py --config recipes/diffu_countdown.yaml
+    accelerate launch --config_file accelerate_configs/zero2.yaml recipes/diffu_countdown.py --config recipes/diffu_countdown.yaml --trust_remote_code true
     python recipes/diffu_countdown.py --tiny --max_steps 5 --max_completion_length 16 --block_length 8 --diffusion_steps 8
                                                             # offline smoke run with a tiny bidirectional model on CPU
     python recipes/diffu_countdown.py --model_name_or_path ./my-diffusion-checkpoint --trust_remote_code true
+
+Remote code is opt-in: LLaDA and Dream ship their own modelling code, which runs only with
+``--trust_remote_code true`` (the YAML keeps it false; a checkpoint that needs it without the flag is refused,
+naming the flag). The ``--tiny`` model is transformers' own Qwen2 class and needs none.
 
 The sampler and estimator settings default to d1's published ones (DiffuGRPOConfig's defaults): 256
 completion tokens in blocks of 32, 128 denoising steps, low-confidence remasking, prompt tokens masked

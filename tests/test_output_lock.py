@@ -119,3 +119,40 @@ def test_the_lock_appears_whole_and_leaves_no_draft_behind(tmp_path):
     assert not output_lock._create(path, {"pid": 2, "host": "b"})
     assert json.loads((tmp_path / LOCK_FILE).read_text()) == {"pid": 1, "host": "a"}
     assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE]
+
+
+# ---- no secret in the lock ----------------------------------------------------------------------------
+
+SECRET_ARGV = ["train.py", "--hub_token", "hf_SPACEFORM", "--wandb_api_key=EQUALSFORM", "--push_to_hub",
+               "--db_password", "PW", "--output_dir", "out"]
+
+
+def test_the_lock_records_the_command_without_secret_values_and_only_its_owner_reads_it(tmp_path, monkeypatch):
+    from hf_grpo.checks import output_lock
+
+    monkeypatch.setattr(sys, "argv", SECRET_ARGV)
+    previous = os.umask(0o022)  # the usual umask, under which a plain open() makes a world-readable file
+    try:
+        assert output_lock.acquire(str(tmp_path))
+        lock = tmp_path / LOCK_FILE
+        command = json.loads(lock.read_text())["command"]
+        mode = lock.stat().st_mode & 0o777
+        output_lock.release(str(tmp_path))
+    finally:
+        os.umask(previous)
+    for secret in ("hf_SPACEFORM", "EQUALSFORM", "PW"):
+        assert secret not in command
+    assert "train.py --hub_token *** --wandb_api_key=*** --push_to_hub --db_password *** --output_dir out" in command
+    assert mode == 0o600
+
+
+def test_a_refusal_shows_the_holders_command_without_its_secrets(tmp_path):
+    """Even a lock written with the secrets in it (by an earlier version) is shown redacted to whoever is refused."""
+    out = tmp_path / "out"
+    write_lock(out, host="node-7", pid=4242, started="2026-01-02 03:04:05 UTC",
+               command="python " + " ".join(SECRET_ARGV))
+    with pytest.raises(OutputDirLocked) as err:
+        make_trainer(tmp_path, max_steps=1).train()
+    message = str(err.value)
+    assert "command: python train.py --hub_token *** --wandb_api_key=*** --push_to_hub --db_password *** " in message
+    assert not any(secret in message for secret in ("hf_SPACEFORM", "EQUALSFORM", "PW "))

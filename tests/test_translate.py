@@ -378,6 +378,35 @@ def test_a_whole_verl_config_translates_its_batch_keys_and_lists_the_others_once
                        "trainer.logger"]
 
 
+def alias_bomb(levels: int) -> str:
+    """About 1 KB of YAML whose level i names level i-1 twice: 2**levels values once walked."""
+    lines = ["l0: &l0 {x: 1, y: 2}"] + [f"l{i}: &l{i} {{p: *l{i - 1}, q: *l{i - 1}}}" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\ndata:\n  train_batch_size: 8\n"
+
+
+@pytest.mark.parametrize("text, refusal", [
+    (alias_bomb(30), "holds more than 100000 values, each alias (*name) counted as the values it repeats"),
+    ("data: &d\n  train_batch_size: 8\n  loop: *d\n", "an alias names the value that holds it"),
+], ids=["alias bomb", "recursive alias"])
+def test_a_pasted_config_whose_aliases_expand_without_bound_is_refused_at_once(tmp_path, capsys, text, refusal):
+    import time
+
+    config = tmp_path / "verl.yaml"
+    config.write_text(text)
+    start = time.perf_counter()
+    assert main(["plan", "--from", "verl", "--config", str(config)]) == 1
+    assert time.perf_counter() - start < 5  # refused while reading (unbounded: minutes and gigabytes)
+    assert capsys.readouterr().err.startswith(f"error: {config}: {refusal}")
+
+
+def test_a_pasted_config_with_a_few_aliases_reads_as_if_written_out(tmp_path, capsys):
+    config = tmp_path / "verl.yaml"
+    config.write_text(VERL_YAML.replace("critic:\n  ppo_mini_batch_size: 32\n  ppo_micro_batch_size_per_gpu: 4\n",
+                                        "critic: *actor\n").replace("  actor:\n", "  actor: &actor\n"))
+    assert main(["plan", "--from", "verl", "--config", str(config)]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith("--per_device_train_batch_size 4 ")
+
+
 def test_pasted_key_value_settings_keep_their_non_batch_keys_out_of_the_way():
     translation = translate("skyrl", parse_settings([
         "trainer.train_batch_size=16", "generator.n_samples_per_prompt=4", "trainer.policy_mini_batch_size=16",

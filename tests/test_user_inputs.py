@@ -31,6 +31,38 @@ def test_an_empty_training_set_is_refused_at_construction(tmp_path):
     assert not (tmp_path / "out").exists()  # nothing written as if trained
 
 
+def test_a_training_set_smaller_than_one_rollout_is_refused_and_exactly_one_rollout_trains(tmp_path):
+    """TRL's sampler draws generation_batch_size / num_generations rows at a time and drops a partial draw: 8
+    completions per device x 2 micro-batches per rollout / 4 generations = 4 prompts. 3 rows would train 0 steps
+    and save the untouched model; 4 rows train."""
+    with pytest.raises(ValueError) as err:
+        trainer_with(tmp_path, dataset=prompt_dataset(3), gradient_accumulation_steps=2)
+    assert str(err.value).startswith(
+        "train_dataset has 3 rows, fewer than one rollout takes: 4 prompts (the rollout's 16 completions = "
+        "per_device_train_batch_size 8 x steps_per_generation 2 x 1 processes, / num_generations 4)")
+    assert "Give at least 4 rows (the recipes' --num_train_samples)" in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+    trainer = trainer_with(tmp_path, dataset=prompt_dataset(4), gradient_accumulation_steps=2)
+    trainer.args.max_steps = 2
+    trainer.train()
+    assert trainer.state.global_step == 2  # the one rollout's rows, drawn again for the second step
+
+
+def test_on_two_processes_one_rollout_takes_twice_the_prompts(tmp_path, monkeypatch):
+    """The config built as each process of a 2-process launch builds it: 8 x 1 x 2 / 4 = 4 prompts a rollout."""
+    import transformers
+
+    import hf_grpo.config
+
+    monkeypatch.setattr(hf_grpo.config, "current_world_size", lambda: 2)
+    monkeypatch.setattr(transformers.TrainingArguments, "world_size", property(lambda self: 2))
+    with pytest.raises(ValueError, match=r"^train_dataset has 3 rows, fewer than one rollout takes: 4 prompts \(the "
+                                         r"rollout's 16 completions = per_device_train_batch_size 8 x "
+                                         r"steps_per_generation 1 x 2 processes, / num_generations 4\)"):
+        trainer_with(tmp_path, dataset=prompt_dataset(3))
+
+
 def test_a_training_set_without_a_prompt_column_is_refused_naming_its_columns(tmp_path):
     with pytest.raises(ValueError) as err:
         trainer_with(tmp_path, dataset=Dataset.from_dict({"question": ["ab>"], "answer": ["a"]}))

@@ -43,6 +43,43 @@ def check_train_dataset(dataset) -> None:
         )
 
 
+def check_dataset_fills_a_rollout(dataset, args) -> None:
+    """Refuse a training set with fewer rows than one rollout's prompts.
+
+    TRL's sampler (``RepeatSampler``) takes the rows ``generation_batch_size / num_generations`` at a time (the
+    global rollout's unique prompts, R x W / G) and drops a last chunk that is not whole; each prompt is then
+    repeated ``num_generations`` times and the rollout split whole over the processes. So a set of fewer rows
+    gives an empty dataloader: zero steps, and the untouched model saved as if trained. Exactly that many rows
+    train (the rows are reused every epoch). Streaming datasets (no length) pass.
+    """
+    rollout, group = getattr(args, "generation_batch_size", None), getattr(args, "num_generations", None)
+    if dataset is None or not isinstance(rollout, int) or not isinstance(group, int) or group < 1:
+        return
+    try:
+        rows = len(dataset)
+    except TypeError:  # an IterableDataset
+        return
+    prompts = rollout // group
+    if 0 < rows < prompts:
+        raise ValueError(
+            f"train_dataset has {rows} rows, fewer than one rollout takes: {prompts} prompts (the rollout's "
+            f"{rollout} completions{_rollout_shape(args, rollout)}, / num_generations {group}). TRL's sampler draws "
+            f"whole rollouts only, so training would run no step and save the untouched model as if trained. Give "
+            f"at least {prompts} rows (the recipes' --num_train_samples), or make the rollout smaller: lower "
+            f"per_device_train_batch_size, steps_per_generation (gradient_accumulation_steps, when it is unset) or "
+            f"the number of processes, or raise num_generations")
+
+
+def _rollout_shape(args, rollout: int) -> str:
+    """`` = per_device_train_batch_size P x steps_per_generation S x W processes``, where the fields say it."""
+    per_device, steps = getattr(args, "per_device_train_batch_size", None), getattr(args, "steps_per_generation", None)
+    if not (isinstance(per_device, int) and isinstance(steps, int) and per_device * steps > 0
+            and rollout % (per_device * steps) == 0):
+        return ""
+    return (f" = per_device_train_batch_size {per_device} x steps_per_generation {steps} x "
+            f"{rollout // (per_device * steps)} processes")
+
+
 def looks_like_local_path(name: str) -> bool:
     """True for ``./dir``, ``../dir``, ``/abs/dir``, ``~/dir`` and ``a/b/c``: never hub ids (``org/name``)."""
     return (name.startswith(("./", "../", "/", "~")) or name in (".", "..") or os.path.isabs(name)
@@ -97,6 +134,7 @@ def check_before_loading(model=None, reward_funcs=None, args=None, train_dataset
     from ..distributed import before_deepspeed_starts
 
     check_train_dataset(train_dataset)
+    check_dataset_fills_a_rollout(train_dataset, args)
     if isinstance(model, str):
         check_model_path(model)
     check_generation_backend_installed(args.generation_backend)

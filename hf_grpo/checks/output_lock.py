@@ -8,6 +8,10 @@ naming the holder, unless the holder is gone: on the same host a dead pid (or a 
 told apart by its start time) is taken over, with a log line. A lock from another host cannot be checked from
 here, so it is never taken over: the message says so and how to clear it. Only the main process touches the
 file; every process raises the same error, so none waits in a collective for a process that left.
+
+The lock outlives a killed run and its holder is shown to whoever is refused, so it keeps no secret: the command is
+recorded with the values of flags named like a secret (``--hub_token``, ``--api_key=...``) replaced by ``***``,
+and the file is readable by its owner only (mode 600).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import datetime
 import json
 import logging
 import os
+import re
 import socket
 import sys
 
@@ -24,6 +29,9 @@ logger = logging.getLogger("hf_grpo")
 LOCK_FILE = "_hf_grpo.lock"
 # output_dir (real path) -> the record this process wrote there
 _held: dict[str, dict] = {}
+# flags whose values are not recorded: --hub_token, --wandb-api-key, --secret, --db_password, ... (any case)
+_SECRET_FLAG = re.compile(r"^-{1,2}[\w.-]*(token|key|secret|password)[\w.-]*$", re.IGNORECASE)
+REDACTED = "***"
 
 
 class OutputDirLocked(RuntimeError):
@@ -44,20 +52,38 @@ def _process_start_ticks(pid: int) -> int | None:
         return None
 
 
+def redact_command(argv: list[str]) -> list[str]:
+    """``argv`` with the value of each secret-named flag replaced by ``***``, in both forms: ``--hub_token VALUE``
+    and ``--hub_token=VALUE``. A secret-named flag followed by another flag is a switch and has no value."""
+    out, hide_next = [], False
+    for arg in argv:
+        name, equals, _ = arg.partition("=")
+        if hide_next and not arg.startswith("--"):  # the previous flag's value
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        out.append(f"{name}={REDACTED}" if equals and _SECRET_FLAG.match(name) else arg)
+        hide_next = not equals and bool(_SECRET_FLAG.match(arg))
+    return out
+
+
 def _this_process() -> dict:
     return {
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "pid_start_ticks": _process_start_ticks(os.getpid()),
         "started": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
+        "command": " ".join(redact_command([os.path.basename(sys.executable), *sys.argv])),
     }
 
 
 def describe(holder: dict) -> str:
-    """The holder as the refusal names it: pid, host, start time and command."""
+    """The holder as the refusal names it: pid, host, start time and command (its secrets redacted again, for a
+    lock written by an earlier version that recorded them)."""
+    command = holder.get("command")
+    command = " ".join(redact_command(command.split(" "))) if isinstance(command, str) and command else None
     return (f"pid {holder.get('pid')} on host {holder.get('host')!r}, started {holder.get('started')}, "
-            f"command: {holder.get('command') or 'not recorded'}")
+            f"command: {command or 'not recorded'}")
 
 
 def _alive(holder: dict) -> bool:
@@ -82,6 +108,10 @@ def _read(path: str) -> dict | None:
             text = handle.read()
     except FileNotFoundError:
         return None
+    except PermissionError:  # owner-only: another user's run holds the folder
+        raise OutputDirLocked(
+            f"{path}: a lock file this user cannot read (another user's run, mode 600) holds this folder; if no "
+            f"run is writing into it, its owner deletes {path}; otherwise choose another --output_dir") from None
     try:
         record = json.loads(text)
     except ValueError:
@@ -92,9 +122,11 @@ def _read(path: str) -> dict | None:
 def _create(path: str, record: dict) -> bool:
     """Put the lock file in place, whole, only if none exists; False if one does. The record is written to a file
     of this process's own first and then hard-linked to the lock's name (atomic, on local and NFS disks), so a run
-    that reads the lock never sees it empty."""
+    that reads the lock never sees it empty. Owner-only (mode 600): it names the user's command."""
     draft = f"{path}.new-{os.getpid()}"
-    with open(draft, "w") as handle:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(draft)  # left by a killed process of the same pid; O_EXCL below must not meet it
+    with open(os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as handle:
         json.dump(record, handle, indent=1)
     try:
         os.link(draft, path)

@@ -13,6 +13,7 @@ import yaml
 
 from ..config import BATCH_FIELDS, GRPOConfig, batch_field_defaults, resolve_batch_fields
 from ..plan import BatchPlan
+from . import bounded_yaml
 
 
 def _known_yaml_keys() -> set[str]:
@@ -38,7 +39,7 @@ def load_yaml(path: str, holds: str):
     file's ``holds``, which the user meant to read."""
     with open(path) as handle:
         try:
-            loaded = yaml.safe_load(handle)
+            loaded = bounded_yaml.safe_load(handle)  # an alias bomb refused, not walked (bounded_yaml)
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -34,6 +34,8 @@ def load_pretrained_diffusion(model_args: ModelConfig, training_args: DiffuGRPOC
     try:
         model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     except ValueError as err:  # Dream's auto_map registers AutoModel only
+        if "trust_remote_code" in str(err) and not training_args.trust_remote_code:
+            raise remote_code_refused(name) from err
         if "Unrecognized configuration class" not in str(err):
             raise
         model = AutoModel.from_pretrained(name, **kwargs)
@@ -42,6 +44,14 @@ def load_pretrained_diffusion(model_args: ModelConfig, training_args: DiffuGRPOC
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def remote_code_refused(name: str) -> ValueError:
+    """transformers' refusal of a checkpoint's own code, in the recipe's terms: the flag that allows it."""
+    return ValueError(
+        f"model_name_or_path={name!r} ships its own modelling code (auto_map in its config.json, as LLaDA and Dream "
+        f"do), which runs only when asked: add --trust_remote_code true (or trust_remote_code: true in the --config "
+        f"YAML) if you trust that code; it runs with your permissions")
 
 
 def load_diffusion_model_and_tokenizer(model_args, recipe_args, training_args, alphabet: str | None = None):

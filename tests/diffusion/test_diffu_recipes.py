@@ -194,3 +194,20 @@ def test_released_llada_style_checkpoint_under_zero3_with_two_processes(tmp_path
     assert "attends to padding whatever mask it is given" in result.stderr
     rows = metrics(tmp_path / "out")
     assert [r["step"] for r in rows] == list(range(1, 9)) and all(math.isfinite(r["loss"]) for r in rows)
+
+
+def test_diffu_countdown_runs_no_checkpoint_code_unless_asked(tmp_path, remote_checkpoint):
+    """trust_remote_code is opt-in: false with the YAML and without it (the --tiny model needs none); a checkpoint
+    that ships code is refused naming the flag, before anything trains; --trust_remote_code true opts in."""
+    from hf_grpo.recipe_support.diffusion_launch import parse_diffu_recipe_args
+
+    recipe = load_recipe("diffu_countdown")
+    out = ["--output_dir", str(tmp_path / "parsed")]
+    for argv in (out, ["--config", str(ROOT / "recipes" / "diffu_countdown.yaml"), *out]):
+        assert parse_diffu_recipe_args(recipe.DEFAULTS, argv)[0].trust_remote_code is False
+    assert parse_diffu_recipe_args(recipe.DEFAULTS, [*out, "--trust_remote_code", "true"])[0].trust_remote_code
+
+    with pytest.raises(ValueError, match=r"ships its own modelling code .* add --trust_remote_code true"):
+        recipe.main(["--model_name_or_path", str(remote_checkpoint), "--output_dir", str(tmp_path / "run"),
+                     "--max_steps", "1", "--num_train_samples", "12", *QUICK])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
