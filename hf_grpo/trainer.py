@@ -14,17 +14,17 @@ Every override of TRL's and transformers' methods is here, written against trl 1
 - ``_prepare_inputs``: TRL's, then a prompt's rows kept in the same micro-batches where the gradient stays the same
   (``training.prompt_groups``). TRL's ``_tokenize_prompts`` sizes caches and probes (``_longest_prompt``).
 - ``training_step`` (time; compiled decoder layers inside it, ``training.compiled_layers``), ``log`` (``perf/``).
-- ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules), ``_save_rng_state`` (the run's sizes and every
-  rank's random state, before rank 0 marks a checkpoint complete) and ``_prepare_for_training`` (a checkpoint
-  without ZeRO state loaded under ZeRO-1/2, ``distributed.plain_to_zero``).
+- ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules), ``_save_rng_state`` (sizes and every rank's random
+  state, before rank 0 marks a checkpoint complete), ``_prepare_for_training`` (a checkpoint without ZeRO state under
+  ZeRO-1/2, ``distributed.plain_to_zero``), ``_init_training_state`` (no epoch for a finished run, ``checks.resume``).
 - ``train``: holds the output directory (``checks.output_lock``), refuses what ``checks.resume`` refuses and a
   token budget the longest prompt cannot fit, then settles "auto" sizes (``memory.autosize``).
 
 ``__init__`` checks the inputs first (``checks.inputs``), gives a policy built in code a copy for TRL to load the
 reference from (``reference_copy``), adds the writers of ``metrics.jsonl`` and ``performance.json`` (``run_files``)
 and builds what the helpers read instead of the trainer (``hf_grpo.run_state``): ``facts``, ``sizes`` (the one place
-the sizes live during a run; the config is not written) and ``decisions``. A generation or head chunk that runs out
-of memory is halved on every rank and retried (``memory.oom``).
+the sizes live during a run; the config is not written) and ``decisions``. A chunk that runs out of memory is halved
+on every rank and retried (``memory.oom``); on a GPU each pass's work is counted (``memory.flops``).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
 from .memory import autosize, prompt_lengths, token_budget, train_backoff
 from .memory.device_rates import device_rates
-from .memory.flops import BatchTokens, ModelWork
+from .memory.flops import WorkCounter
 from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
 from .memory.stats import PerformanceStats
 from . import reference_copy, run_files
@@ -98,7 +98,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._oom_knobs[token_budget.FIELD], self.loss_type, self.accelerator,
             lambda: self.model.zero_grad(set_to_none=True), lambda: self._metrics["train"], self._longest_row)
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        self.work = ModelWork.from_model(policy)  # the per-token work the efficiency figures count (memory.flops)
+        self.work = WorkCounter(policy, recompute=self.facts.gradient_checkpointing)  # (memory.flops)
         # eager micro-batches packed or padded: the user's padding_free, else chosen at train begin, once the
         # sizes are settled (eager_packing; padded until then, as the "auto" sizes' probes run)
         self.decisions.eager_rows = eager_packing.Choice(False, "chosen at train begin")
@@ -121,10 +121,9 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ---- public ------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
-        """transformers' (called inside ``Trainer.__init__``, once ``self.model`` is set), then, under ZeRO-3, the
-        decoder layers made leaf modules (``zero3_leaf_modules``, ``hf_grpo.distributed.zero3_leaves``): before DeepSpeed wraps
-        the policy (``accelerator.prepare`` in ``train``) and before TRL prepares the reference model later in its
-        ``__init__`` from a copy of this DeepSpeed config, which then carries the class names."""
+        """transformers' (inside ``Trainer.__init__``, ``self.model`` set), then under ZeRO-3 the decoder layers made
+        leaf modules (``distributed.zero3_leaves``): before DeepSpeed wraps the policy (in ``train``) and before TRL
+        prepares the reference later in its ``__init__`` from a copy of this DeepSpeed config (so with the names)."""
         super().create_accelerator_and_postprocess()
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         self.zero3_leaf_marking = zero3_leaves.mark_for_deepspeed(  # what was flagged (none outside ZeRO-3)
@@ -142,8 +141,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         return plan
 
     def get_performance_stats(self) -> dict[str, Any]:
-        """Peak memory, seconds per optimizer step by phase, tokens/s, decoder compiles and captures, the
-        memory the generation backend keeps between rollouts, and the batch plan, over the run."""
+        """Peak memory, seconds per optimizer step by phase, tokens/s, decoder compiles and captures, the memory the
+        generation backend keeps between rollouts, the batch plan, and on a GPU each phase's efficiency."""
         cache = getattr(self.decisions.backend, "cache_bytes", lambda: 0)()
         stats = {**self.perf.summary(), "generation_cache_gib": cache / 2**30,
                  "batch_plan": self.batch_plan().to_dict()}
@@ -298,7 +297,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.decisions.mirror is not None and self.decisions.mirror.freed_between_rollouts:
             mirror.release()  # ZeRO-3's dense copy too: the next rollout's refresh allocates and fills it again
         self.perf.add("generated_tokens", float(sum(len(ids) for ids in completion_ids)))
-        self._count_rollout_work(prompt_ids, completion_ids)
+        self.work.rollout(self.perf, prompt_ids, completion_ids, self.sizes.per_device_generation_batch_size)
         for key, after in backend_counts(backend).items():
             self.perf.add(key, float(after - counts_before[key]))
         return completion_ids, None
@@ -320,7 +319,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 model, kwargs["batch_size"], input_ids.shape[1], self.sizes.max_tokens_per_micro_batch,
                 self.__dict__.setdefault("_scoring_chunks_logged", set()), self.accelerator.is_main_process)
         scoring = not torch.is_grad_enabled()  # TRL's no-grad passes: the reference and the old policy
-        self._count_forward_work(input_ids, *args, scoring=scoring, **kwargs)
+        self.work.forward(self.perf, input_ids, *args, scoring=scoring, **kwargs)  # FLOPs, on a GPU
         with self.perf.phase("logprob"), self.perf.phase("scoring") if scoring else contextlib.nullcontext():
             replayed = training_graphs.replay(self.decisions.train_graphs, self.perf, self.accelerator.autocast,
                                               model, input_ids, *args, **kwargs)  # a training micro-batch
@@ -329,30 +328,6 @@ class GRPOTrainer(trl.GRPOTrainer):
             return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
 
     # ---- helpers -----------------------------------------------------------------------------
-    def _count_forward_work(self, input_ids, attention_mask=None, logits_to_keep=None, *_, scoring: bool, **kwargs):
-        """The FLOPs of a scoring or training forward (and its backward), on a GPU whose rates are measured."""
-        if self.perf.rates is None or self.work is None:
-            return
-        attention_mask = kwargs.get("attention_mask", attention_mask)
-        logits_to_keep = kwargs.get("logits_to_keep", logits_to_keep)
-        batch = BatchTokens.from_masks(input_ids, attention_mask, int(logits_to_keep))
-        if scoring:
-            flops = self.work.forward_flops(batch.tokens, batch.pairs, batch.scored)
-            self.perf.add("scoring_flops", flops)
-        else:
-            flops = self.work.training_flops(batch.tokens, batch.pairs, batch.scored,
-                                             recompute=self.facts.gradient_checkpointing)
-        self.perf.add("train_flops", flops)  # the training half: the scoring passes run inside training_step
-
-    def _count_rollout_work(self, prompt_ids, completion_ids) -> None:
-        """The bytes the rollout's decode steps must read and its prefill's FLOPs (``memory.flops``)."""
-        if self.perf.rates is None or self.work is None:
-            return
-        prompts, completions = [len(ids) for ids in prompt_ids], [len(ids) for ids in completion_ids]
-        chunk = self.sizes.per_device_generation_batch_size or len(prompts)  # None: the whole rollout at once
-        self.perf.add("decode_bytes", self.work.decode_bytes(prompts, completions, chunk))
-        self.perf.add("prefill_flops", self.work.prefill_flops(prompts))
-
     def _run_facts(self) -> RunFacts:
         """What the helpers read of this run, fixed once TRL has set it up (``hf_grpo.run_state``)."""
         args, model, accelerator = self.args, self.model, self.accelerator
@@ -408,8 +383,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         decisions.train_graphs = training_graphs.start(self.args, self.model, self.facts, self.sizes, decisions,
                                                        self.accelerator.is_main_process, self.model_wrapped)
         self._generation_mirror()  # decided on every rank before the plan is printed
-        if self.work is not None:  # a GPU's measured rates: the efficiency figures (memory.device_rates)
-            self.perf.rates = device_rates(self.accelerator.device)
+        self.perf.rates = device_rates(self.accelerator.device) if self.work.counts else None  # GPU only
         if world_process_zero:
             plan = self.batch_plan()
             logger.info("hf-grpo batch plan (world size %d):\n%s", plan.world_size, plan)
@@ -428,34 +402,24 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _routed_training_layers(self):
         """Within the block the scored models' decoder layers run compiled (``compile_training``), if chosen."""
         layers = self.decisions.train_layers
-        if layers is None:
-            yield
-            return
-        before = layers.compiles
+        before = 0 if layers is None else layers.compiles
         try:
-            with layers.route(*self._scored_models()):
+            with contextlib.nullcontext() if layers is None else layers.route(*self._scored_models()):
                 yield
         finally:
-            self.perf.add("train_compiles", float(layers.compiles - before))
+            self.perf.add("train_compiles", 0.0 if layers is None else float(layers.compiles - before))
 
     _check_inputs = staticmethod(checks.check_before_loading)  # before TRL loads anything
-    # transformers', running no epoch where a resume finds the run finished (hf_grpo.checks.resume.no_epoch_if_finished)
     _init_training_state = resume.no_epoch_if_finished(trl.GRPOTrainer._init_training_state)
 
     def _longest_prompt(self) -> int | None:
-        """Tokens in the training set's longest prompt (scanned once: cache sizing and "auto" probes both ask)."""
-        if not hasattr(self, "_longest_prompt_tokens"):
-            self._longest_prompt_tokens = self._scan_longest_prompt()
+        """The training set's longest prompt in TRL's tokens, scanned once; None when unknown (with environments:
+        each rollout's reset() observation joins the prompt, tokenized against that batch's environments only)."""
+        if "_longest_prompt_tokens" not in self.__dict__:
+            quiet = self.args.disable_tqdm or not self.accelerator.is_main_process
+            self._longest_prompt_tokens = None if self.environment_factories is not None else (
+                prompt_lengths.longest_prompt(self.train_dataset, self._tokenize_prompts, quiet=quiet))
         return self._longest_prompt_tokens
-
-    def _scan_longest_prompt(self) -> int | None:
-        """Tokens in the training set's longest prompt, tokenized as TRL tokenizes them; None when unknown."""
-        if self.environment_factories is not None:
-            # Each rollout's environment appends its reset() observation to the prompt, so the dataset's prompts do
-            # not tell the length; and TRL tokenizes them against the current batch's environments only.
-            return None
-        quiet = self.args.disable_tqdm or not self.accelerator.is_main_process
-        return prompt_lengths.longest_prompt(self.train_dataset, self._tokenize_prompts, quiet=quiet)
 
     def _longest_row(self, inputs) -> int:
         """Tokens of the longest row the run can meet: longest prompt (the training set's, else this micro-batch's)

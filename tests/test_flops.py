@@ -148,7 +148,7 @@ def test_the_trainer_reports_efficiency_only_where_rates_are_measured(tmp_path, 
     assert len(prompt_ids) == 8
     completions = [len(c) for c in fixed_completions(prompt_ids)]
     batch = BatchTokens.count([len(p) for p in prompt_ids], completions, [i // 4 for i in range(8)])
-    work = trainer.work
+    work = trainer.work.work
     expected = (work.forward_flops(batch.tokens, batch.pairs, batch.scored)
                 + work.training_flops(batch.tokens, batch.pairs, batch.scored, recompute=False))
     assert stats["training_half_floor_s"] == pytest.approx(expected / 1e12)

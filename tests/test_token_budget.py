@@ -91,10 +91,11 @@ def test_a_budget_the_longest_prompt_cannot_fill_is_refused_at_train_start(tmp_p
     assert trainer.state.global_step == 1
 
 
-def test_without_a_budget_train_start_does_not_scan_the_training_set(tmp_path):
+def test_without_a_budget_train_start_does_not_scan_the_training_set(tmp_path, monkeypatch):
     """The scan tokenizes every prompt: a run that sets no budget (and no "auto", no cuda_graph cache) skips it."""
     trainer = make_trainer(tmp_path, max_tokens_per_micro_batch=None, max_completion_length=6)
-    trainer._scan_longest_prompt = lambda *a, **k: pytest.fail("the training set was scanned")
+    monkeypatch.setattr("hf_grpo.trainer.prompt_lengths.longest_prompt",
+                        lambda *a, **k: pytest.fail("the training set was scanned"))
     trainer.train()
     assert trainer.state.global_step == 1
 

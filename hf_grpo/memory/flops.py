@@ -24,6 +24,8 @@ import dataclasses
 
 import torch
 
+from .stats import PerformanceStats
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelWork:
@@ -154,3 +156,40 @@ def _decoder_layers(model: torch.nn.Module, count: int | None) -> torch.nn.Modul
         if isinstance(module, torch.nn.ModuleList) and len(module) and (count is None or len(module) == count):
             return module
     return None
+
+
+class WorkCounter:
+    """Adds a run's work to its ``PerformanceStats`` where the device's rates are known (a GPU): the FLOPs of each
+    scoring and training forward (``train_flops``, ``scoring_flops``), the decode reads and prefill FLOPs of each
+    rollout (``decode_bytes``, ``prefill_flops``). Elsewhere it counts nothing (one host read a forward saved)."""
+
+    def __init__(self, model: torch.nn.Module, recompute: bool):
+        self.work = ModelWork.from_model(model)
+        self.recompute = recompute  # activation checkpointing runs each training forward twice
+
+    @property
+    def counts(self) -> bool:
+        return self.work is not None
+
+    def forward(self, perf: PerformanceStats, input_ids: torch.Tensor, attention_mask=None, logits_to_keep=None,
+                *_, scoring: bool, **kwargs) -> None:
+        """TRL's ``_get_per_token_logps_and_entropies`` arguments; ``scoring``: a no-grad pass (no backward)."""
+        if perf.rates is None or self.work is None:
+            return
+        attention_mask = kwargs.get("attention_mask", attention_mask)
+        logits_to_keep = kwargs.get("logits_to_keep", logits_to_keep)
+        batch = BatchTokens.from_masks(input_ids, attention_mask, int(logits_to_keep))
+        if scoring:
+            flops = self.work.forward_flops(batch.tokens, batch.pairs, batch.scored)
+            perf.add("scoring_flops", flops)
+        else:
+            flops = self.work.training_flops(batch.tokens, batch.pairs, batch.scored, recompute=self.recompute)
+        perf.add("train_flops", flops)  # the training half: the scoring passes run inside training_step too
+
+    def rollout(self, perf: PerformanceStats, prompt_ids, completion_ids, chunk: int | None) -> None:
+        """A rollout generated ``chunk`` rows at a time (None: all at once)."""
+        if perf.rates is None or self.work is None:
+            return
+        prompts, completions = [len(ids) for ids in prompt_ids], [len(ids) for ids in completion_ids]
+        perf.add("decode_bytes", self.work.decode_bytes(prompts, completions, chunk or len(prompts)))
+        perf.add("prefill_flops", self.work.prefill_flops(prompts))
