@@ -39,8 +39,9 @@ def test_lora_adapters_count_as_the_only_trainable_matmuls_and_a_decode_step_rea
     assert work.decode_weight_bytes == (LAYERS * LAYER_MATMULS + V * H) * 4
 
 
-def test_a_mixture_of_experts_is_not_counted():
-    assert ModelWork.from_model(build_tiny_moe_model(TOKENIZER, "mixtral")) is None
+def test_models_whose_work_the_rules_do_not_describe_are_not_counted():
+    assert ModelWork.from_model(build_tiny_moe_model(TOKENIZER, "mixtral")) is None  # a token runs some experts
+    assert ModelWork.from_model(build_tiny_model(TOKENIZER, seed=0, is_causal=False)) is None  # masked diffusion
 
 
 def test_forward_and_training_flops_follow_the_per_token_rules():

@@ -44,13 +44,16 @@ class ModelWork:
     @classmethod
     def from_model(cls, model: torch.nn.Module) -> ModelWork | None:
         """The counts for ``model`` (a PEFT model or a plain one, partitioned by ZeRO-3 or not), or None where they
-        would not describe its work: no decoder-layer list, or a mixture of experts (each token runs only some)."""
+        would not describe its work: a mixture of experts (each token runs only some), a model that does not attend
+        causally (masked diffusion), a config without the usual names, no decoder-layer list or head."""
         config = getattr(model, "config", None)
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        if text is None or any(getattr(text, name, None) for name in ("num_experts", "num_local_experts",
-                                                                        "n_routed_experts")):
+        names = ("num_hidden_layers", "num_attention_heads", "hidden_size")
+        if (text is None or not all(getattr(text, name, None) for name in names)
+                or getattr(text, "is_causal", True) is False or getattr(text, "is_encoder_decoder", False)
+                or any(getattr(text, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts"))):
             return None
-        layers = _decoder_layers(model, getattr(text, "num_hidden_layers", None))
+        layers = _decoder_layers(model, text.num_hidden_layers)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if layers is None or head is None:
             return None
