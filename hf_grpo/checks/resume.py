@@ -37,7 +37,6 @@ def checkpoint_to_resume(trainer, resume_from_checkpoint) -> str | None:
     return checkpoint
 
 
-
 def finished(checkpoint: str | None, global_step: int, max_steps: int, is_main_process: bool) -> bool:
     """Whether this ``train()`` resumes a run already at (or past) ``max_steps``: it then trains no step and saves no
     checkpoint; the main process says so."""
