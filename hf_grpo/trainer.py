@@ -12,7 +12,10 @@ Every override of TRL's and transformers' methods is here, written against trl 1
   ``_get_per_token_logps_and_entropies``: timed; no-grad scoring chunks of ``token_budget.scoring_rows``; the
   models' ``forward`` runs the log-softmax ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
 - ``_prepare_inputs``: TRL's, then a prompt's rows kept in the same micro-batches where the gradient stays the same
-  (``training.prompt_groups``). TRL's ``_tokenize_prompts`` sizes caches and probes (``_longest_prompt``).
+  (``training.prompt_groups``).
+- ``_tokenize_prompts``: TRL's, then each rollout's prompts refused where one has no token or, with a full-length
+  completion, runs past the model's positions (``checks.prompts``); it also sizes caches and probes
+  (``_longest_prompt``).
 - ``training_step`` (time; compiled decoder layers inside it, ``training.compiled_layers``), ``log`` (``perf/``).
 - ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules), ``_save_rng_state`` (the run's sizes and every
   rank's random state, before rank 0 marks a checkpoint complete) and ``_prepare_for_training`` (a checkpoint
@@ -20,7 +23,8 @@ Every override of TRL's and transformers' methods is here, written against trl 1
 - ``train``: holds the output directory (``checks.output_lock``), refuses what ``checks.resume`` refuses and a
   token budget the longest prompt cannot fit, then settles "auto" sizes (``memory.autosize``).
 
-``__init__`` checks the inputs first (``checks.inputs``), gives a policy built in code a copy for TRL to load the
+``__init__`` checks the inputs first (``checks.inputs``; once TRL has loaded them, the tokenizer and the prompts,
+``checks.prompts``), gives a policy built in code a copy for TRL to load the
 reference from (``reference_copy``), adds the writers of ``metrics.jsonl`` and ``performance.json`` (``run_files``)
 and builds what the helpers read instead of the trainer (``hf_grpo.run_state``): ``facts``, ``sizes`` (the one place
 the sizes live during a run; the config is not written) and ``decisions``. A generation or head chunk that runs out
@@ -43,7 +47,7 @@ from trl.models import unwrap_model_for_generation
 from .training import compiled_layers as training_compile, eager_packing, graphs as training_graphs, lora_forward
 from .training import prompt_groups
 from .checks import inputs as checks
-from .checks import output_lock, resume
+from .checks import output_lock, prompts as prompt_checks, resume
 from .checks.unscored import METRIC as UNSCORED_METRIC, count_unscored
 from .config import GRPOConfig
 from .distributed import plain_to_zero, zero3_leaves
@@ -83,6 +87,13 @@ class GRPOTrainer(trl.GRPOTrainer):
         with reference_copy.reference_loadable(model, config.beta, kwargs.get("peft_config")):
             super().__init__(*args, **kwargs)
         checks.check_reward_outputs(self)
+        # a tokenizer that ends and pads, prompts of at least one token that fit the model (hf_grpo.checks.prompts)
+        prompt_checks.check_special_tokens(self._tokenizer)
+        self._position_limit = prompt_checks.position_limit(self.model)
+        prompt_checks.check_completion_fits(self.max_completion_length, self._position_limit)
+        if self.environment_factories is None:  # (their prompts are known only per rollout)
+            prompt_checks.check_empty_prompts(self.train_dataset,
+                                              functools.partial(trl.GRPOTrainer._tokenize_prompts, self))
         # what helpers read of the run: facts fixed now, the sizes as they change, what is decided once (run_state)
         self.facts, self.sizes, self.decisions = self._run_facts(), RunSizes.from_config(self.args), RunDecisions()
         token_budget.check_run(self.facts, self.sizes.max_tokens_per_micro_batch)
@@ -298,6 +309,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         for key, after in backend_counts(backend).items():
             self.perf.add(key, float(after - counts_before[key]))
         return completion_ids, None
+
+    def _tokenize_prompts(self, prompts):
+        tokenized = super()._tokenize_prompts(prompts)
+        # each rollout's (and the longest-prompt scan's) prompts: none empty, none past the model's positions
+        prompt_checks.check_rollout_prompts(tokenized[0], prompts, self.max_completion_length, self._position_limit)
+        return tokenized
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         with self.perf.phase("reward"):

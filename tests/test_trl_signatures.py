@@ -47,9 +47,9 @@ RECORDED = {
     "train": "(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None)",
     "training_step": "(self, model, inputs, num_items_in_batch)",
 }
-# Called, not overridden: GRPOTrainer tokenizes the training prompts with it once to size the decode cache; a
-# checkpoint without ZeRO state resumed under ZeRO-1/2 is loaded with the Trainer's loaders (distributed.plain_to_zero).
-CALLED_ONLY = {"_tokenize_prompts", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler"}
+# Called, not overridden: a checkpoint without ZeRO state resumed under ZeRO-1/2 is loaded with the Trainer's loaders
+# (distributed.plain_to_zero).
+CALLED_ONLY = {"_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler"}
 
 
 def shape(function) -> str:
