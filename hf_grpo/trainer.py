@@ -18,8 +18,10 @@ Every override of TRL's and transformers' methods is here, written against trl 1
   (``_longest_prompt``).
 - ``training_step`` (time; compiled decoder layers inside it, ``training.compiled_layers``), ``log`` (``perf/``).
 - ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules), ``_save_rng_state`` (the run's sizes and every
-  rank's random state, before rank 0 marks a checkpoint complete) and ``_prepare_for_training`` (a checkpoint
-  without ZeRO state loaded under ZeRO-1/2, ``distributed.plain_to_zero``).
+  rank's random state, before rank 0 marks a checkpoint complete), ``_save_checkpoint`` (a failed save, such as a
+  full disk's, named with the checkpoint, the free space and the checkpoint left intact: ``checks.checkpoint_save``)
+  and ``_prepare_for_training`` (a checkpoint without ZeRO state loaded under ZeRO-1/2,
+  ``distributed.plain_to_zero``).
 - ``train``: holds the output directory (``checks.output_lock``), refuses what ``checks.resume`` refuses and a
   token budget the longest prompt cannot fit, then settles "auto" sizes (``memory.autosize``).
 
@@ -47,7 +49,7 @@ from trl.models import unwrap_model_for_generation
 from .training import compiled_layers as training_compile, eager_packing, graphs as training_graphs, lora_forward
 from .training import prompt_groups
 from .checks import inputs as checks
-from .checks import output_lock, prompts as prompt_checks, resume
+from .checks import checkpoint_save, output_lock, prompts as prompt_checks, resume
 from .checks.unscored import METRIC as UNSCORED_METRIC, count_unscored
 from .config import GRPOConfig
 from .distributed import plain_to_zero, zero3_leaves
@@ -199,6 +201,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.args.should_save:
             autosize.save_sizes(self.sizes, self.max_completion_length, output_dir)
         self.accelerator.wait_for_everyone()  # (nothing in a one-process run)
+
+    def _save_checkpoint(self, model, trial):
+        # a failed save (a full disk) named with the checkpoint, the free space and the checkpoint left intact
+        with checkpoint_save.explained(self._get_output_dir(trial=trial), self.state.global_step):
+            return super()._save_checkpoint(model, trial)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         inner_before = self.perf.total("generation_s") + self.perf.total("reward_s")

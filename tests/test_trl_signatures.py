@@ -40,6 +40,7 @@ RECORDED = {
     "_load_optimizer_and_scheduler": "(self, checkpoint)",
     "_load_scaler": "(self, checkpoint)",
     "_save_rng_state": "(self, output_dir)",  # transformers' Trainer's (transformers 5.24)
+    "_save_checkpoint": "(self, model, trial)",  # transformers' Trainer's (transformers 5.25)
     "_tokenize_prompts": "(self, prompts)",
     "compute_loss": "(self, model, inputs, return_outputs=False, num_items_in_batch=None)",
     "create_accelerator_and_postprocess": "(self)",
