@@ -53,5 +53,9 @@ def test_a_save_that_fails_names_the_checkpoint_the_free_space_and_the_one_kept(
 
 def test_a_failed_first_save_says_no_checkpoint_was_kept(tmp_path, monkeypatch):
     disk_full_from_step(monkeypatch, 1)
-    with pytest.raises(RuntimeError, match=r"No complete checkpoint was saved before it: free space and start"):
+    with pytest.raises(RuntimeError, match=r"No complete checkpoint was saved before it: free space and start the "
+                                           r"run again with --overwrite_output_dir true"):
         make_trainer(tmp_path, max_steps=2, save_strategy="steps", save_steps=1).train()
+    monkeypatch.undo()  # as the message says
+    make_trainer(tmp_path, max_steps=2, save_strategy="steps", save_steps=1, overwrite_output_dir=True).train()
+    assert complete_checkpoints(str(tmp_path / "out")) == ["checkpoint-1", "checkpoint-2"]

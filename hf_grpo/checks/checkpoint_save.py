@@ -36,7 +36,8 @@ def failure_message(run_dir: str, step: int, error: BaseException) -> str:
     kept = (f"The newest complete checkpoint, {os.path.join(run_dir, complete[-1])}, is intact (older checkpoints "
             f"are removed only after a save completes): free space, then resume with --resume_from_checkpoint true, "
             f"which takes it and sets the incomplete {checkpoint} aside"
-            if complete else "No complete checkpoint was saved before it: free space and start the run again")
+            if complete else f"No complete checkpoint was saved before it: free space and start the run again with "
+            f"--overwrite_output_dir true (which deletes the incomplete {checkpoint})")
     return (f"saving {checkpoint} failed: {type(error).__name__}: {error}. {_free_space(run_dir)} (a full disk is the "
             f"usual cause). {kept}")
 
