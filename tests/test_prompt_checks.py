@@ -66,7 +66,7 @@ def test_an_empty_prompt_of_a_streamed_set_is_refused_when_its_rollout_is_tokeni
     rows = [{"prompt": p} for p in [""] * 16]
     dataset = IterableDataset.from_generator(lambda: iter(rows))
     trainer = trainer_with(tmp_path, dataset=dataset)
-    with pytest.raises(ValueError, match=r"8 prompt\(s\) tokenize to no token \('', e.g.\)"):
+    with pytest.raises(ValueError, match=r"8 prompt\(s\) of this rollout tokenize to no token \(the first: ''\)"):
         trainer.train()
     assert trainer.state.global_step == 0
 
@@ -86,6 +86,16 @@ def test_a_prompt_past_the_models_positions_is_refused_naming_the_lengths(tmp_pa
         trainer.train()
     assert "longer than 28 tokens" in str(e.value) and "max_completion_length <= 1" in str(e.value)
     assert trainer.state.global_step == 0
+
+
+def test_where_the_training_set_is_scanned_at_train_start_a_long_prompt_anywhere_in_it_is_refused(tmp_path):
+    """A token budget scans every prompt for the longest before the first step: the long prompt in the last row is
+    refused then, not at the rollout that samples it."""
+    dataset = Dataset.from_dict({"prompt": ["ab>"] * 63 + ["ab" * 15 + ">"]})
+    trainer = trainer_with(tmp_path, dataset=dataset, model=short_model(32), max_tokens_per_micro_batch=4096)
+    with pytest.raises(ValueError, match=r"a prompt of 31 tokens .* needs 35 positions"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and trainer.decisions.backend is None  # no rollout was generated
 
 
 def test_prompts_that_fit_with_their_completion_train(tmp_path):

@@ -117,8 +117,9 @@ def check_rollout_prompts(prompt_ids: Sequence[Sequence[int]], prompts: Sequence
     empty = [i for i, ids in enumerate(prompt_ids) if len(ids) == 0]
     if empty:
         raise ValueError(
-            f"{len(empty)} prompt(s) tokenize to no token ({prompts[empty[0]]!r}, e.g.); generation needs at least "
-            f"one prompt token. Drop empty prompts from the training set, e.g. {FILTER_HINT}"
+            f"{len(empty)} prompt(s) of this rollout tokenize to no token (the first: {prompts[empty[0]]!r}); "
+            f"generation needs at least one prompt token. Drop empty prompts from the training set, e.g. "
+            f"{FILTER_HINT}"
         )
     if limit is None or not prompt_ids:
         return
