@@ -12,25 +12,21 @@ Every override of TRL's and transformers' methods is here, written against trl 1
   ``_get_per_token_logps_and_entropies``: timed; no-grad scoring chunks of ``token_budget.scoring_rows``; the
   models' ``forward`` runs the log-softmax ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
 - ``_prepare_inputs``: TRL's, then a prompt's rows kept in the same micro-batches where the gradient stays the same
-  (``training.prompt_groups``).
-- ``_tokenize_prompts``: TRL's, then each rollout's prompts refused where one has no token or, with a full-length
-  completion, runs past the model's positions (``checks.prompts``); it also sizes caches and probes
-  (``_longest_prompt``).
+  (``training.prompt_groups``). ``_tokenize_prompts``: TRL's, then prompts of no token or past the model's positions
+  refused (``checks.prompts``); it sizes caches and probes (``_longest_prompt``).
 - ``training_step`` (time; compiled decoder layers inside it, ``training.compiled_layers``), ``log`` (``perf/``).
 - ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules), ``_save_rng_state`` (the run's sizes and every
-  rank's random state, before rank 0 marks a checkpoint complete), ``_save_checkpoint`` (a failed save, such as a
-  full disk's, named with the checkpoint, the free space and the checkpoint left intact: ``checks.checkpoint_save``)
-  and ``_prepare_for_training`` (a checkpoint without ZeRO state loaded under ZeRO-1/2,
-  ``distributed.plain_to_zero``).
+  rank's random state, before rank 0 marks a checkpoint complete), ``_save_checkpoint`` (a failed save named,
+  ``checks.checkpoint_save``) and ``_prepare_for_training`` (a checkpoint without ZeRO state, ``plain_to_zero``).
 - ``train``: holds the output directory (``checks.output_lock``), refuses what ``checks.resume`` refuses and a
   token budget the longest prompt cannot fit, then settles "auto" sizes (``memory.autosize``).
 
-``__init__`` checks the inputs first (``checks.inputs``; once TRL has loaded them, the tokenizer and the prompts,
-``checks.prompts``), gives a policy built in code a copy for TRL to load the
-reference from (``reference_copy``), adds the writers of ``metrics.jsonl`` and ``performance.json`` (``run_files``)
-and builds what the helpers read instead of the trainer (``hf_grpo.run_state``): ``facts``, ``sizes`` (the one place
-the sizes live during a run; the config is not written) and ``decisions``. A generation or head chunk that runs out
-of memory is halved on every rank and retried (``memory.oom``).
+``__init__`` checks the inputs first (``checks.inputs``; the tokenizer and prompts once loaded, ``checks.prompts``),
+gives a policy built in code a copy for TRL to load the reference from (``reference_copy``), adds the writers of
+``metrics.jsonl`` and ``performance.json`` (``run_files``) and builds what the helpers read instead of the trainer
+(``hf_grpo.run_state``): ``facts``, ``sizes`` (the one place the sizes live during a run; the config is not written)
+and ``decisions``. A generation or head chunk that runs out of memory is halved on every rank and retried
+(``memory.oom``).
 """
 
 from __future__ import annotations
@@ -89,13 +85,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         with reference_copy.reference_loadable(model, config.beta, kwargs.get("peft_config")):
             super().__init__(*args, **kwargs)
         checks.check_reward_outputs(self)
-        # a tokenizer that ends and pads, prompts of at least one token that fit the model (hf_grpo.checks.prompts)
-        prompt_checks.check_special_tokens(self._tokenizer)
-        self._position_limit = prompt_checks.position_limit(self.model)
-        prompt_checks.check_completion_fits(self.max_completion_length, self._position_limit)
-        if self.environment_factories is None:  # (their prompts are known only per rollout)
-            prompt_checks.check_empty_prompts(self.train_dataset,
-                                              functools.partial(trl.GRPOTrainer._tokenize_prompts, self))
+        self._position_limit = prompt_checks.check_loaded(  # the tokenizer, the prompts (an environment's: per rollout)
+            self._tokenizer, self.model, self.max_completion_length, self.train_dataset,
+            None if self.environment_factories else functools.partial(trl.GRPOTrainer._tokenize_prompts, self))
         # what helpers read of the run: facts fixed now, the sizes as they change, what is decided once (run_state)
         self.facts, self.sizes, self.decisions = self._run_facts(), RunSizes.from_config(self.args), RunDecisions()
         token_budget.check_run(self.facts, self.sizes.max_tokens_per_micro_batch)
@@ -202,15 +194,16 @@ class GRPOTrainer(trl.GRPOTrainer):
             autosize.save_sizes(self.sizes, self.max_completion_length, output_dir)
         self.accelerator.wait_for_everyone()  # (nothing in a one-process run)
 
-    def _save_checkpoint(self, model, trial):
-        # a failed save (a full disk) named with the checkpoint, the free space and the checkpoint left intact
+    def _save_checkpoint(self, model, trial):  # a failed save (a full disk) named, with what it left intact
         with checkpoint_save.explained(self._get_output_dir(trial=trial), self.state.global_step):
             return super()._save_checkpoint(model, trial)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         inner_before = self.perf.total("generation_s") + self.perf.total("reward_s")
         start = time.perf_counter()
-        with self._routed_training_layers():  # scoring, forward and backward (its recompute too); not generation
+        # the scored models' decoder layers compiled, if chosen: scoring, forward and backward (its recompute too)
+        with training_compile.routed(self.decisions.train_layers, self._scored_models,
+                                     lambda compiles: self.perf.add("train_compiles", float(compiles))):
             loss = super().training_step(model, inputs, num_items_in_batch)
         self.perf.sync()
         inner = self.perf.total("generation_s") + self.perf.total("reward_s") - inner_before
@@ -317,11 +310,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.perf.add(key, float(after - counts_before[key]))
         return completion_ids, None
 
-    def _tokenize_prompts(self, prompts):
-        tokenized = super()._tokenize_prompts(prompts)
-        # each rollout's (and the longest-prompt scan's) prompts: none empty, none past the model's positions
-        prompt_checks.check_rollout_prompts(tokenized[0], prompts, self.max_completion_length, self._position_limit)
-        return tokenized
+    def _tokenize_prompts(self, prompts):  # a rollout's (or the longest-prompt scan's): none empty or too long
+        return prompt_checks.checked(super()._tokenize_prompts(prompts), prompts, self.max_completion_length,
+                                     self._position_limit)
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         with self.perf.phase("reward"):
@@ -413,20 +404,6 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _scored_models(self) -> list[torch.nn.Module]:
         """The policy, and the reference model where there is one: the models whose forwards score tokens."""
         return [self.model] + ([] if self.ref_model is None else [self.accelerator.unwrap_model(self.ref_model)])
-
-    @contextlib.contextmanager
-    def _routed_training_layers(self):
-        """Within the block the scored models' decoder layers run compiled (``compile_training``), if chosen."""
-        layers = self.decisions.train_layers
-        if layers is None:
-            yield
-            return
-        before = layers.compiles
-        try:
-            with layers.route(*self._scored_models()):
-                yield
-        finally:
-            self.perf.add("train_compiles", float(layers.compiles - before))
 
     _check_inputs = staticmethod(checks.check_before_loading)  # before TRL loads anything
 

@@ -135,3 +135,23 @@ def check_rollout_prompts(prompt_ids: Sequence[Sequence[int]], prompts: Sequence
             f"together: drop or shorten the prompts longer than {room} tokens (TRL 1.16 has no "
             f"max_prompt_length to truncate them), or set max_completion_length <= {limit[0] - tokens}"
         )
+
+
+def check_loaded(tokenizer, model, max_completion_length: int, dataset,
+                 tokenize: Callable | None) -> tuple[int, str] | None:
+    """The checks once the trainer has loaded the tokenizer and the model: the tokenizer's special tokens, room for a
+    prompt beside a full-length completion, and (with ``tokenize``, TRL's own) no empty prompt in ``dataset``.
+    Returns the model's position limit (``position_limit``), which each rollout's prompts are checked against."""
+    check_special_tokens(tokenizer)
+    limit = position_limit(model)
+    check_completion_fits(max_completion_length, limit)
+    if tokenize is not None:
+        check_empty_prompts(dataset, tokenize)
+    return limit
+
+
+def checked(tokenized: tuple, prompts: Sequence, max_completion_length: int, limit: tuple[int, str] | None) -> tuple:
+    """``tokenized`` (TRL's ``_tokenize_prompts`` of ``prompts``: ids, images, fields), after
+    ``check_rollout_prompts``."""
+    check_rollout_prompts(tokenized[0], prompts, max_completion_length, limit)
+    return tokenized
