@@ -12,19 +12,22 @@ Every override of TRL's and transformers' methods is here, written against trl 1
   ``_get_per_token_logps_and_entropies``: timed; no-grad scoring chunks of ``token_budget.scoring_rows``; the
   models' ``forward`` runs the log-softmax ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
 - ``_prepare_inputs``: TRL's, then a prompt's rows kept in the same micro-batches where the gradient stays the same
-  (``training.prompt_groups``). TRL's ``_tokenize_prompts`` sizes caches and probes (``_longest_prompt``).
+  (``training.prompt_groups``). ``_tokenize_prompts``: TRL's, then prompts of no token or past the model's positions
+  refused (``checks.prompts``); it sizes caches and probes (``_longest_prompt``).
 - ``training_step`` (time; compiled decoder layers inside it, ``training.compiled_layers``), ``log`` (``perf/``).
 - ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules), ``_save_rng_state`` (sizes and every rank's random
-  state, before rank 0 marks a checkpoint complete), ``_prepare_for_training`` (a checkpoint without ZeRO state under
-  ZeRO-1/2, ``distributed.plain_to_zero``), ``_init_training_state`` (no epoch for a finished run, ``checks.resume``).
+  state, before rank 0 marks a checkpoint complete), ``_save_checkpoint`` (a failed save named,
+  ``checks.checkpoint_save``), ``_prepare_for_training`` (a checkpoint without ZeRO state, ``plain_to_zero``),
+  ``_init_training_state`` (no epoch for a finished run, ``checks.resume``).
 - ``train``: holds the output directory (``checks.output_lock``), refuses what ``checks.resume`` refuses and a
   token budget the longest prompt cannot fit, then settles "auto" sizes (``memory.autosize``).
 
-``__init__`` checks the inputs first (``checks.inputs``), gives a policy built in code a copy for TRL to load the
-reference from (``reference_copy``), adds the writers of ``metrics.jsonl`` and ``performance.json`` (``run_files``)
-and builds what the helpers read instead of the trainer (``hf_grpo.run_state``): ``facts``, ``sizes`` (the one place
-the sizes live during a run; the config is not written) and ``decisions``. A chunk that runs out of memory is halved
-on every rank and retried (``memory.oom``); on a GPU each pass's work is counted (``memory.flops``).
+``__init__`` checks the inputs first (``checks.inputs``; the tokenizer and prompts once loaded, ``checks.prompts``),
+gives a policy built in code a copy for TRL to load the reference from (``reference_copy``), adds the writers of
+``metrics.jsonl`` and ``performance.json`` (``run_files``) and builds what the helpers read instead of the trainer
+(``hf_grpo.run_state``): ``facts``, ``sizes`` (the one place the sizes live during a run; the config is not written)
+and ``decisions``. An out-of-memory chunk is halved on every rank and retried (``memory.oom``); on a GPU each pass's
+work is counted (``memory.flops``).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from trl.models import unwrap_model_for_generation
 from .training import compiled_layers as training_compile, eager_packing, graphs as training_graphs, lora_forward
 from .training import prompt_groups
 from .checks import inputs as checks
-from .checks import output_lock, resume
+from .checks import checkpoint_save, output_lock, prompts as prompt_checks, resume
 from .checks import unscored
 from .config import GRPOConfig
 from .distributed import plain_to_zero, zero3_leaves
@@ -85,6 +88,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         with reference_copy.reference_loadable(model, config.beta, kwargs.get("peft_config")):
             super().__init__(*args, **kwargs)
         checks.check_reward_outputs(self)
+        self._position_limit = prompt_checks.check_loaded(  # the tokenizer, the prompts (an environment's: per rollout)
+            self._tokenizer, self.model, self.max_completion_length, self.train_dataset,
+            None if self.environment_factories else functools.partial(trl.GRPOTrainer._tokenize_prompts, self))
         # what helpers read of the run: facts fixed now, the sizes as they change, what is decided once (run_state)
         self.facts, self.sizes, self.decisions = self._run_facts(), RunSizes.from_config(self.args), RunDecisions()
         token_budget.check_run(self.facts, self.sizes.max_tokens_per_micro_batch)
@@ -191,14 +197,20 @@ class GRPOTrainer(trl.GRPOTrainer):
             autosize.save_sizes(self.sizes, self.max_completion_length, output_dir)
         self.accelerator.wait_for_everyone()  # (nothing in a one-process run)
 
+    def _save_checkpoint(self, model, trial):  # a failed save (a full disk) named, with what it left intact
+        with checkpoint_save.explained(self._get_output_dir(trial=trial), self.state.global_step):
+            return super()._save_checkpoint(model, trial)
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         inner_before = self.perf.total("generation_s") + self.perf.total("reward_s")
         start = time.perf_counter()
-        with self._routed_training_layers():  # scoring, forward and backward (its recompute too); not generation
+        # the scored models' decoder layers compiled, if chosen: scoring, forward and backward (its recompute too)
+        with training_compile.routed(self.decisions.train_layers, self._scored_models,
+                                     lambda compiles: self.perf.add("train_compiles", float(compiles))):
             loss = super().training_step(model, inputs, num_items_in_batch)
         self.perf.sync()
         inner = self.perf.total("generation_s") + self.perf.total("reward_s") - inner_before
-        # Generation and scoring happen inside training_step (in _prepare_inputs); they are not training.
+        # Generation and rewards happen inside training_step (in _prepare_inputs): not the training half.
         self.perf.add("train_s", time.perf_counter() - start - inner)
         self.perf.add("train_tokens", float(self._last_micro_batch_tokens))
         return loss
@@ -302,6 +314,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.perf.add(key, float(after - counts_before[key]))
         return completion_ids, None
 
+    def _tokenize_prompts(self, prompts):  # a rollout's (or the longest-prompt scan's): none empty or too long
+        return prompt_checks.checked(super()._tokenize_prompts(prompts), prompts, self.max_completion_length,
+                                     self._position_limit)
+
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         with self.perf.phase("reward"):
             rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -398,17 +414,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         """The policy, and the reference model where there is one: the models whose forwards score tokens."""
         return [self.model] + ([] if self.ref_model is None else [self.accelerator.unwrap_model(self.ref_model)])
 
-    @contextlib.contextmanager
-    def _routed_training_layers(self):
-        """Within the block the scored models' decoder layers run compiled (``compile_training``), if chosen."""
-        layers = self.decisions.train_layers
-        before = 0 if layers is None else layers.compiles
-        try:
-            with contextlib.nullcontext() if layers is None else layers.route(*self._scored_models()):
-                yield
-        finally:
-            self.perf.add("train_compiles", 0.0 if layers is None else float(layers.compiles - before))
-
     _check_inputs = staticmethod(checks.check_before_loading)  # before TRL loads anything
     _init_training_state = resume.no_epoch_if_finished(trl.GRPOTrainer._init_training_state)
 
@@ -422,14 +427,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         return self._longest_prompt_tokens
 
     def _longest_row(self, inputs) -> int:
-        """Tokens of the longest row the run can meet: longest prompt (the training set's, else this micro-batch's)
-        plus max_completion_length. A token budget below it could not hold some rollout's row."""
-        prompt = self._longest_prompt() or max(token_budget.extents(inputs).prompt)
-        return prompt + self.max_completion_length
+        """The longest row the run can meet (the longest prompt, else this micro-batch's, + max_completion_length)."""
+        return (self._longest_prompt() or max(token_budget.extents(inputs).prompt)) + self.max_completion_length
 
     def _generation_mirror(self) -> dense_mirror.DenseMirror | InPlaceLoraMerge | None:
-        """The dense copy of the weights generation reads, or None (``dense_mirror.choose_for_run``). Decided
-        once, the same on every rank: under ZeRO-3 its refresh gathers layer by layer, a collective."""
+        """The dense copy generation reads, or None (``dense_mirror.choose_for_run``): decided once, on every rank."""
         if not self.decisions.mirror_decided:
             model = self.accelerator.unwrap_model(self.model_wrapped)
             self.decisions.mirror_decided, self.decisions.mirror = dense_mirror.choose_for_run(

@@ -42,6 +42,7 @@ RECORDED = {
     "_load_optimizer_and_scheduler": "(self, checkpoint)",
     "_load_scaler": "(self, checkpoint)",
     "_save_rng_state": "(self, output_dir)",  # transformers' Trainer's (transformers 5.24)
+    "_save_checkpoint": "(self, model, trial)",  # transformers' Trainer's (transformers 5.25)
     "_tokenize_prompts": "(self, prompts)",
     "compute_loss": "(self, model, inputs, return_outputs=False, num_items_in_batch=None)",
     "create_accelerator_and_postprocess": "(self)",
@@ -49,9 +50,9 @@ RECORDED = {
     "train": "(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None)",
     "training_step": "(self, model, inputs, num_items_in_batch)",
 }
-# Called, not overridden: GRPOTrainer tokenizes the training prompts with it once to size the decode cache; a
-# checkpoint without ZeRO state resumed under ZeRO-1/2 is loaded with the Trainer's loaders (distributed.plain_to_zero).
-CALLED_ONLY = {"_tokenize_prompts", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler"}
+# Called, not overridden: a checkpoint without ZeRO state resumed under ZeRO-1/2 is loaded with the Trainer's loaders
+# (distributed.plain_to_zero).
+CALLED_ONLY = {"_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler"}
 
 
 def shape(function) -> str:

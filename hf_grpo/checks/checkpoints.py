@@ -54,9 +54,12 @@ def what_is_missing(checkpoint: str) -> str | None:
                 f"({'it is empty' if not held else 'it holds only ' + ', '.join(held)})")
     try:
         with open(mark) as handle:
-            json.load(handle)["global_step"]
+            step = json.load(handle)["global_step"]
     except (ValueError, KeyError, TypeError) as err:
         return f"its {MARK} is cut short or unreadable ({type(err).__name__}), so its save was interrupted"
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:  # written whole, then damaged or edited
+        return (f'its {MARK} has "global_step": {json.dumps(step)}, not a step number (a non-negative integer), '
+                f"so the file was damaged or edited after the save")
     return None
 
 

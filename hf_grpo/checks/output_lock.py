@@ -101,6 +101,45 @@ def _alive(holder: dict) -> bool:
     return recorded is None or now is None or recorded == now  # a pid reused by a later process is not the holder
 
 
+def _parent_pid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return int(handle.read().rsplit(")", 1)[1].split()[1])  # field 4 of proc(5)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _is_own_ancestor(pid) -> bool:
+    """Whether ``pid`` is 1 (this PID namespace's init) or a parent of this process, up the chain: a process that
+    launched this one, or a container's init. Such a pid is never the other run writing this folder; a lock naming
+    it comes from another PID namespace (a previous container whose run had that pid) or was copied here."""
+    if pid == 1:
+        return True
+    current = os.getppid()
+    for _ in range(64):  # (a bound against a /proc that loops)
+        if current is None or current <= 1:
+            return False
+        if current == pid:
+            return True
+        current = _parent_pid(current)
+    return False
+
+
+def _in_use(output_dir: str, path: str, holder: dict) -> str:
+    """The refusal for a live holder: stop it, unless it is this process's own init or parent (then the lock is
+    not that process's, and stopping it would stop this run's own container or shell)."""
+    pid = holder.get("pid")
+    if _is_own_ancestor(pid):
+        which = "this PID namespace's init" if pid == 1 else "a parent of this process"
+        return (f"output_dir={output_dir!r} holds a lock naming {describe(holder)}; pid {pid} here is {which}, not a "
+                f"run writing into this folder: the lock most likely comes from a run in another container or PID "
+                f"namespace that had that pid, or was copied with the folder. If no run is writing into this "
+                f"folder, delete {path} and start again; otherwise choose another --output_dir")
+    return (f"output_dir={output_dir!r} is in use by another run ({describe(holder)}), which is still "
+            f"running: two runs writing one folder save and rotate each other's checkpoints. Wait for it "
+            f"to end, stop it (kill {pid}), or choose another --output_dir")
+
+
 def _read(path: str) -> dict | None:
     """The lock's record; None if the file vanished; an empty record if it cannot be parsed."""
     try:
@@ -184,10 +223,7 @@ def acquire(output_dir: str) -> bool:
             _held[key] = holder  # written by this process, whose record was lost: hold it again
             return True
         if _alive(holder):
-            raise OutputDirLocked(
-                f"output_dir={output_dir!r} is in use by another run ({describe(holder)}), which is still "
-                f"running: two runs writing one folder save and rotate each other's checkpoints. Wait for it "
-                f"to end, stop it (kill {holder.get('pid')}), or choose another --output_dir")
+            raise OutputDirLocked(_in_use(output_dir, path, holder))
         logger.warning("output_dir %s: taking over the lock of a run that is gone (%s)", output_dir,
                        describe(holder))
         _take_over(path, holder)

@@ -45,6 +45,9 @@ def load_yaml(path: str, holds: str):
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
             problem = getattr(err, "problem", None) or str(err).splitlines()[0]
             raise ValueError(f"{path} is not valid YAML{where}: {problem}") from None
+        except UnicodeDecodeError as err:  # (a binary file: the decoder's message names no file)
+            raise ValueError(f"{path} is not a text file (byte {err.start} is not UTF-8); --config takes {holds}") \
+                from None
     if loaded is None:
         raise ValueError(f"{path} is empty (no keys); --config takes {holds}")
     return loaded

@@ -39,12 +39,50 @@ def chosen_for(sizes: RunSizes | dict[str, Any], max_completion_length: int | No
 
 
 def read_saved_sizes(checkpoint: str | None) -> dict[str, Any] | None:
-    """The sizes saved in ``checkpoint`` (a directory), or None when it holds none."""
+    """The sizes saved in ``checkpoint`` (a directory), or None when it holds none.
+
+    A file that does not parse, or does not hold sizes, is an error naming it and what to do: it is written before
+    ``trainer_state.json`` marks the checkpoint complete, so in a complete checkpoint it was damaged or edited."""
     path = os.path.join(checkpoint, SIZES_FILE) if checkpoint else None
     if path is None or not os.path.isfile(path):
         return None
-    with open(path) as handle:
-        return json.load(handle)
+    try:
+        with open(path) as handle:
+            saved = json.load(handle)
+    except ValueError as err:  # (JSONDecodeError, UnicodeDecodeError)
+        raise ValueError(_unusable(path, f"it is not valid JSON ({err})")) from None
+    problem = _shape_problem(saved)
+    if problem is not None:
+        raise ValueError(_unusable(path, problem))
+    return saved
+
+
+def _unusable(path: str, problem: str) -> str:
+    return (f"{path} cannot be used: {problem}. It holds the sizes the saved run chose ('auto') or lowered after an "
+            f"out-of-memory; delete it to resume with this run's own sizes (its 'auto' ones chosen again), or resume "
+            f"from another checkpoint")
+
+
+def _is_size(value) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
+def _shape_problem(saved) -> str | None:
+    """What makes ``saved`` not a sizes record (as ``save_sizes`` writes it, or an older one without
+    ``chosen_for``), or None."""
+    if not isinstance(saved, dict):
+        return f"it holds a JSON {type(saved).__name__}, not an object of sizes"
+    for name in SIZE_FIELDS:
+        if name in saved and not _is_size(saved[name]):
+            return f'"{name}" is {saved[name]!r}, not a positive integer or null'
+    for part in ("configured", "chosen_for"):
+        if part in saved and not (isinstance(saved[part], dict) and all(map(_is_size, saved[part].values()))):
+            return f'"{part}" is {saved[part]!r}, not an object of positive integers or nulls'
+    if "chosen_for" not in saved:  # an older file: what the sizes were chosen for is derived from three of them
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation"):
+            if saved.get(name) is None:
+                return f'it has neither "chosen_for" nor "{name}"'
+    return None
 
 
 def save_sizes(sizes: RunSizes, max_completion_length: int, directory: str) -> None:

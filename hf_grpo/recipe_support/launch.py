@@ -21,6 +21,7 @@ from ..config import GRPOConfig, cpu_launch_without_mixed_precision, device_defa
 from ..distributed import before_deepspeed_starts
 from ..distributed.shutdown import close_distributed
 from ..trainer import GRPOTrainer
+from .config_file import check_integer_values, read_config_file
 from .recipe_args import RecipeArguments
 from .reporting import METRICS_FILE, PLOT_FILE, plot_metrics
 from .tasks import as_chat
@@ -53,11 +54,13 @@ def parse_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None, c
     cpu_launch_without_mixed_precision()
     before_deepspeed_starts()  # before the config is built: that may build a DeepSpeed op
     parser = TrlParser((config_cls, RecipeArguments, ModelConfig))
+    # YAML values become argparse defaults, which argparse does not convert: a float for an integer field is refused
+    check_integer_values(defaults, parser.dataclass_types, "the recipe's defaults")
     unknown = parser.set_defaults_with_config(**{**device_defaults(), **defaults})
     if unknown:
         raise ValueError(f"recipe defaults name unknown fields: {unknown[::2]}")
     argv = sys.argv[1:] if argv is None else list(argv)
-    flags, yaml_keys = flag_fields(argv), yaml_fields(argv)
+    flags, yaml_keys = flag_fields(argv), yaml_fields(argv, parser.dataclass_types)
     # A preset fills only what the user left out: the YAML's keys and the flags, not the recipe's defaults.
     with explicit_fields(flags | yaml_keys):
         training_args, recipe_args, model_args = parser.parse_args_and_config(args=argv)
@@ -93,15 +96,17 @@ def flag_fields(argv: list[str]) -> set[str]:
     return {token[2:].split("=", 1)[0] for token in argv if token.startswith("--")} - {"config"}
 
 
-def yaml_fields(argv: list[str]) -> set[str]:
-    """Field names set as keys of the ``--config`` YAML."""
+def yaml_fields(argv: list[str], classes: Collection[type] = ()) -> set[str]:
+    """Field names set as keys of the ``--config`` YAML; a file that is not a YAML mapping, or a float for an integer
+    field of ``classes``, is an error naming the file (``config_file``)."""
     names: set[str] = set()
     for index, token in enumerate(argv):
         path = token.split("=", 1)[1] if token.startswith("--config=") else (
             argv[index + 1] if token == "--config" and index + 1 < len(argv) else None)
         if path is not None:
-            with open(path) as handle:
-                names |= set(yaml.safe_load(handle) or {})
+            values = read_config_file(path)
+            check_integer_values(values, classes, f"--config {path}")
+            names |= set(values)
     return names - {"config"}
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -173,6 +173,22 @@ class CompiledTrainingLayers:
             yield
         finally:
             self._attach(layers)
+
+
+@contextmanager
+def routed(layers: CompiledTrainingLayers | None, models: Callable[[], list[torch.nn.Module]],
+           count: Callable[[int], None]) -> Iterator[None]:
+    """Within the block the decoder layers of ``models()`` run compiled, where ``layers`` were chosen; ``count``
+    gets the graphs compiled meanwhile (``perf/train_compiles``)."""
+    if layers is None:
+        yield
+        return
+    before = layers.compiles
+    try:
+        with layers.route(*models()):
+            yield
+    finally:
+        count(layers.compiles - before)
 
 
 SETTINGS = ("auto", "on", "cpp_wrapper", "off")
