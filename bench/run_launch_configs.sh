@@ -12,9 +12,9 @@
 #   SHAPE=7b-lora CONFIGS=zero2 bash bench/run_launch_configs.sh                          # 7B LoRA, 2048 tokens
 #   SHAPE=7b-full CONFIGS=zero3 PROCESS_COUNTS="4 8" bash bench/run_launch_configs.sh     # 7B full fine-tune
 #
-# Env: CONFIGS (default "zero2 zero3"; any accelerate_configs/<name>.yaml), IMPLS (default "trl hf_grpo"; also
-# trl_cb: TRL with use_transformers_continuous_batching=True; hf_grpo_padded, hf_grpo_packed: hf_grpo with
-# padding_free forced False / True), NUM_PROCESSES (1), PROCESS_COUNTS
+# Env: CONFIGS (default "zero2 zero3"; any accelerate_configs/<name>.yaml), IMPLS (default "trl trl_cb hf_grpo";
+# trl_cb: TRL with use_transformers_continuous_batching=True, its no-vLLM fast path; hf_grpo_padded,
+# hf_grpo_packed: hf_grpo with padding_free forced False / True), NUM_PROCESSES (1), PROCESS_COUNTS
 # (the process counts to launch each config with, default NUM_PROCESSES; the summary gives completions/s per GPU
 # against the smallest count), SHAPE (1.5b-lora: the run above; 7b-lora: Qwen2.5-7B's dimensions with LoRA r16,
 # completions of up to 2048; 7b-full: the 7B fully fine-tuned, completions of up to 1024, generation 16 at a time;
@@ -38,7 +38,7 @@ export PYTHONUNBUFFERED=1
 TINY=0
 [ "${1:-}" = "--tiny" ] && TINY=1
 CONFIGS=${CONFIGS:-zero2 zero3}
-IMPLS=${IMPLS:-trl hf_grpo}
+IMPLS=${IMPLS:-trl trl_cb hf_grpo}
 NUM_PROCESSES=${NUM_PROCESSES:-1}
 PROCESS_COUNTS=${PROCESS_COUNTS:-$NUM_PROCESSES}
 SHAPE=${SHAPE:-1.5b-lora}

@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Realistic whole-run GRPO benchmark (bench/grpo_realistic.py) on one GPU, from the repository root:
-# TRL's default trainer, then hf_grpo with the hf and cuda_graph backends, each in its own process
+# TRL's default trainer and TRL with continuous batching, then hf_grpo with the hf and cuda_graph backends, each in
+# its own process
 # (peak memory does not mix), then optionally hf_grpo/hf with small chunks to show memory falling.
 #
 #   bash bench/run_realistic.sh
 #   STEPS=10 SHAPE=0.5b IMPLS="trl hf cuda_graph hf_small" RESULTS=bench/results/raw bash bench/run_realistic.sh
 #
-# Env: STEPS (10), SHAPE (0.5b | 1.5b), IMPLS (runs, from: trl trl_nocudnn hf cuda_graph padded_graphs
-# eager_training no_shape_reuse hf_small; default trl hf cuda_graph hf_small; trl_nocudnn is TRL with cuDNN's
-# SDPA kernel off, as hf_grpo has it by default;
+# Env: STEPS (10), SHAPE (0.5b | 1.5b), IMPLS (runs, from: trl trl_cb trl_nocudnn hf cuda_graph padded_graphs
+# eager_training no_shape_reuse hf_small; default trl trl_cb hf cuda_graph hf_small; trl_cb is TRL with
+# use_transformers_continuous_batching=True; trl_nocudnn is TRL with cuDNN's SDPA kernel off, as hf_grpo has it;
 # padded_graphs is cuda_graph with the replayed micro-batches' rows padded, not packed (padding_free=False);
 # eager_training is cuda_graph with the training micro-batches run eagerly, training_cuda_graphs=off;
 # no_shape_reuse is cuda_graph with every new packed shape captured at its first micro-batch),
@@ -25,7 +26,7 @@ set -u
 export PYTHONUNBUFFERED=1
 STEPS=${STEPS:-10}
 SHAPE=${SHAPE:-0.5b}
-IMPLS=${IMPLS:-trl hf cuda_graph hf_small}
+IMPLS=${IMPLS:-trl trl_cb hf cuda_graph hf_small}
 RESULTS=${RESULTS:-${OUT:-bench/results/raw}}
 RUN_TIMEOUT=${RUN_TIMEOUT:-280}
 MAX_SECONDS=${MAX_SECONDS:-150}
@@ -56,6 +57,7 @@ EOF
 for run in $IMPLS; do
   case $run in
     trl)        flags="--impl trl" ;;
+    trl_cb)     flags="--impl trl --trl_continuous_batching" ;;
     trl_nocudnn) flags="--impl trl --cudnn_attention off" ;;
     hf)         flags="--impl hf_grpo --backend hf" ;;
     cuda_graph) flags="--impl hf_grpo --backend cuda_graph" ;;
@@ -63,7 +65,7 @@ for run in $IMPLS; do
     eager_training) flags="--impl hf_grpo --backend cuda_graph --training_cuda_graphs off" ;;
     no_shape_reuse) flags="--impl hf_grpo --backend cuda_graph --shape_reuse_capture_cost 0" ;;
     hf_small)   flags="--impl hf_grpo --backend hf --tensor_batch_size 256 --per_device_generation_batch_size 8" ;;
-    *) echo "unknown run $run (from: trl trl_nocudnn hf cuda_graph padded_graphs eager_training no_shape_reuse" \
+    *) echo "unknown run $run (from: trl trl_cb trl_nocudnn hf cuda_graph padded_graphs eager_training no_shape_reuse" \
             "hf_small)"; continue ;;
   esac
   echo "=== $run: $flags --shape $SHAPE --max_steps $STEPS"
