@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Realistic whole-run GRPO benchmark (bench/grpo_realistic.py) on one GPU, from the repository root:
 # TRL's default trainer and TRL with continuous batching, then hf_grpo with the hf and cuda_graph backends, each in
-# its own process
-# (peak memory does not mix), then optionally hf_grpo/hf with small chunks to show memory falling.
+# its own process (peak memory does not mix), then optionally hf_grpo/hf with small chunks to show memory falling.
 #
 #   bash bench/run_realistic.sh
 #   STEPS=10 SHAPE=0.5b IMPLS="trl hf cuda_graph hf_small" RESULTS=bench/results/raw bash bench/run_realistic.sh
