@@ -54,12 +54,12 @@ from typing import Any
 
 import torch
 from transformers import GenerationConfig, TrainerCallback
-from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import create_model_from_path, use_adapter
 
+from .. import checkpointing
 from ..generation.base import is_zero3_partitioned
 from ..trainer import GRPOTrainer
-from .config import DiffuGRPOConfig, set_checkpointing
+from .config import DiffuGRPOConfig
 from .logprobs import EstimatorSpec, masked_logprobs, rollout_mask_seeds
 from .memory import MemoryTracker
 from .model import (
@@ -121,10 +121,10 @@ class DiffuGRPOTrainer(GRPOTrainer):
             kwargs.pop("quantization_config", None)
         if getattr(model, "generation_config", None) is None:  # remote-code models without GenerationMixin
             model.generation_config = GenerationConfig(eos_token_id=getattr(model.config, "eos_token_id", None))
-        if args.gradient_checkpointing and not _supports_checkpointing(model):
-            logger.warning("gradient_checkpointing=True but %s does not support it; training without it",
+        if args.activation_checkpointing and not _supports_checkpointing(model):
+            logger.warning("activation_checkpointing=True but %s does not support it; training without it",
                            type(base_module(model)).__name__)
-            set_checkpointing(args, False)
+            checkpointing.set_checkpointing(args, False)
         self._defer_logprobs = False
         self._padding_probed = False
         self._active_seeds: torch.Tensor | None = None
@@ -313,7 +313,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
                                                   range(first, first + rows), iterations)
         generate_every = self.args.steps_per_generation * self.num_iterations
         need_old = training and self.args.gradient_accumulation_steps % generate_every != 0  # as TRL decides
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        with torch.no_grad(), checkpointing.paused(self.model, checkpointing.rollout_kwargs(self.args)):
             if need_old:
                 output["diffu_old_logps"] = self._all_seeds(self.model, output)
             if self.beta != 0.0:

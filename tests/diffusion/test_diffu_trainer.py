@@ -44,7 +44,7 @@ def make_trainer(tmp_path, model=None, fixed=True, peft_config=None, **overrides
         output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=1, per_device_train_batch_size=8,
         num_generations=4, max_completion_length=8, block_length=4, diffusion_steps=4, learning_rate=0.1,
         optim="sgd", lr_scheduler_type="constant", logging_steps=1, save_strategy="no", seed=3, disable_tqdm=True,
-        gradient_checkpointing=False, p_mask_prompt=0.3, beta=0.0,
+        activation_checkpointing=False, p_mask_prompt=0.3, beta=0.0,
     )
     values.update(overrides)
     trainer = DiffuGRPOTrainer(
