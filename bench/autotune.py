@@ -257,7 +257,7 @@ def run_one(args, scenario) -> dict:
         auto_memory_fraction=args.auto_memory_fraction, **sizes_for(args, scenario),
         # oom_train: without checkpointing the activations, which a smaller micro-batch shrinks, outweigh
         # what it does not (the gradients, one LM-head chunk), so the hog's OOM is one a back-off can survive.
-        gradient_checkpointing=scenario != "oom_train",
+        activation_checkpointing=scenario != "oom_train",
     )
     clock = StepClock(args.device)
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **k: [random.random() for _ in completions],

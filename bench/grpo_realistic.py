@@ -75,7 +75,6 @@ CPU smoke test (tiny model, character tokenizer, fp32, no CUDA timing calls):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import math
@@ -467,8 +466,6 @@ def main(argv=None) -> int:
         before_deepspeed_starts()
     else:
         from hf_grpo import GRPOConfig, GRPOTrainer
-    field_names = {f.name for f in dataclasses.fields(GRPOConfig)}
-    checkpointing_field = "activation_checkpointing" if "activation_checkpointing" in field_names else "gradient_checkpointing"
     common = dict(
         output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=args.per_device_train_batch_size,
         steps_per_generation=args.steps_per_generation, gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -480,7 +477,7 @@ def main(argv=None) -> int:
     if device == "cpu":
         common["use_cpu"] = True
     if args.checkpointing != "default":
-        common[checkpointing_field] = args.checkpointing == "on"
+        common["activation_checkpointing"] = args.checkpointing == "on"
     if args.impl == "hf_grpo":
         common.update(generation_backend=args.backend, tensor_batch_size=args.tensor_batch_size,
                       per_device_generation_batch_size=args.per_device_generation_batch_size)
@@ -617,7 +614,7 @@ def main(argv=None) -> int:
         lora_fused_layers=getattr(decisions, "lora_fused_layers", None),
         share_prompts=args.share_prompts == "on" if args.impl == "hf_grpo" else None,
         prompt_grouping=getattr(decisions, "prompt_grouping", None),
-        checkpointing=bool(getattr(trainer.args, checkpointing_field)),
+        checkpointing=bool(trainer.args.activation_checkpointing),
         tensor_batch_size=args.tensor_batch_size if args.impl == "hf_grpo" else None,
         per_device_generation_batch_size=(trainer.sizes.per_device_generation_batch_size
                                           if args.impl == "hf_grpo" else None),

@@ -52,7 +52,7 @@ def main():
     parser.add_argument("--backend", default="auto", help="hf_grpo generation_backend")
     parser.add_argument("--per_device_generation_batch_size", type=int, default=None)
     parser.add_argument("--tensor_batch_size", type=int, default=4096)
-    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--activation_checkpointing", action="store_true")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -72,7 +72,7 @@ def main():
         num_generations=args.num_generations, steps_per_generation=args.steps_per_generation,
         gradient_accumulation_steps=args.steps_per_generation, max_completion_length=args.completion_len,
         max_steps=args.max_steps, logging_steps=1, report_to=[], save_strategy="no", bf16=True,
-        gradient_checkpointing=args.gradient_checkpointing, disable_tqdm=True, temperature=1.0,
+        activation_checkpointing=args.activation_checkpointing, disable_tqdm=True, temperature=1.0,
         generation_kwargs={"min_new_tokens": args.completion_len},
     )
     if args.impl == "trl":

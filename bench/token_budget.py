@@ -98,7 +98,7 @@ def build_trainer(args, budget_max: int, output_dir: str) -> GRPOTrainer:
     config = GRPOConfig(
         output_dir=output_dir, report_to=[], use_cpu=not cuda, bf16=cuda, per_device_train_batch_size=args.rows,
         num_generations=2, max_completion_length=args.max_completion, loss_type=args.loss_type,
-        max_tokens_per_micro_batch=budget_max, gradient_checkpointing=False,
+        max_tokens_per_micro_batch=budget_max, activation_checkpointing=False,
     )
     trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=config,
                           train_dataset=Dataset.from_dict({"prompt": ["a"] * args.rows}), processing_class=tokenizer)

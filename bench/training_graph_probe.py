@@ -111,8 +111,8 @@ def main():
     dev = torch.device("cuda")
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, shape=args.shape, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev)
-    model.gradient_checkpointing_enable(
-        gradient_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": bool(args.preserve_rng)})
+    model.activation_checkpointing_enable(
+        activation_checkpointing_kwargs={"use_reentrant": False, "preserve_rng_state": bool(args.preserve_rng)})
     model.config.use_cache = False
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]

@@ -8,30 +8,21 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import logging
 import os
 import re
 from collections.abc import Collection
 from typing import Any
 
-import trl
-
 from .plan import AUTO, BatchPlan, take_auto
 
 logger = logging.getLogger("hf_grpo")
 
-# transformers 5.x renamed gradient_checkpointing to activation_checkpointing (the old name is an alias).
-CHECKPOINTING = next(
-    (f.name for f in dataclasses.fields(trl.GRPOConfig) if f.name == "activation_checkpointing"),
-    "gradient_checkpointing",
-)
-
 PRESETS: dict[str, dict[str, Any]] = {
     # activation checkpointing trades ~20-30% step time for activation memory
-    "memory": {CHECKPOINTING: True, "per_device_generation_batch_size": 2, "tensor_batch_size": 512},
+    "memory": {"activation_checkpointing": True, "per_device_generation_batch_size": 2, "tensor_batch_size": 512},
     "balanced": {"per_device_generation_batch_size": 4, "tensor_batch_size": 1024},
-    "speed": {CHECKPOINTING: False, "per_device_generation_batch_size": 8, "tensor_batch_size": 2048},
+    "speed": {"activation_checkpointing": False, "per_device_generation_batch_size": 8, "tensor_batch_size": 2048},
 }
 
 # The batch-size guide's factory per preset, built by ``preset_factory`` for each config class.
@@ -70,7 +61,7 @@ BATCH_FIELDS = (
     "per_device_generation_batch_size",
     "tensor_batch_size",
     "max_tokens_per_micro_batch",
-    CHECKPOINTING,
+    "activation_checkpointing",
     "bf16",
 )
 

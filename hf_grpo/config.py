@@ -15,10 +15,10 @@ from typing import Any
 
 import trl
 
+from . import checkpointing
 from .batch_fields import (  # noqa: F401 (re-exported: names of hf_grpo.config too)
     _EXPLICIT_FIELDS,
     BATCH_FIELDS,
-    CHECKPOINTING,
     ENV_OVERRIDES,
     _bf16_available,
     check_generation_choices,
@@ -291,6 +291,13 @@ class GRPOConfig(trl.GRPOConfig):
         },
     )
 
+    # TRL 1.16 turns checkpointing on through this deprecated alias (default True), which transformers >= 5.23 then
+    # warns about on every config: None here, and __post_init__ turns it on under the current name where neither is
+    # given (hf_grpo.checkpointing). Still accepted: transformers takes it when activation_checkpointing is unset.
+    gradient_checkpointing: bool | None = field(default=None, metadata={
+        "help": "Deprecated alias of activation_checkpointing (transformers 5.23), still accepted.", "nargs": "?",
+        "const": True})
+
     def __new__(cls, *args: Any, **kwargs: Any):
         # Remember which fields the caller set, so a preset never overrides one, whatever its value.
         config = super().__new__(cls)
@@ -320,11 +327,11 @@ class GRPOConfig(trl.GRPOConfig):
         fraction = self.auto_memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"auto_memory_fraction must be a number in (0, 1], e.g. 0.9, got {fraction!r}")
-        resolved = resolve_batch_fields(
-            {name: getattr(self, name) for name in BATCH_FIELDS}, self._explicit_fields, current_world_size()
-        )
+        resolved = resolve_batch_fields({name: getattr(self, name) for name in BATCH_FIELDS},
+                                        checkpointing.explicit_fields(self._explicit_fields), current_world_size())
         for name, value in resolved.items():
             setattr(self, name, value)
+        checkpointing.fill_default(self)
         super().__post_init__()
         check_token_budget(self)  # after TRL's checks: reads loss_type and the entropy settings
 
@@ -367,7 +374,7 @@ OPTIMIZATION_FIELDS = {
     # its meaning)
     "generation_batch_size": "per_device_generation_batch_size",
     "tensor_batch_size": "tensor_batch_size",
-    "enable_gradient_checkpointing": CHECKPOINTING,
+    "enable_gradient_checkpointing": "activation_checkpointing",
     "enable_mixed_precision": "bf16",
     "enable_profiling": "enable_profiling",
 }
@@ -422,7 +429,7 @@ class OptimizationView:
                     config.fp16 = False
                 return
             if name == "enable_gradient_checkpointing":
-                set_checkpointing(config, value)
+                checkpointing.set_checkpointing(config, value)
                 return
             setattr(config, flat, value)
             return
@@ -433,14 +440,6 @@ class OptimizationView:
             raise ValueError(f"config.optimization.{name} ({flat}) must be a positive integer{none}, got {value!r}")
         setattr(config, flat, value)
         config._batch_fields_changed = True
-
-
-def set_checkpointing(config, value: bool) -> None:
-    """Set activation checkpointing after construction: transformers 5 reads ``activation_checkpointing``, TRL
-    reads its deprecated alias ``gradient_checkpointing``; ``__post_init__`` mirrors them once, so set both."""
-    for name in ("activation_checkpointing", "gradient_checkpointing"):
-        if hasattr(config, name):
-            setattr(config, name, value)
 
 
 # The batch-size guide's factories; hf_grpo.diffusion builds the same three for DiffuGRPOConfig.

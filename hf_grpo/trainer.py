@@ -58,7 +58,7 @@ from .memory.device_rates import device_rates
 from .memory.flops import WorkCounter
 from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
 from .memory.stats import PerformanceStats
-from . import reference_copy, run_files
+from . import checkpointing, reference_copy, run_files
 from .plan import BatchPlan
 from .run_callbacks import RunCallbacks
 from .run_state import RunDecisions, RunFacts, RunSizes
@@ -104,7 +104,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._oom_knobs[token_budget.FIELD], self.loss_type, self.accelerator,
             lambda: self.model.zero_grad(set_to_none=True), lambda: self._metrics["train"], self._longest_row)
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        self.work = WorkCounter(policy, recompute=self.facts.gradient_checkpointing)  # (memory.flops)
+        self.work = WorkCounter(policy, recompute=self.facts.activation_checkpointing)  # (memory.flops)
         # eager micro-batches packed or padded: the user's padding_free, else chosen at train begin, once the
         # sizes are settled (eager_packing; padded until then, as the "auto" sizes' probes run)
         self.decisions.eager_rows = eager_packing.Choice(False, "chosen at train begin")
@@ -278,7 +278,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 # With the mirror, ZeRO-3 weights are gathered into it layer by layer below, not all at once here.
                 gather_deepspeed3_params=self.args.ds3_gather_for_generation and mirror is None,
                 generation_kwargs=self.generation_kwargs,
-                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs,
+                gradient_checkpointing_kwargs=checkpointing.rollout_kwargs(self.args),  # TRL's argument
             ) as unwrapped_model,
             torch.no_grad(),
             self._dist.summon_full_params(self.model_wrapped, recurse=False),
@@ -358,7 +358,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             half=bool(args.bf16 or args.fp16 or getattr(model, "dtype", None) in (torch.float16, torch.bfloat16)),
             moe=any(getattr(text, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts")),
             pad_token_id=getattr(getattr(self, "_tokenizer", None), "pad_token_id", None),
-            gradient_checkpointing=bool(args.gradient_checkpointing), loss_type=self.loss_type,
+            activation_checkpointing=bool(args.activation_checkpointing), loss_type=self.loss_type,
             max_completion_length=self.max_completion_length,
             entropy_per_micro_batch=self.top_entropy_quantile < 1.0 or bool(self._entropy_bonus_enabled),
             off_policy_mask=self.off_policy_mask_threshold is not None,

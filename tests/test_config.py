@@ -11,7 +11,7 @@ from hf_grpo import (
     create_memory_optimized_config,
     create_speed_optimized_config,
 )
-from hf_grpo.config import CHECKPOINTING, batch_field_defaults
+from hf_grpo.config import batch_field_defaults
 
 
 def guide_config(make_config, prompts, samples, mini_batch, micro, gpus):
@@ -113,7 +113,7 @@ def test_presets(tmp_path, factory, chunk, rows, checkpointing):
     assert config.tensor_batch_size == rows
     assert config.bf16 is False  # no bf16 hardware on a CPU machine
     if checkpointing is not None:
-        assert getattr(config, CHECKPOINTING) is checkpointing
+        assert config.activation_checkpointing is checkpointing
 
 
 @pytest.mark.parametrize("preset", ["memory", "balanced", "speed"])
@@ -262,7 +262,7 @@ def test_recipe_flags_and_yaml_beat_the_preset_even_at_the_default(tmp_path, giv
     config, _, _ = parse_recipe_args({"report_to": "none"}, argv)
     assert (config.tensor_batch_size, config.per_device_generation_batch_size) == (1024, 8)
     # what was left out still comes from the preset
-    assert getattr(config, CHECKPOINTING) is True
+    assert config.activation_checkpointing is True
 
 
 def test_recipe_preset_fills_what_the_user_left_out(tmp_path):
@@ -292,7 +292,7 @@ def test_the_seed_guides_example_2_runs_from_the_top_level_import():
     config = scope["config"]
     assert type(config) is hf_grpo.GRPOConfig
     assert (config.per_device_train_batch_size, config.per_device_generation_batch_size, config.tensor_batch_size,
-            getattr(config, CHECKPOINTING)) == (1, 2, 512, True)
+            config.activation_checkpointing) == (1, 2, 512, True)
     assert (config.optimization.per_device_train_batch_size, config.optimization.generation_batch_size) == (1, 2)
     # "Effective global batch sizes: Training: 1 x 4 = 4, Generation: 2 x 4 = 8" (its 4 GPUs)
     assert config.optimization.per_device_train_batch_size * 4 == 4

@@ -22,7 +22,7 @@ from test_training_compile import batch
 from test_training_graphs import checkpointed_model, trainer_sizes, windowed_score
 from tolerances import backward_terms, reordered
 
-DDP_FACTS = RunFacts(num_processes=2, distributed_type="MULTI_CPU", gradient_checkpointing=True, pad_token_id=0)
+DDP_FACTS = RunFacts(num_processes=2, distributed_type="MULTI_CPU", activation_checkpointing=True, pad_token_id=0)
 
 
 @pytest.fixture
@@ -121,7 +121,7 @@ def test_under_ddp_auto_and_on_replay_handing_gradients_over(process_group, monk
 
 def test_several_processes_wait_for_their_wrapper_and_data_parallel_is_refused(monkeypatch):
     monkeypatch.setattr(training_graphs, "CudaGraphRecorder", EagerRecorder)  # any device, as on a GPU
-    facts = dict(device_type="cuda", attention="sdpa", gradient_checkpointing=True)
+    facts = dict(device_type="cuda", attention="sdpa", activation_checkpointing=True)
     # several processes without DeepSpeed: decided on the wrapper the Trainer made (DDP, or refused)
     assert training_graphs.unavailable_reason(RunFacts(num_processes=2, **facts), trainer_sizes()) is None
     assert training_graphs.unavailable_reason(RunFacts(n_gpu=2, **facts), trainer_sizes()) == (

@@ -158,7 +158,7 @@ def test_a_lora_grpo_step_with_the_fused_forward_updates_as_peft_s(tmp_path):
         args = GRPOConfig(output_dir=str(tmp_path / str(on)), report_to=[], use_cpu=True, bf16=False, max_steps=1,
                           per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
                           learning_rate=0.5, optim="sgd", save_strategy="no", disable_tqdm=True, logging_steps=1,
-                          gradient_checkpointing=False, lora_fused_forward=on, seed=3)
+                          activation_checkpointing=False, lora_fused_forward=on, seed=3)
         made = GRPOTrainer(model=build_tiny_model(TOKENIZER, seed=0), reward_funcs=count_a_reward, args=args,
                            train_dataset=prompt_dataset(), processing_class=TOKENIZER,
                            peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False))

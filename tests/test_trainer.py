@@ -45,7 +45,7 @@ def make_trainer(tmp_path, cls=GRPOTrainer, config_cls=GRPOConfig, model=None, f
         output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, bf16=False, max_steps=1,
         per_device_train_batch_size=8, num_generations=4, max_completion_length=6, learning_rate=0.5,
         optim="sgd", lr_scheduler_type="constant", logging_steps=1, save_strategy="no", seed=3,
-        disable_tqdm=True, gradient_checkpointing=False,
+        disable_tqdm=True, activation_checkpointing=False,
     )
     values.update(overrides)
     args = config_cls(**values)
@@ -168,7 +168,7 @@ def test_lora_step_changes_only_adapter_weights(tmp_path):
         args=GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, max_steps=1,
                         per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
                         learning_rate=0.5, optim="sgd", save_strategy="no", disable_tqdm=True,
-                        gradient_checkpointing=False, tensor_batch_size=4),
+                        activation_checkpointing=False, tensor_batch_size=4),
         train_dataset=prompt_dataset(),
         processing_class=TOKENIZER,
         peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
@@ -369,7 +369,7 @@ def environment_trainer(tmp_path, fixed=True, **overrides):
 
     values = dict(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, bf16=False, max_steps=1,
                   per_device_train_batch_size=8, num_generations=4, max_completion_length=6, logging_steps=1,
-                  save_strategy="no", disable_tqdm=True, gradient_checkpointing=False)
+                  save_strategy="no", disable_tqdm=True, activation_checkpointing=False)
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in PROMPTS * 2]})
     trainer = GRPOTrainer(model=build_tiny_model(tokenizer, seed=0), reward_funcs=count_a_reward,
                           args=GRPOConfig(**values, **overrides), train_dataset=dataset, processing_class=tokenizer,

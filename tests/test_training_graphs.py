@@ -290,7 +290,7 @@ def test_auto_leaves_runs_without_activation_checkpointing_eager(tmp_path, monke
     # Their graphs' pool would hold a whole micro-batch's activations through the rollout; "on" replays anyway.
     monkeypatch.setattr(training_graphs, "unavailable_reason", lambda *a: None)  # as on one GPU
     trainer = tiny_cpu_trainer(tmp_path, activation_checkpointing=False)
-    assert trainer.args.training_cuda_graphs == "auto" and not trainer.facts.gradient_checkpointing
+    assert trainer.args.training_cuda_graphs == "auto" and not trainer.facts.activation_checkpointing
     graphs, reason = choose(trainer)
     assert graphs is None and reason.startswith("activation checkpointing is off")
     with caplog.at_level("INFO", logger="hf_grpo"):
@@ -298,7 +298,7 @@ def test_auto_leaves_runs_without_activation_checkpointing_eager(tmp_path, monke
     assert "training micro-batches: eager launches (activation checkpointing is off" in caplog.text
     assert isinstance(choose(trainer, training_cuda_graphs="on")[0], training_graphs.TrainingGraphs)
     checkpointed = tiny_cpu_trainer(tmp_path, activation_checkpointing=True)
-    assert checkpointed.facts.gradient_checkpointing
+    assert checkpointed.facts.activation_checkpointing
     graphs = choose(checkpointed)[0]
     assert isinstance(graphs, training_graphs.TrainingGraphs)
     assert graphs.warmup_passes == training_graphs.WARMUP_PASSES["eager"]

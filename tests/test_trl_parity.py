@@ -29,7 +29,6 @@ import hf_grpo
 import hf_grpo.logprob_head
 import hf_grpo.training.padding_free
 import hf_grpo.training.prompt_groups
-from hf_grpo.config import CHECKPOINTING
 from hf_grpo.generation import HFGenerateBackend
 from hf_grpo.ops import chunked_logprobs
 from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
@@ -133,7 +132,7 @@ def run(checkpoint, output_dir, ours, **fields):
         # Plain SGD without gradient clipping: clipping would rescale every update to the same norm and hide an
         # error in the loss's scale. At this rate step 2 moves the policy enough that some ratios are clipped.
         learning_rate=0.01, max_grad_norm=0.0, optim="sgd", lr_scheduler_type="constant", logging_steps=1,
-        save_strategy="no", disable_tqdm=True, **{CHECKPOINTING: False},
+        save_strategy="no", disable_tqdm=True, activation_checkpointing=False,
     )
     values.update(fields)
     args = hf_grpo.GRPOConfig(**values, tensor_batch_size=5) if ours else trl.GRPOConfig(**values)

@@ -12,7 +12,7 @@ under the guide's names:
                                     guide; **not** TRL's ``config.generation_batch_size``, which is the
                                     global rollout, P x W x S, and keeps TRL's meaning)
 ``tensor_batch_size``               ``tensor_batch_size``
-``enable_gradient_checkpointing``   ``gradient_checkpointing`` (``activation_checkpointing`` in transformers 5)
+``enable_gradient_checkpointing``   ``activation_checkpointing`` (and TRL's alias, ``gradient_checkpointing``)
 ``enable_mixed_precision``          ``bf16`` (True turns bf16 on where the GPU has it, else stays fp32 and says so)
 ``enable_profiling``                ``enable_profiling`` (per-phase peak memory in ``memory_manager_stats``)
 =================================  ===================================================================
@@ -28,12 +28,11 @@ import logging
 import math
 from dataclasses import dataclass, field
 
-from ..config import (  # noqa: F401 (OptimizationView, set_checkpointing: this package's names too)
+from ..config import (  # noqa: F401 (OptimizationView: this package's name too)
     GRPOConfig,
     OptimizationView,
     _bf16_available,
     preset_factory,
-    set_checkpointing,
 )
 from .block_cache import BLOCK_CACHES, check_block_cache_name
 from .sampling_settings import CONFIDENCE_ALGORITHMS, REMASKING

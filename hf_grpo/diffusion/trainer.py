@@ -21,7 +21,8 @@ TRL computes GRPO's advantages, clipped ratio, KL (k3) and logging; this subclas
   ``[:, k]`` of the stored old/ref log-probs and hands the row seeds of iteration k to
   ``_get_per_token_logps_and_entropies``; the rest is TRL's loss.
 - ``_get_per_token_logps_and_entropies``: the masked-diffusion estimate (``hf_grpo.diffusion.logprobs``)
-  instead of the causal one, through ``chunked_logprobs`` with ``tensor_batch_size`` token rows.
+  instead of the causal one, through ``chunked_logprobs`` with ``tensor_batch_size`` token rows, read from the
+  run's sizes (``self.sizes``) at every call, as the sampler reads it at every rollout.
 - ``_generate_single_turn`` and ``training_step``: only wrapped for per-phase memory figures.
 
 On its first forward the trainer probes whether the model attends to padding whatever mask it is given
@@ -47,17 +48,18 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import logging
 from typing import Any
 
 import torch
 from transformers import GenerationConfig, TrainerCallback
-from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import create_model_from_path, use_adapter
 
+from .. import checkpointing
 from ..generation.base import is_zero3_partitioned
 from ..trainer import GRPOTrainer
-from .config import DiffuGRPOConfig, set_checkpointing
+from .config import DiffuGRPOConfig
 from .logprobs import EstimatorSpec, masked_logprobs, rollout_mask_seeds
 from .memory import MemoryTracker
 from .model import (
@@ -119,10 +121,10 @@ class DiffuGRPOTrainer(GRPOTrainer):
             kwargs.pop("quantization_config", None)
         if getattr(model, "generation_config", None) is None:  # remote-code models without GenerationMixin
             model.generation_config = GenerationConfig(eos_token_id=getattr(model.config, "eos_token_id", None))
-        if args.gradient_checkpointing and not _supports_checkpointing(model):
-            logger.warning("gradient_checkpointing=True but %s does not support it; training without it",
+        if args.activation_checkpointing and not _supports_checkpointing(model):
+            logger.warning("activation_checkpointing=True but %s does not support it; training without it",
                            type(base_module(model)).__name__)
-            set_checkpointing(args, False)
+            checkpointing.set_checkpointing(args, False)
         self._defer_logprobs = False
         self._padding_probed = False
         self._active_seeds: torch.Tensor | None = None
@@ -151,11 +153,13 @@ class DiffuGRPOTrainer(GRPOTrainer):
                            "log-softmax, not the logits", reason)
         # d1 scores raw logits; TRL scores logits / temperature
         temperature = self.temperature if args.score_with_temperature and self.temperature > 0 else 1.0
+        # no tensor_batch_size here: each estimate reads it from the run's sizes (settled at train start, halved
+        # after an out-of-memory), as the sampler does (_estimate, _generation_backend)
         self.estimator = EstimatorSpec(
             mask_token_id=self.mask_token_id, pad_token_id=self._tokenizer.pad_token_id,
             completion_slots=args.max_completion_length, p_mask_prompt=args.p_mask_prompt,
             logits_shift=self.logits_shift, estimator=args.logprob_estimator, temperature=temperature,
-            tensor_batch_size=args.tensor_batch_size, padding_style=padding_style(self.model),
+            padding_style=padding_style(self.model),
         )
         self.memory = MemoryTracker(self.accelerator.device, args)
         self.add_callback(_DiffusionPlanCallback(self))
@@ -248,7 +252,6 @@ class DiffuGRPOTrainer(GRPOTrainer):
             self.decisions.backend = DiffusionSampler(
                 settings, mask_token_id=self.mask_token_id, logits_shift=self.logits_shift,
                 padding_style=self.estimator.padding_style, autocast=self.accelerator.autocast,
-                tensor_batch_size=self.sizes.tensor_batch_size,
             )
             if self.accelerator.is_main_process:
                 how = ("no KV cache: every step recomputes the row" if args.block_cache is None
@@ -259,6 +262,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
         self._probe_padding(model)
         if isinstance(self.decisions.backend, DiffusionSampler):
             self.decisions.backend.attends_to_padding = self.estimator.attends_to_padding
+            self.decisions.backend.tensor_batch_size = self.sizes.tensor_batch_size  # as it stands at this rollout
         return self.decisions.backend
 
     def _probe_padding(self, model) -> None:
@@ -309,7 +313,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
                                                   range(first, first + rows), iterations)
         generate_every = self.args.steps_per_generation * self.num_iterations
         need_old = training and self.args.gradient_accumulation_steps % generate_every != 0  # as TRL decides
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+        with torch.no_grad(), checkpointing.paused(self.model, checkpointing.rollout_kwargs(self.args)):
             if need_old:
                 output["diffu_old_logps"] = self._all_seeds(self.model, output)
             if self.beta != 0.0:
@@ -339,20 +343,21 @@ class DiffuGRPOTrainer(GRPOTrainer):
         """``[B, mu, C]`` log-probs of the rollout's completions for each iteration's seeds (no grad)."""
         seeds = output["mask_seeds"]
         if self.estimator.seed_independent:  # nothing random in the masks: one estimate serves every seed
-            once = self._estimate(model, output, seeds[:, 0], self.args.per_device_train_batch_size, False)[0]
+            once = self._estimate(model, output, seeds[:, 0], self.sizes.per_device_train_batch_size, False)[0]
             return once.unsqueeze(1).expand(-1, seeds.size(1), -1).contiguous()
         per_seed = [
-            self._estimate(model, output, seeds[:, k], self.args.per_device_train_batch_size, False)[0]
+            self._estimate(model, output, seeds[:, k], self.sizes.per_device_train_batch_size, False)[0]
             for k in range(seeds.size(1))
         ]
         return torch.stack(per_seed, dim=1)
 
     def _estimate(self, model, batch, seeds, row_chunk, entropy: bool):
         self._probe_padding(model)
+        spec = dataclasses.replace(self.estimator, tensor_batch_size=self.sizes.tensor_batch_size)
         with self.perf.phase("logprob"), self.memory.phase("logprob"):
             result = masked_logprobs(
                 model, batch["prompt_ids"], batch["prompt_mask"], batch["completion_ids"], batch["completion_mask"],
-                seeds, self.estimator, row_chunk=row_chunk, return_entropy=entropy,
+                seeds, spec, row_chunk=row_chunk, return_entropy=entropy,
                 unwrapped=self.accelerator.unwrap_model(model), autocast=self.accelerator.autocast,
             )
         return result if entropy else (result, None)

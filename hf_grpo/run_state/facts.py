@@ -21,7 +21,7 @@ class RunFacts:
     half: bool = False  # trains in fp16/bf16 (mixed precision, or a half-precision model)
     moe: bool = False  # a mixture-of-experts model (routes tokens with data-dependent shapes)
     pad_token_id: int | None = None  # the tokenizer's
-    gradient_checkpointing: bool = False
+    activation_checkpointing: bool = False
     loss_type: str = "grpo"
     max_completion_length: int = 256
     entropy_per_micro_batch: bool = False  # the entropy mask's quantile or the entropy bonus, per micro-batch

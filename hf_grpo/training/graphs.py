@@ -107,7 +107,7 @@ def choose(settings, model: torch.nn.Module, facts: RunFacts, sizes: RunSizes, d
         if setting == "on":
             logger.warning("training_cuda_graphs='on' is not applied: %s", reason)
         return None, reason
-    if setting == "auto" and not facts.gradient_checkpointing:
+    if setting == "auto" and not facts.activation_checkpointing:
         # Checkpointed, the pool keeps little more than the layers' inputs; without, it would keep a whole
         # micro-batch's activations through the rollout, which eager training hands back to it.
         return None, ("activation checkpointing is off: the graphs' memory pool would keep a micro-batch's "

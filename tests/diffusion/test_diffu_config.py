@@ -56,7 +56,7 @@ def test_optimization_view_reads_and_writes_the_flat_fields():
     view.enable_profiling = True
     assert (config.per_device_train_batch_size, config.per_device_generation_batch_size) == (4, 2)
     assert config.tensor_batch_size == 512 and config.enable_profiling
-    assert config.gradient_checkpointing is False and getattr(config, "activation_checkpointing", False) is False
+    assert config.activation_checkpointing is False and config.gradient_checkpointing is False  # TRL reads the alias
     assert (view.per_device_train_batch_size, view.generation_batch_size, view.tensor_batch_size) == (4, 2, 512)
     view.enable_mixed_precision = True  # no bf16 GPU here: stays fp32 (and says so)
     assert view.enable_mixed_precision is False and config.bf16 is False

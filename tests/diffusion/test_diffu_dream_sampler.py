@@ -223,7 +223,7 @@ def test_trainer_samples_with_dreams_sampler(tmp_path, monkeypatch):
     config = DiffuGRPOConfig(
         output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1, per_device_train_batch_size=4,
         num_generations=4, max_completion_length=8, block_length=8, diffusion_steps=4, save_strategy="no", seed=3,
-        disable_tqdm=True, gradient_checkpointing=False, beta=0.0, sampler="dream", logits_shift=True,
+        disable_tqdm=True, activation_checkpointing=False, beta=0.0, sampler="dream", logits_shift=True,
         confidence_algorithm="maskgit_plus", top_k=5,
     )
     trainer = DiffuGRPOTrainer(model=build_tiny_diffusion_model(TOKENIZER), reward_funcs=count_a_reward, args=config,

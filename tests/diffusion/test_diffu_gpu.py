@@ -52,7 +52,7 @@ def test_trainer_runs_in_bf16_on_cuda_with_phase_memory():
     args = DiffuGRPOConfig(output_dir="/tmp/diffu_gpu", report_to=[], bf16=True, max_steps=2,
                            per_device_train_batch_size=8, num_generations=4, max_completion_length=8, block_length=4,
                            diffusion_steps=4, num_iterations=2, beta=0.04, logging_steps=1, save_strategy="no",
-                           disable_tqdm=True, gradient_checkpointing=True, enable_profiling=True,
+                           disable_tqdm=True, activation_checkpointing=True, enable_profiling=True,
                            per_device_generation_batch_size=4, tensor_batch_size=16)
     trainer = DiffuGRPOTrainer(model=build_tiny_diffusion_model(TOKENIZER), reward_funcs=lambda completions, **k: [
         c.count("a") / 4 for c in completions], args=args, train_dataset=Dataset.from_dict({"prompt": ["ab>", "c>"] * 8}),

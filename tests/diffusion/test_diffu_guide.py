@@ -49,7 +49,7 @@ FIELD_SNIPPETS = {
         config.optimization.generation_batch_size = 2
         config.optimization.tensor_batch_size = 512
         config.optimization.enable_gradient_checkpointing = True
-        """, dict(per_device_generation_batch_size=2, tensor_batch_size=512, gradient_checkpointing=True)),
+        """, dict(per_device_generation_batch_size=2, tensor_batch_size=512, activation_checkpointing=True)),
     "balanced": ("""
         # Moderate batch sizes with optimizations
         config.optimization.generation_batch_size = 4
@@ -64,7 +64,7 @@ FIELD_SNIPPETS = {
         config.optimization.generation_batch_size = per_device_batch_size
         """, dict(per_device_generation_batch_size=4)),
     "oom 1": ("config.optimization.generation_batch_size = 1", dict(per_device_generation_batch_size=1)),
-    "oom 2": ("config.optimization.enable_gradient_checkpointing = True", dict(gradient_checkpointing=True)),
+    "oom 2": ("config.optimization.enable_gradient_checkpointing = True", dict(activation_checkpointing=True)),
     "oom 3": ("config.optimization.tensor_batch_size = 256", dict(tensor_batch_size=256)),
     "slow 1": ("config.optimization.generation_batch_size = 8", dict(per_device_generation_batch_size=8)),
     "slow 2": ("config.optimization.enable_mixed_precision = True", dict()),
@@ -91,7 +91,7 @@ EXAMPLES = {
         # Training: 1 x 4 = 4
         # Generation: 2 x 4 = 8
         """, dict(per_device_train_batch_size=1, per_device_generation_batch_size=2, tensor_batch_size=512,
-                  gradient_checkpointing=True)),
+                  activation_checkpointing=True)),
     "single GPU": ("""
         config = ImprovedDiffuGRPOConfig()
         config.optimization.per_device_train_batch_size = 1

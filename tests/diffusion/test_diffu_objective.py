@@ -33,7 +33,7 @@ class FixedBackend(HFGenerateBackend):
 def make_trainer(tmp_path, **overrides):
     values = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1, per_device_train_batch_size=8,
                   num_generations=4, max_completion_length=SLOTS, block_length=4, diffusion_steps=4, seed=3,
-                  save_strategy="no", disable_tqdm=True, gradient_checkpointing=False, p_mask_prompt=0.0,
+                  save_strategy="no", disable_tqdm=True, activation_checkpointing=False, p_mask_prompt=0.0,
                   beta=BETA, epsilon=EPSILON, temperature=TEMPERATURE, num_iterations=2)
     values.update(overrides)
     trainer = DiffuGRPOTrainer(model=build_tiny_diffusion_model(TOKENIZER, seed=0, dtype=torch.float64),

@@ -133,7 +133,7 @@ def test_trainer_probes_once_and_old_logprobs_match_the_loss_at_iteration_zero(t
     config = DiffuGRPOConfig(
         output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=1, per_device_train_batch_size=4,
         num_generations=4, max_completion_length=SLOTS, block_length=4, diffusion_steps=4, num_iterations=2,
-        save_strategy="no", seed=3, disable_tqdm=True, gradient_checkpointing=False, p_mask_prompt=0.3, beta=0.0,
+        save_strategy="no", seed=3, disable_tqdm=True, activation_checkpointing=False, p_mask_prompt=0.3, beta=0.0,
     )
     trainer = DiffuGRPOTrainer(model=llada(ignores_mask, torch.float32), reward_funcs=count_a_reward, args=config,
                                train_dataset=Dataset.from_dict({"prompt": PROMPTS[:4] * 4}),

@@ -44,7 +44,7 @@ def make_trainer(tmp_path, model=None, fixed=True, peft_config=None, **overrides
         output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=1, per_device_train_batch_size=8,
         num_generations=4, max_completion_length=8, block_length=4, diffusion_steps=4, learning_rate=0.1,
         optim="sgd", lr_scheduler_type="constant", logging_steps=1, save_strategy="no", seed=3, disable_tqdm=True,
-        gradient_checkpointing=False, p_mask_prompt=0.3, beta=0.0,
+        activation_checkpointing=False, p_mask_prompt=0.3, beta=0.0,
     )
     values.update(overrides)
     trainer = DiffuGRPOTrainer(
@@ -239,6 +239,60 @@ def test_block_cache_reaches_the_sampler_and_a_dual_cache_run_trains(tmp_path, m
     assert losses and all(math.isfinite(loss) for loss in losses)
     assert trainer.decisions.backend.forwards > 0  # the rollout came from the cached sampler
     assert pieces and all(rows > 1 and piece == 1 for rows, piece in pieces)
+
+
+def halve_tensor_batch_size(trainer):
+    """What an out-of-memory in a log-prob chunk does (memory.oom): the knob halves the run's size."""
+    failures = iter([True])
+
+    def attempt(size):
+        if next(failures, False):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    trainer._oom_knobs["tensor_batch_size"].run(attempt)
+
+
+def test_estimator_chunk_follows_the_runs_sizes(tmp_path, monkeypatch):
+    """The estimator's token rows per log-softmax come from the run's sizes (halved after an out-of-memory, or
+    settled at train start), not from the config's tensor_batch_size."""
+    from hf_grpo.diffusion import logprobs as logprobs_module
+
+    chunks = []
+    original = logprobs_module.chunked_logprobs
+
+    def spy(*args, chunk_rows, **kwargs):
+        chunks.append(chunk_rows)
+        return original(*args, chunk_rows=chunk_rows, **kwargs)
+
+    monkeypatch.setattr(logprobs_module, "chunked_logprobs", spy)
+    trainer = make_trainer(tmp_path, tensor_batch_size=6, num_iterations=2, beta=0.04)
+    halve_tensor_batch_size(trainer)
+    assert trainer.sizes.tensor_batch_size == 3 and trainer.args.tensor_batch_size == 6
+    losses, _ = train(trainer)
+    assert losses and all(math.isfinite(loss) for loss in losses)
+    assert chunks and set(chunks) == {3}  # old and reference log-probs and the loss's, every one
+
+
+def test_sampler_chunk_follows_the_runs_sizes(tmp_path, monkeypatch):
+    """A block cache's full forwards are bounded by the run's tensor_batch_size as it stands at each rollout."""
+    from hf_grpo.diffusion import sampler as sampler_module
+
+    pieces = []
+    original = sampler_module.full_forward
+
+    def spy(model, inputs, kwargs, read_from, piece_rows, cache):
+        pieces.append(piece_rows)
+        return original(model, inputs, kwargs, read_from, piece_rows, cache)
+
+    monkeypatch.setattr(sampler_module, "full_forward", spy)
+    # rows are 9 to 15 tokens long (prompt + 8 completion slots): 48 token rows hold 3 to 5 of them, 12 only one
+    trainer = make_trainer(tmp_path, fixed=False, block_cache="dual", tensor_batch_size=48)
+    trainer._generation_backend(trainer.model)  # made before the size changes, as a probe would
+    halve_tensor_batch_size(trainer)
+    halve_tensor_batch_size(trainer)
+    assert trainer.sizes.tensor_batch_size == 12
+    train(trainer)
+    assert pieces and set(pieces) == {1}
 
 
 def test_reference_of_an_automodel_only_checkpoint_under_zero3_is_refused_with_the_ways_out(monkeypatch):

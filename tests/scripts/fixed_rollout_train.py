@@ -38,7 +38,7 @@ def main(out_dir, per_device_batch, steps):
         output_dir=out_dir, report_to=[], use_cpu=True, bf16=False, max_steps=steps, seed=3,
         per_device_train_batch_size=per_device_batch, num_generations=GROUP, max_completion_length=6,
         learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", save_strategy="no", logging_steps=1,
-        disable_tqdm=True, gradient_checkpointing=False, tensor_batch_size=5, max_grad_norm=0.0,
+        disable_tqdm=True, activation_checkpointing=False, tensor_batch_size=5, max_grad_norm=0.0,
     )
     prompts = ["ab>", "c>", "defg>", "h>", "ij>", "klmno>", "p>", "qr>"]
     trainer = GRPOTrainer(

@@ -53,7 +53,7 @@ def main(out_dir, gen_chunk, tensor_rows, injected):
         per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4, max_completion_length=6,
         per_device_generation_batch_size=gen_chunk, tensor_batch_size=tensor_rows, learning_rate=0.5,
         optim="sgd", lr_scheduler_type="constant", save_strategy="no", disable_tqdm=True,
-        gradient_checkpointing=False, generation_backend="hf",
+        activation_checkpointing=False, generation_backend="hf",
     )
     trainer = GRPOTrainer(model=build_tiny_model(TOKENIZER, seed=0), reward_funcs=reward, args=args,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=TOKENIZER)

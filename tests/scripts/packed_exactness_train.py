@@ -81,7 +81,7 @@ def main(out_dir, checkpoint, variant):
         per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=GROUP, num_iterations=2,
         max_completion_length=6, beta=0.1, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
         save_strategy="no", logging_steps=1, disable_tqdm=True,
-        gradient_checkpointing=variant in ("checkpointed", "compiled"),
+        activation_checkpointing=variant in ("checkpointed", "compiled"),
         compile_training="on" if variant == "compiled" else "auto",
         padding_free=variant in ("packed", "compiled"),
         training_cuda_graphs="on" if variant.startswith("graphs") else "off",

@@ -56,7 +56,7 @@ def main(out_dir, mode):
     args = GRPOConfig(
         output_dir=out_dir, report_to=[], use_cpu=True, bf16=False, max_steps=3 if resume else 2, seed=3,
         logging_steps=1, per_device_train_batch_size=8 if resume else 16, num_generations=4, max_completion_length=4,
-        learning_rate=0.01, save_strategy="steps", save_steps=2, disable_tqdm=True, gradient_checkpointing=False,
+        learning_rate=0.01, save_strategy="steps", save_steps=2, disable_tqdm=True, activation_checkpointing=False,
         generation_backend="hf",
     )
     prompts = ["ab>", "c>", "def>", "g>", "hi>", "jkl>", "m>", "no>"]

@@ -44,7 +44,7 @@ def main(out_dir):
         output_dir=out_dir, report_to=[], use_cpu=True, bf16=False, max_steps=2, seed=3, logging_steps=1,
         per_device_train_batch_size=4, gradient_accumulation_steps=1, num_generations=4, max_completion_length=4,
         learning_rate=0.1, optim="sgd", save_strategy="steps", save_steps=1, disable_tqdm=True,
-        gradient_checkpointing=False, generation_backend="hf",
+        activation_checkpointing=False, generation_backend="hf",
     )
     trainer = SlowRankOne(model=build_tiny_model(TOKENIZER, seed=0), args=args, processing_class=TOKENIZER,
                           reward_funcs=lambda completions, **kwargs: [len(c) / 4 for c in completions],

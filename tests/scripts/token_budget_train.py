@@ -81,7 +81,7 @@ def main(out_dir, budget):
         output_dir=out_dir, report_to=[], use_cpu=True, bf16=False, max_steps=2, seed=3,
         per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=GROUP,
         max_completion_length=4, learning_rate=0.5, optim="sgd", lr_scheduler_type="constant", save_strategy="no",
-        logging_steps=1, disable_tqdm=True, gradient_checkpointing=False, max_grad_norm=0.0, loss_type="bnpo",
+        logging_steps=1, disable_tqdm=True, activation_checkpointing=False, max_grad_norm=0.0, loss_type="bnpo",
         max_tokens_per_micro_batch=budget,
         # two updates per rollout: TRL scores the old policy's log-probs in row chunks cut to the budget, whose
         # widths differ per rank; every rank must run as many chunks (a 2-process run once hung there)

@@ -86,7 +86,7 @@ def main(out_dir: str, lora: bool) -> GRPOTrainer:
         output_dir=out_dir, report_to=[], use_cpu=True, bf16=False, max_steps=2, seed=3,
         per_device_train_batch_size=4, num_generations=4, max_completion_length=6, temperature=1.0,
         learning_rate=0.05, optim="sgd", lr_scheduler_type="constant", save_strategy="no", logging_steps=1,
-        disable_tqdm=True, gradient_checkpointing=False, zero3_generation_mirror="on", generation_backend="hf",
+        disable_tqdm=True, activation_checkpointing=False, zero3_generation_mirror="on", generation_backend="hf",
     )
     peft_config = None
     if lora:

@@ -56,7 +56,7 @@ def train(out_dir: str, checkpoint: str, setting: str, variant: str) -> GRPOTrai
         per_device_train_batch_size=4, num_generations=4, max_completion_length=8, temperature=1.0,
         learning_rate=0.05, optim="sgd", lr_scheduler_type="constant", save_strategy="no", logging_steps=1,
         disable_tqdm=True, generation_backend="hf", beta=0.0 if lora else 0.04, zero3_leaf_modules=setting,
-        **({"gradient_checkpointing": False} if variant == "lora-no-gc" else {}),  # else the default (on)
+        **({"activation_checkpointing": False} if variant == "lora-no-gc" else {}),  # else the default (on)
     )
     peft_config = None
     if lora:

@@ -1,0 +1,64 @@
+"""Activation checkpointing under transformers' current names.
+
+transformers 5.23 renamed the config fields ``gradient_checkpointing`` / ``gradient_checkpointing_kwargs`` and the
+model's ``gradient_checkpointing_enable`` / ``gradient_checkpointing_disable`` / ``is_gradient_checkpointing`` to
+``activation_checkpointing*``; the old names stay deprecated aliases, each use of which warns (FutureWarning) until
+transformers 6. This package uses the new names. Users may still pass the old field: transformers takes it when the
+new one is unset (and says so). TRL 1.16 still reads and writes the old fields, which transformers mirrors from the
+new ones once, when the config is built; ``set_checkpointing`` keeps them in step after that.
+
+May import: nothing of ``hf_grpo``; no torch at import (``hf_grpo.config`` reads it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Collection, Iterator
+from typing import Any
+
+FIELD = "activation_checkpointing"
+ALIAS = "gradient_checkpointing"  # transformers' deprecated alias, TRL 1.16's name (its default: True)
+
+
+def explicit_fields(explicit: Collection[str]) -> frozenset[str]:
+    """The fields the user set, the deprecated alias counted as the field it stands for: a preset then leaves a
+    user's ``gradient_checkpointing=False`` alone, as it would ``activation_checkpointing=False``."""
+    return frozenset(explicit) | ({FIELD} if ALIAS in explicit else frozenset())
+
+
+def fill_default(config: Any) -> None:
+    """Checkpointing on, TRL's default, where neither name was given (nor set by a preset): under the current name,
+    so building a config warns about no deprecated one. ``GRPOConfig`` leaves the alias' default at None for this."""
+    if getattr(config, FIELD) is None and getattr(config, ALIAS) is None:
+        setattr(config, FIELD, True)
+
+
+def set_checkpointing(config: Any, value: bool) -> None:
+    """Set activation checkpointing on a built config: transformers reads ``activation_checkpointing``, TRL 1.16
+    its alias ``gradient_checkpointing``; the config's ``__post_init__`` mirrored them once, so set both."""
+    setattr(config, FIELD, value)
+    setattr(config, ALIAS, value)
+
+
+def rollout_kwargs(args: Any) -> dict | None:
+    """The checkpointing kwargs TRL's rollout re-enables checkpointing with: its own field (the alias), which TRL
+    1.16 rewrites after the config is built (PEFT under ZeRO-3 forces ``use_reentrant=True`` there only)."""
+    return args.gradient_checkpointing_kwargs
+
+
+@contextlib.contextmanager
+def paused(model: Any, kwargs: dict | None) -> Iterator[None]:
+    """Activation checkpointing off inside the block (scoring without gradients), back on after it with ``kwargs``
+    as transformers' Trainer first enabled it (``every_n_layers`` and ``offload`` are arguments, not kwargs of
+    ``torch.utils.checkpoint``)."""
+    was_on = model.is_activation_checkpointing
+    if was_on:
+        model.activation_checkpointing_disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            rest = dict(kwargs or {})
+            every_n_layers, offload = rest.pop("every_n_layers", 1), rest.pop("offload", False)
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=rest or None,
+                                                  every_n_layers=every_n_layers, offload=offload)
