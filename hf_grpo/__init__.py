@@ -6,6 +6,7 @@ from .config import (
     create_memory_optimized_config,
     create_speed_optimized_config,
 )
+from .distributed import prepare_process
 from .distributed.shutdown import close_distributed
 from .plan import BatchPlan
 
@@ -39,4 +40,5 @@ __all__ = [
     "create_balanced_config",
     "create_memory_optimized_config",
     "create_speed_optimized_config",
+    "prepare_process",
 ]

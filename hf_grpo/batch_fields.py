@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import os
 import re
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from .plan import AUTO, BatchPlan, take_auto
@@ -87,28 +88,26 @@ def _bf16_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
-def device_defaults() -> dict[str, Any]:
+def device_defaults(cuda: bool | None = None) -> dict[str, Any]:
     """CPU-only machines train on the CPU in fp32; GPUs use bf16 where they have it. Applied to the fields a
-    user leaves out, in the library as in the recipes (TRL's default bf16=True fails on a CPU)."""
-    cuda = _cuda_available()
-    return {"use_cpu": not cuda, "bf16": _bf16_available()}
+    user leaves out, in the library as in the recipes (TRL's default bf16=True fails on a CPU). ``cuda``: whether
+    CUDA is available, if already probed."""
+    cuda = _cuda_available() if cuda is None else cuda
+    return {"use_cpu": not cuda, "bf16": cuda and _bf16_available()}
 
 
-def cpu_launch_without_mixed_precision(trains_in_fp32: bool = True) -> None:
-    """On a machine without a GPU, turn off the launch config's bf16/fp16 when the run trains in fp32 (the shipped
-    configs say bf16).
+def device_fields_left_out(explicit: Collection[str], fp16: bool, cuda: Callable[[], bool]) -> dict[str, Any]:
+    """``device_defaults`` for ``use_cpu`` and ``bf16`` where the user left them out (``bf16`` not with ``fp16``);
+    ``cuda`` (``cuda_probe``) is asked only if one of them is left out."""
+    names = [name for name in ("use_cpu", "bf16") if name not in explicit and not (name == "bf16" and fp16)]
+    defaults = device_defaults(cuda()) if names else {}
+    return {name: defaults[name] for name in names}
 
-    ``accelerate launch`` passes ``mixed_precision`` on as ACCELERATE_MIXED_PRECISION, which DeepSpeed's config
-    and the Trainer read; on a CPU the run trains in fp32 (``device_defaults``), so the two would disagree
-    ("ds bf16.enabled=True vs hf bf16=False"). Called by ``GRPOConfig`` (a library script) and by the recipes
-    before they parse their flags.
-    """
-    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if launched != "no" and trains_in_fp32 and not _cuda_available():
-        if os.environ.get("RANK", "0") == "0":
-            logger.warning("no CUDA device: training in fp32, not the launch config's mixed_precision=%s "
-                           "(pass --mixed_precision no to accelerate launch to say so)", launched)
-        os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
+
+def cuda_probe() -> Callable[[], bool]:
+    """``torch.cuda.is_available()`` (which creates no CUDA context), asked once at the first call of the returned
+    function, or never: a config probes the machine only for a default it needs."""
+    return functools.cache(lambda: _cuda_available())
 
 
 def env_override(variable: str) -> str | None:
@@ -168,8 +167,8 @@ def resolve_batch_fields(values: dict[str, Any], explicit: Collection[str], worl
             preset_chunk = None
 
     # "auto" sizes: the defaults on CPU; on CUDA the same defaults stand in until the trainer probes (autosize.py)
-    values, auto = take_auto(values, probe_later=_cuda_available())
-    values["auto_batch_fields"] = auto
+    values, auto = take_auto(values, probe_later=True)
+    values["auto_batch_fields"] = auto if auto and _cuda_available() else ()  # the device probed only for "auto"
 
     P, W = values["per_device_train_batch_size"], world_size
     steps, rollout = values["steps_per_generation"], values["generation_batch_size"]

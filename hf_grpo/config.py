@@ -1,9 +1,9 @@
 """GRPOConfig: TRL's config plus per-device generation and log-prob chunk sizes.
 
-Order of precedence for the batch fields: environment variables > explicit values >
-preset > defaults. Everything is resolved and checked in ``__post_init__``, before TRL's
-own checks, so a bad combination fails with this package's message (fields, values,
-nearest valid values) before any model is loaded.
+Order of precedence for the batch fields: environment variables > explicit values > preset > defaults. Everything is
+resolved and checked in ``__post_init__``, before TRL's own checks, so a bad combination fails with this package's
+message (fields, values, nearest valid values) before any model is loaded. A config is data: building one starts no
+thread and leaves ``os.environ`` as it was; ``hf_grpo.prepare_process`` (the trainer's first step) does the rest.
 """
 
 from __future__ import annotations
@@ -22,15 +22,16 @@ from .batch_fields import (  # noqa: F401 (re-exported: names of hf_grpo.config 
     ENV_OVERRIDES,
     _bf16_available,
     check_generation_choices,
-    cpu_launch_without_mixed_precision,
+    cuda_probe,
     current_world_size,
     device_defaults,
+    device_fields_left_out,
     env_override,
     explicit_fields,
     preset_factory,
     resolve_batch_fields,
 )
-from .distributed.launcher_watch import exit_with_launcher
+from .distributed import launch_precision
 from .distributed.zero3_leaves import validate_setting as validate_leaf_setting
 from .generation import BACKEND_NAMES
 from .generation.dense_mirror import validate_setting as validate_mirror_setting
@@ -309,7 +310,6 @@ class GRPOConfig(trl.GRPOConfig):
         return config
 
     def __post_init__(self):
-        exit_with_launcher()  # built early on every process: it then ends with its launcher (launcher_watch)
         if self.generation_backend not in BACKEND_NAMES:
             raise ValueError(
                 f"generation_backend must be one of {BACKEND_NAMES}, got {self.generation_backend!r}"
@@ -323,7 +323,9 @@ class GRPOConfig(trl.GRPOConfig):
         validate_leaf_setting(self.zero3_leaf_modules)
         validate_compile_setting(self.compile_training)
         validate_graphs_setting(self.training_cuda_graphs)
-        self._fill_device_defaults()
+        cuda = cuda_probe()  # the machine, asked at most once: for use_cpu and bf16 left out, a launcher's bf16
+        for name, value in device_fields_left_out(self._explicit_fields, self.fp16, cuda).items():
+            setattr(self, name, value)
         fraction = self.auto_memory_fraction
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
             raise ValueError(f"auto_memory_fraction must be a number in (0, 1], e.g. 0.9, got {fraction!r}")
@@ -332,7 +334,10 @@ class GRPOConfig(trl.GRPOConfig):
         for name, value in resolved.items():
             setattr(self, name, value)
         checkpointing.fill_default(self)
-        super().__post_init__()
+        # a launcher's bf16 that this fp32 run on a CPU turns off: transformers sees "no" (distributed.launch_precision)
+        self._launch_precision_dropped = launch_precision.decide(not (self.bf16 or self.fp16), cuda)
+        with launch_precision.read_as("no" if self._launch_precision_dropped else None):
+            super().__post_init__()
         check_token_budget(self)  # after TRL's checks: reads loss_type and the entropy settings
 
     # ---- the batch-size guide's API (hf_grpo's seed guide: "Batch Size Configuration Guide for DeepSpeed Training")
@@ -353,13 +358,6 @@ class GRPOConfig(trl.GRPOConfig):
         # TRL's meaning: the global rollout, per_device_train_batch_size x world size x steps_per_generation
         self.generation_batch_size = self.per_device_train_batch_size * world_size * self.steps_per_generation
         self._batch_fields_changed = False
-
-    def _fill_device_defaults(self) -> None:
-        """``use_cpu`` and ``bf16`` the user left out get the machine's values (``device_defaults``)."""
-        for name, value in device_defaults().items():
-            if name not in self._explicit_fields and not (name == "bf16" and self.fp16):
-                setattr(self, name, value)
-        cpu_launch_without_mixed_precision(trains_in_fp32=not (self.bf16 or self.fp16))  # before DeepSpeed reads it
 
     def batch_plan(self, world_size: int | None = None) -> BatchPlan:
         """The batch plan for ``world_size`` processes (default: this launch's)."""

@@ -22,12 +22,12 @@ Every override of TRL's and transformers' methods is here, written against trl 1
 - ``train``: holds the output directory (``checks.output_lock``), refuses what ``checks.resume`` refuses and a
   token budget the longest prompt cannot fit, then settles "auto" sizes (``memory.autosize``).
 
-``__init__`` checks the inputs first (``checks.inputs``; the tokenizer and prompts once loaded, ``checks.prompts``),
-gives a policy built in code a copy for TRL to load the reference from (``reference_copy``), adds the writers of
-``metrics.jsonl`` and ``performance.json`` (``run_files``) and builds what the helpers read instead of the trainer
-(``hf_grpo.run_state``): ``facts``, ``sizes`` (the one place the sizes live during a run; the config is not written)
-and ``decisions``. An out-of-memory chunk is halved on every rank and retried (``memory.oom``); on a GPU each pass's
-work is counted (``memory.flops``).
+``__init__`` sets up the process first (``hf_grpo.prepare_process``) and checks the inputs (``checks.inputs``; the
+tokenizer and prompts once loaded, ``checks.prompts``), gives a policy built in code a copy for TRL to load the
+reference from (``reference_copy``), adds the writers of ``metrics.jsonl`` and ``performance.json`` (``run_files``)
+and builds what the helpers read instead of the trainer (``hf_grpo.run_state``): ``facts``, ``sizes`` (the one place
+the sizes live during a run; the config is not written) and ``decisions``. An out-of-memory chunk is halved on every
+rank and retried (``memory.oom``); on a GPU each pass's work is counted (``memory.flops``).
 """
 
 from __future__ import annotations
@@ -46,10 +46,9 @@ from trl.models import unwrap_model_for_generation
 from .training import compiled_layers as training_compile, eager_packing, graphs as training_graphs, lora_forward
 from .training import prompt_groups
 from .checks import inputs as checks
-from .checks import checkpoint_save, output_lock, prompts as prompt_checks, resume
-from .checks import unscored
+from .checks import checkpoint_save, output_lock, prompts as prompt_checks, resume, unscored
 from .config import GRPOConfig
-from .distributed import plain_to_zero, zero3_leaves
+from .distributed import plain_to_zero, prepare_process, zero3_leaves
 from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, open_backend
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
@@ -78,6 +77,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any):
         config = kwargs.get("args") if "args" in kwargs else (args[2] if len(args) > 2 else None)
         checks.check_config_type(config, GRPOConfig)
+        prepare_process(config)  # the process's setup the config leaves out: launcher watch, launch precision
         if getattr(config, "_batch_fields_changed", False):
             config.revalidate()  # fields written through config.optimization (the guide's API) are re-checked here
         self._check_inputs(*args, **kwargs)

@@ -10,6 +10,7 @@ from hf_grpo import (
     create_balanced_config,
     create_memory_optimized_config,
     create_speed_optimized_config,
+    prepare_process,
 )
 from hf_grpo.config import batch_field_defaults
 
@@ -322,9 +323,14 @@ def test_optimization_writes_are_checked_and_rederived(make_config):
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the launcher's bf16 stays on a GPU")
 def test_a_config_on_a_cpu_turns_off_the_launchers_bf16_and_says_so(tmp_path, monkeypatch, caplog):
     """`accelerate launch --config_file accelerate_configs/zero2.yaml` passes its bf16 on; DeepSpeed would then
-    disagree with the fp32 CPU run (a library script builds no recipe that could turn it off)."""
+    disagree with the fp32 CPU run (a library script builds no recipe that could turn it off). transformers reads
+    the variable while the config is built: it sees "no" there; the variable itself is written by the trainer's
+    first step (prepare_process), not by the config."""
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     with caplog.at_level(logging.WARNING, logger="hf_grpo"):
         config = GRPOConfig(output_dir=str(tmp_path / "out"), report_to=[])
-    assert not config.bf16 and os.environ["ACCELERATE_MIXED_PRECISION"] == "no"
+    assert not config.bf16 and config.mixed_precision == "no"
+    assert os.environ["ACCELERATE_MIXED_PRECISION"] == "bf16"
     assert "no CUDA device: training in fp32, not the launch config's mixed_precision=bf16" in caplog.text
+    prepare_process(config)
+    assert os.environ["ACCELERATE_MIXED_PRECISION"] == "no"

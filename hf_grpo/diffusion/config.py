@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from ..config import (  # noqa: F401 (OptimizationView: this package's name too)
     GRPOConfig,
     OptimizationView,
-    _bf16_available,
     preset_factory,
 )
 from .block_cache import BLOCK_CACHES, check_block_cache_name
@@ -206,9 +205,6 @@ class DiffuGRPOConfig(GRPOConfig):
         if self.use_transformers_continuous_batching:
             raise ValueError("use_transformers_continuous_batching=True decodes autoregressively; it cannot serve a "
                              "masked-diffusion model: set it to False")
-        if self.bf16 is None and not self.fp16 and "bf16" not in self._explicit_fields:
-            # TRL defaults bf16 to True, which fails on machines without a bf16 GPU; take it where it exists.
-            self.bf16 = _bf16_available()
         super().__post_init__()
 
     def _validate_diffusion(self) -> None:

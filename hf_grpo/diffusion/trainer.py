@@ -57,6 +57,7 @@ from transformers import GenerationConfig, TrainerCallback
 from trl.trainer.utils import create_model_from_path, use_adapter
 
 from .. import checkpointing
+from ..distributed import prepare_process
 from ..generation.base import is_zero3_partitioned
 from ..trainer import GRPOTrainer
 from .config import DiffuGRPOConfig
@@ -113,6 +114,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
             got = "None" if args is None else f"{type(args).__module__}.{type(args).__name__}"
             raise TypeError(f"DiffuGRPOTrainer needs args=hf_grpo.DiffuGRPOConfig(...), got args={got}: the "
                             f"diffusion fields (block_length, diffusion_steps, p_mask_prompt, ...) live there")
+        prepare_process(args)  # before a model is loaded by name here (GRPOTrainer's first step too; idempotent)
         if getattr(args, "_batch_fields_changed", False):
             args.revalidate()  # fields written through config.optimization are re-derived and checked here
         self._check_inputs(model, reward_funcs, args, kwargs.get("train_dataset"))  # before loading by name

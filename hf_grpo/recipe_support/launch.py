@@ -17,8 +17,8 @@ from trl import ModelConfig, TrlParser, get_peft_config, get_quantization_config
 
 from ..checks import output_lock
 from ..checks.inputs import check_model_path
-from ..config import GRPOConfig, cpu_launch_without_mixed_precision, device_defaults, explicit_fields
-from ..distributed import before_deepspeed_starts
+from ..config import GRPOConfig, device_defaults, explicit_fields
+from ..distributed import before_deepspeed_starts, prepare_process
 from ..distributed.shutdown import close_distributed
 from ..trainer import GRPOTrainer
 from .config_file import check_integer_values, read_config_file
@@ -51,7 +51,7 @@ def parse_recipe_args(defaults: dict[str, Any], argv: list[str] | None = None, c
     """
     logging.basicConfig(format="%(asctime)s %(name)s: %(message)s", level=logging.WARNING)
     logger.setLevel(logging.INFO)
-    cpu_launch_without_mixed_precision()
+    prepare_process()  # the launcher watch; a launcher's bf16 off on a CPU, before the config reads it
     before_deepspeed_starts()  # before the config is built: that may build a DeepSpeed op
     parser = TrlParser((config_cls, RecipeArguments, ModelConfig))
     # YAML values become argparse defaults, which argparse does not convert: a float for an integer field is refused
