@@ -7,7 +7,8 @@ agent leaves them all running, each in its own session. Any of these leaves a se
 
 So every training process started by a launcher watches its parent (the launcher, or torchrun's agent) from a
 daemon thread: when its parent pid changes, the parent is gone, and the process releases its output-dir lock and
-exits at once (status 1), whatever its main thread is doing.
+exits at once (status 1), whatever its main thread is doing. ``hf_grpo.prepare_process`` starts it (the trainer's
+first step; a recipe's, before it parses its flags), not the config, which is data.
 
 Why a thread polling ``os.getppid()`` rather than ``prctl(PR_SET_PDEATHSIG)``: the death signal fires when the
 parent *thread* that started the process ends, not the parent process (a launcher starting workers from a helper
