@@ -2,6 +2,8 @@
 shell with a launcher's variable exported (ACCELERATE_USE_CPU is also a setting users export) keeps running when
 its shell ends, as with nohup. The launches themselves are tests/test_launcher_death.py."""
 
+import signal
+
 import pytest
 
 from hf_grpo.distributed import launcher_watch
@@ -30,3 +32,30 @@ def test_a_launcher_parent_without_its_variable_does_not(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(launcher_watch, "_parent_command", lambda pid: "/venv/bin/accelerate launch x.py")
     assert not launcher_watch.launched_by_launcher()
+
+
+def test_sigterm_releases_the_lock_before_the_process_ends(monkeypatch):
+    """accelerate 1.16 passes SIGTERM on to the training process when the launcher is stopped: the lock goes first."""
+    events = []
+    monkeypatch.setattr("hf_grpo.checks.output_lock.release_all", lambda: events.append("released"))
+
+    def exit_(status):
+        events.append(status)
+        raise SystemExit(status)
+
+    monkeypatch.setattr(launcher_watch.os, "_exit", exit_)
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        launcher_watch._release_on_sigterm()
+        handler = signal.getsignal(signal.SIGTERM)
+        assert callable(handler)
+        with pytest.raises(SystemExit):
+            handler(signal.SIGTERM, None)
+        assert events == ["released", 128 + signal.SIGTERM]
+        # a handler of the user's (or another library's) is left in place
+        own = lambda signum, frame: None  # noqa: E731
+        signal.signal(signal.SIGTERM, own)
+        launcher_watch._release_on_sigterm()
+        assert signal.getsignal(signal.SIGTERM) is own
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,9 +1,10 @@
 """A training process ends when the launcher that started it dies.
 
-``accelerate launch`` of one process starts the training process and waits for it; SIGINT or SIGTERM sent to the
-launcher's pid alone ends the launcher and leaves the training process running (still saving and rotating
-checkpoints). Of a multi-process launch, torchrun's agent stops its workers on SIGINT/SIGTERM, but SIGKILL of the
-agent leaves them all running, each in its own session. Any of these leaves a second writer in ``output_dir``.
+``accelerate launch`` of one process starts the training process and waits for it; SIGINT sent to the launcher's
+pid alone (and SIGTERM, before accelerate 1.16) ends the launcher and leaves the training process running (still
+saving and rotating checkpoints). accelerate 1.16 passes SIGTERM on to the training process, which then releases
+its output-dir lock before it ends (``_release_on_sigterm``). Of a multi-process launch, torchrun's agent stops
+its workers on SIGINT/SIGTERM, but SIGKILL of the agent leaves them all running, each in its own session. Any of these leaves a second writer in ``output_dir``.
 
 So every training process started by a launcher watches its parent (the launcher, or torchrun's agent) from a
 daemon thread: when its parent pid changes, the parent is gone, and the process releases its output-dir lock and
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -68,7 +70,32 @@ def exit_with_launcher() -> bool:
         return False
     _watching = parent
     threading.Thread(target=_watch, args=(parent,), name="hf_grpo-launcher-watch", daemon=True).start()
+    _release_on_sigterm()
     return True
+
+
+def _release_on_sigterm() -> None:
+    """SIGTERM releases the output-dir lock before the process ends. accelerate launch (1.16 and later) sends it to
+    the training process when the launcher itself is stopped, as schedulers do on preemption; Python's default
+    action ends the process at once, leaving the lock behind for the next run to take over. Installed only where
+    nothing else handles SIGTERM, from the main thread (the only one that may)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def release_and_exit(signum, frame):
+        from ..checks.output_lock import release_all
+
+        try:
+            print(f"hf_grpo: SIGTERM to this training process (pid {os.getpid()}): releasing the output-dir lock "
+                  "and exiting", file=sys.stderr)
+            release_all()
+        finally:
+            sys.stderr.flush()
+            os._exit(128 + signum)  # as the default action's status; the step in progress is not waited for
+
+    signal.signal(signal.SIGTERM, release_and_exit)
 
 
 def _watch(parent: int) -> None:
