@@ -155,35 +155,19 @@ def diffusion_generate(
     ``block_cache``, ``forbid_mask_token``) come in ``settings`` or as keyword arguments (``sampling``).
     """
     settings = settings_from("diffusion_generate", settings, sampling)
-    if settings.block_length is None:
-        raise ValueError("diffusion_generate needs block_length (LLaDA's sampler decodes the completion in blocks)")
+    blocks = _checked_blocks(settings, model, gen_length, tensor_batch_size, logits_shift, padding_style, cuda_graph,
+                             prompt_ids.device)
     steps, block_length, temperature, remasking = (settings.steps, settings.block_length, settings.temperature,
                                                    settings.remasking)
     cfg_scale, block_cache, forbid_mask_token = settings.cfg_scale, settings.block_cache, settings.forbid_mask_token
-    if tensor_batch_size is not None and (isinstance(tensor_batch_size, bool) or not isinstance(tensor_batch_size, int)
-                                          or tensor_batch_size < 1):
-        raise ValueError(f"tensor_batch_size must be a positive int (token rows) or None, got {tensor_batch_size!r}")
-    if gen_length % block_length:
-        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
-    blocks = gen_length // block_length
-    if steps % blocks:
-        raise ValueError(f"steps ({steps}) must be a multiple of the number of blocks ({blocks})")
-    check_block_cache(block_cache, model, logits_shift, padding_style)
-    if cuda_graph and (block_cache is None or prompt_ids.device.type != "cuda" or is_zero3_partitioned(model)):
-        raise ValueError(f"cuda_graph=True needs block_cache 'dual' or 'prefix' (got {block_cache!r}), a CUDA "
-                         f"device (got {prompt_ids.device.type!r}) and weights that stay put (not ZeRO-3)")
     schedule = transfer_schedule(block_length, steps // blocks)
     packed = pack_rows(prompt_ids, prompt_mask, gen_length, mask_token_id, pad_token_id, has_padding=has_padding)
     canvas, start = packed.input_ids, packed.start
-    rows = canvas.size(0)
     guided = cfg_scale > 0
-    valid = packed.valid
-    if guided and valid is not None:
-        valid = torch.cat([valid, valid])
-    forward_kwargs = padding_kwargs(padding_style, valid)
-    if accepts_kwarg(model, "use_cache"):
-        forward_kwargs["use_cache"] = False
-    counts = {k: torch.full((rows,), k, dtype=torch.long, device=canvas.device) for k in set(schedule)}
+    valid = torch.cat([packed.valid] * 2) if guided and packed.valid is not None else packed.valid
+    forward_kwargs = {**padding_kwargs(padding_style, valid),
+                      **({"use_cache": False} if accepts_kwarg(model, "use_cache") else {})}
+    counts = {k: torch.full((canvas.size(0),), k, dtype=torch.long, device=canvas.device) for k in set(schedule)}
     # rows per piece of a block's full forward (None: all); only with a cache (the module docstring says why)
     piece_rows = max(1, tensor_batch_size // canvas.size(1)) if tensor_batch_size and block_cache else None
     bypass = HeadBypass(model)
@@ -191,36 +175,22 @@ def diffusion_generate(
     cache = None if block_cache is None else BlockKVCache(model, cache_kwarg(model), cuda_graph=cuda_graph)
     with bypass:
         for block in range(blocks):
-            columns = slot_columns(start, block * block_length, block_length, shift=False)  # [B, bl]
-            # LLaDA's code commits any still-masked slot before the block's end: with the mask token allowed, a
-            # slot of an earlier block that drew it is a candidate again (exact path only)
-            candidates = columns
-            if not forbid_mask_token and cache is None:
-                candidates = slot_columns(start, 0, (block + 1) * block_length, shift=False)
-            read_from = candidates - 1 if logits_shift else candidates
-            if guided:
-                read_from = torch.cat([read_from, read_from])
+            columns, candidates, read_from = _block_slots(
+                start, block, block_length, forbid_mask_token or cache is not None, logits_shift, guided)
             started = False  # whether this block's full forward ran (the cached steps follow it)
             for step, k in enumerate(schedule):
                 if k == 0:
                     continue
-                inputs = canvas
-                if guided:
-                    unconditional = canvas.masked_fill(packed.prompt_positions, mask_token_id)
-                    inputs = torch.cat([canvas, unconditional])
+                inputs = (torch.cat([canvas, canvas.masked_fill(packed.prompt_positions, mask_token_id)]) if guided
+                          else canvas)  # classifier-free guidance: the rows again with their prompts masked
                 bypass.reset()
                 if cache is not None and started:
                     # the block's recomputed columns come first
                     picked = cache.forward(model, inputs, bypass)[:, :block_length]
                 else:
-                    kwargs = forward_kwargs
-                    if cache is not None:
-                        recompute = recomputed_columns(block_cache, start, block * block_length, block_length,
-                                                       gen_length)
-                        if guided:
-                            recompute = torch.cat([recompute, recompute])
-                        full_cache = cache.begin_block(recompute, valid, inputs.size(1))
-                        kwargs = {**forward_kwargs, "use_cache": True, cache.kwarg: full_cache}
+                    kwargs = forward_kwargs if cache is None else _block_start_kwargs(
+                        cache, forward_kwargs, recomputed_columns(block_cache, start, block * block_length,
+                                                                  block_length, gen_length), guided, valid, inputs)
                     picked = full_forward(model, inputs, kwargs, read_from, piece_rows, cache)
                     if cache is not None:
                         cache.end_block_start()
@@ -228,16 +198,57 @@ def diffusion_generate(
                 tokens, confidence = sample_block(bypass, picked, cfg_scale, mask_token_id, temperature, generator,
                                                   forbid_mask_token)
                 del picked  # the next step's forward need not hold it
-                current = canvas.gather(1, candidates)
-                still_masked = current == mask_token_id
-                if remasking == "random":
-                    confidence = torch.rand(current.shape, device=canvas.device, generator=generator)
-                confidence = confidence.masked_fill(~still_masked, float("-inf"))
-                commit = commit_topk(confidence, counts[k]) & still_masked
-                canvas = canvas.scatter(1, candidates, torch.where(commit, tokens, current))
+                canvas = _commit(canvas, candidates, tokens, confidence, counts[k], remasking, mask_token_id, generator)
                 if step_callback is not None:
                     step_callback(block, step, canvas, columns)
     return canvas.gather(1, slot_columns(start, 0, gen_length, shift=False))
+
+
+def _checked_blocks(settings: SamplingSettings, model, gen_length: int, tensor_batch_size, logits_shift: bool,
+                    padding_style: str, cuda_graph: bool, device: torch.device) -> int:
+    """The number of blocks ``diffusion_generate`` decodes, once its arguments are checked."""
+    if settings.block_length is None:
+        raise ValueError("diffusion_generate needs block_length (LLaDA's sampler decodes the completion in blocks)")
+    if tensor_batch_size is not None and (isinstance(tensor_batch_size, bool) or not isinstance(tensor_batch_size, int)
+                                          or tensor_batch_size < 1):
+        raise ValueError(f"tensor_batch_size must be a positive int (token rows) or None, got {tensor_batch_size!r}")
+    if gen_length % settings.block_length:
+        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({settings.block_length})")
+    blocks = gen_length // settings.block_length
+    if settings.steps % blocks:
+        raise ValueError(f"steps ({settings.steps}) must be a multiple of the number of blocks ({blocks})")
+    check_block_cache(settings.block_cache, model, logits_shift, padding_style)
+    if cuda_graph and (settings.block_cache is None or device.type != "cuda" or is_zero3_partitioned(model)):
+        raise ValueError(f"cuda_graph=True needs block_cache 'dual' or 'prefix' (got {settings.block_cache!r}), a "
+                         f"CUDA device (got {device.type!r}) and weights that stay put (not ZeRO-3)")
+    return blocks
+
+
+def _block_slots(start, block: int, block_length: int, own_block_only: bool, logits_shift: bool, guided: bool):
+    """(the block's columns ``[B, bl]``, the columns a step may commit, the columns whose logits predict them).
+    LLaDA's code commits any still-masked slot before the block's end: with the mask token allowed, a slot of an
+    earlier block that drew it is a candidate again (exact path only: ``own_block_only`` False)."""
+    columns = slot_columns(start, block * block_length, block_length, shift=False)
+    candidates = columns if own_block_only else slot_columns(start, 0, (block + 1) * block_length, shift=False)
+    read_from = candidates - 1 if logits_shift else candidates
+    return columns, candidates, torch.cat([read_from, read_from]) if guided else read_from
+
+
+def _block_start_kwargs(cache, forward_kwargs: dict, recompute, guided: bool, valid, inputs) -> dict:
+    """A block's first, full forward with a cache: the cache to fill, for the columns its later steps recompute."""
+    recompute = torch.cat([recompute, recompute]) if guided else recompute
+    return {**forward_kwargs, "use_cache": True, cache.kwarg: cache.begin_block(recompute, valid, inputs.size(1))}
+
+
+def _commit(canvas, candidates, tokens, confidence, count, remasking: str, mask_token_id: int, generator):
+    """The canvas with the step's ``count`` most confident still-masked candidates committed to their draws."""
+    current = canvas.gather(1, candidates)
+    still_masked = current == mask_token_id
+    if remasking == "random":
+        confidence = torch.rand(current.shape, device=canvas.device, generator=generator)
+    confidence = confidence.masked_fill(~still_masked, float("-inf"))
+    commit = commit_topk(confidence, count) & still_masked
+    return canvas.scatter(1, candidates, torch.where(commit, tokens, current))
 
 
 class DiffusionSampler(GenerationBackend):
