@@ -70,6 +70,81 @@ def router_aux_loss(model: torch.nn.Module, router_logits, attention_mask: torch
     return load_balancing_loss_func(router_logits, experts, per_token, attention_mask)
 
 
+def _static_window_states(model, backbone, args, kwargs, labels, scored_window: int, packed_rows, window_index):
+    """Static shapes, for a CUDA graph (``hf_grpo.training.graphs``): every position of the last ``scored_window``
+    label columns is scored, the unscored ones zeroed later. Packed (``packed_rows``), ``labels`` are
+    ``[1, scored_window]``, the scored tokens gathered (graph_inputs.packed), and ``window_index`` the packed place of
+    the state predicting each. Returns (scored states, scored mask, their targets, the backbone's outputs or None)."""
+    backbone_outputs = None
+    if packed_rows is not None:
+        hidden = padding_free.packed_hidden_states(model, backbone, packed_rows, **kwargs)[0]  # [T, H]
+        scored, targets = hidden[window_index.reshape(-1)], labels
+    else:
+        backbone_outputs = backbone(*args, **kwargs)
+        hidden = backbone_outputs.last_hidden_state[:, -scored_window - 1:-1]
+        targets = labels[:, -scored_window:]
+        scored = hidden.reshape(-1, hidden.shape[-1])
+    return scored, targets != -100, targets.clamp(min=0).reshape(-1), backbone_outputs  # mask: [B, window]
+
+
+def _packed_states(model, backbone, packed, kwargs, labels):
+    """Rows packed into one sequence: (a scored position's hidden state, from its packed place; the mask [B, L-1])."""
+    hidden = padding_free.packed_hidden_states(model, backbone, packed, **kwargs)[0]  # [T, H]
+    mask = labels[:, 1:] != -100
+    return hidden[packed.index[:, :-1][mask]], mask
+
+
+def _padded_states(backbone, args, kwargs, labels, shift_labels):
+    """Padded rows: (the scored positions' hidden states, the mask [B, L-1], the backbone's outputs)."""
+    backbone_outputs = backbone(*args, **kwargs)
+    hidden = backbone_outputs.last_hidden_state  # [B, L, H]
+    if shift_labels is None:  # causal LM: position i predicts token i + 1
+        hidden, targets = hidden[:, :-1], labels[:, 1:]
+    else:
+        targets = shift_labels
+    mask = targets != -100
+    return hidden[mask], mask, backbone_outputs
+
+
+def _in_trl_layout(logps, entropy, mask, left: int | None):
+    """The scored tokens' log-probs (and entropies) in TRL's ``[B, L - 1]`` layout, zeros where nothing is scored.
+    ``left``: a static window's columns before it (None: not a window; packed windows are ``[1, scored_window]``,
+    which graph_inputs' spread puts in TRL's layout outside the graph)."""
+    if left is not None:
+        log_probs = torch.nn.functional.pad(torch.where(mask, logps.view(mask.shape), 0), (left, 0))
+        if entropy is not None:
+            entropy = torch.nn.functional.pad(torch.where(mask, entropy.view(mask.shape), 0), (left, 0))
+        return log_probs, entropy, torch.nn.functional.pad(mask, (left, 0), value=False)
+    # masked_scatter keeps the graph connected even when no token is scored
+    log_probs = logps.new_zeros(mask.shape).masked_scatter(mask, logps)
+    if entropy is not None:
+        entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
+    return log_probs, entropy, mask
+
+
+def _head_logprobs(head: torch.nn.Module, scored: torch.Tensor, targets: torch.Tensor, chunk_rows, temperature: float,
+                   return_entropy: bool, in_fp32: bool):
+    """``chunked_logprobs`` of the scored states through the head (gathered under ZeRO-3), ``chunk_rows`` rows at a
+    time: a number (None: all), a ``SizeKnob`` (halved and retried after an out-of-memory), or a function of the
+    scored row count."""
+    scored, targets = scored.to(head.weight.device), targets.to(head.weight.device)
+    autocast = nullcontext()
+    if in_fp32:
+        scored = scored.float()
+        autocast = torch.autocast(scored.device.type, enabled=False)
+    gather = lambda: maybe_gather_lm_head_ctx(head.weight, head.bias)  # noqa: E731 (ZeRO-3: full head)
+
+    def logprobs(rows):  # only scored tokens reach the vocabulary projection
+        # backward recomputes logits, so it gathers the head again (param_context)
+        return chunked_logprobs(scored, head.weight, targets, chunk_rows=rows, temperature=temperature, bias=head.bias,
+                                return_entropy=return_entropy, param_context=gather)
+
+    with autocast, gather():
+        if isinstance(chunk_rows, SizeKnob):
+            return chunk_rows.run(logprobs, full=lambda: scored.shape[0])
+        return logprobs(chunk_rows(scored.shape[0]) if callable(chunk_rows) else chunk_rows)
+
+
 def install_chunked_lm_head(
     model: torch.nn.Module,
     *,
@@ -97,9 +172,8 @@ def install_chunked_lm_head(
     if reason is not None:
         logger.warning("tensor_batch_size is not applied: %s; TRL's fused LM head is used instead.", reason)
         return False
-    rows_packed = padding_free_rows if callable(padding_free_rows) else (lambda: bool(padding_free_rows))
-    if refused is not None:
-        rows_packed = lambda: False  # noqa: E731
+    rows_packed = (padding_free_rows if callable(padding_free_rows) and refused is None
+                   else (lambda: bool(padding_free_rows) and refused is None))
     previous_forward = model.forward
     backbone_name = model.base_model_prefix
     text_config = model.config.get_text_config()
@@ -126,77 +200,22 @@ def install_chunked_lm_head(
             packed = padding_free.pack_rows(kwargs["input_ids"], kwargs["attention_mask"], shared)
             packed = packed if packed is not None and padding_free.packable(self, packed) else None
         if scored_window is not None:
-            # Static shapes, for a CUDA graph (hf_grpo.training.graphs): every position of the last
-            # ``scored_window`` label columns is scored, the unscored ones zeroed below. Packed (``packed_rows``),
-            # ``labels`` are ``[1, scored_window]``, the scored tokens gathered (graph_inputs.packed), and
-            # ``window_index`` the packed place of the state predicting each.
-            if packed_rows is not None:
-                hidden = padding_free.packed_hidden_states(self, backbone, packed_rows, **kwargs)[0]  # [T, H]
-                scored, targets = hidden[window_index.reshape(-1)], labels
-            else:
-                backbone_outputs = backbone(*args, **kwargs)
-                hidden = backbone_outputs.last_hidden_state[:, -scored_window - 1:-1]
-                targets = labels[:, -scored_window:]
-                scored = hidden.reshape(-1, hidden.shape[-1])
-            mask = targets != -100  # [B, window]
-            scored_targets = targets.clamp(min=0).reshape(-1)
+            scored, mask, scored_targets, backbone_outputs = _static_window_states(
+                self, backbone, args, kwargs, labels, scored_window, packed_rows, window_index)
         elif packed is not None:
-            hidden = padding_free.packed_hidden_states(self, backbone, packed, **kwargs)[0]  # [T, H]
-            targets = labels[:, 1:]
-            mask = targets != -100  # [B, L-1]
-            scored = hidden[packed.index[:, :-1][mask]]  # a scored position's hidden state, from its packed place
+            scored, mask, backbone_outputs = *_packed_states(self, backbone, packed, kwargs, labels), None
         else:
-            backbone_outputs = backbone(*args, **kwargs)
-            hidden = backbone_outputs.last_hidden_state  # [B, L, H]
-            if shift_labels is None:  # causal LM: position i predicts token i + 1
-                hidden, targets = hidden[:, :-1], labels[:, 1:]
-            else:
-                targets = shift_labels
-            mask = targets != -100  # [B, L-1]
-            scored = hidden[mask]
-        head = self.get_output_embeddings()
-        scored = scored.to(head.weight.device)
-        autocast = nullcontext()
-        if cast_lm_head_to_fp32:
-            scored = scored.float()
-            autocast = torch.autocast(scored.device.type, enabled=False)
-        gather = lambda: maybe_gather_lm_head_ctx(head.weight, head.bias)  # noqa: E731 (ZeRO-3: full head)
+            scored, mask, backbone_outputs = _padded_states(backbone, args, kwargs, labels, shift_labels)
         if scored_window is None:
-            scored_targets = targets[mask]  # [T]
-        scored_targets = scored_targets.to(head.weight.device)
-
-        def head_logprobs(rows):  # only scored tokens reach the vocabulary projection
-            return chunked_logprobs(
-                scored,
-                head.weight,
-                scored_targets,
-                chunk_rows=rows,
-                temperature=temperature,
-                bias=head.bias,
-                return_entropy=return_entropy,
-                param_context=gather,  # backward recomputes logits, so it gathers the head again
-            )
-
-        with autocast, gather():
-            if scored_window is not None:  # (no out-of-memory retry inside a capture: a failure ends the capture)
-                rows = chunk_rows.value if isinstance(chunk_rows, SizeKnob) else chunk_rows
-                result = head_logprobs(min(rows or scored.shape[0], STATIC_WINDOW_CHUNK_ROWS))
-            elif isinstance(chunk_rows, SizeKnob):
-                result = chunk_rows.run(head_logprobs, full=lambda: scored.shape[0])
-            else:
-                result = head_logprobs(chunk_rows)
+            scored_targets = (labels[:, 1:] if shift_labels is None else shift_labels)[mask]  # [T]
+        # (a static window runs inside a capture: no out-of-memory retry there, a failure ends the capture)
+        rows = chunk_rows if scored_window is None else lambda full: min(
+            (chunk_rows.value if isinstance(chunk_rows, SizeKnob) else chunk_rows) or full, STATIC_WINDOW_CHUNK_ROWS)
+        result = _head_logprobs(self.get_output_embeddings(), scored, scored_targets, rows, temperature,
+                                return_entropy, cast_lm_head_to_fp32)
         logps, entropy = result if return_entropy else (result, None)
-        if scored_window is not None:  # padded: back to TRL's [B, L - 1] layout, zeros where nothing is scored
-            # (packed: [1, scored_window], which graph_inputs' spread puts in TRL's layout outside the graph)
-            left = 0 if packed_rows is not None else labels.shape[1] - 1 - scored_window
-            log_probs = torch.nn.functional.pad(torch.where(mask, logps.view(mask.shape), 0), (left, 0))
-            if entropy is not None:
-                entropy = torch.nn.functional.pad(torch.where(mask, entropy.view(mask.shape), 0), (left, 0))
-            mask = torch.nn.functional.pad(mask, (left, 0), value=False)
-        else:  # masked_scatter keeps the graph connected even when no token is scored
-            log_probs = logps.new_zeros(mask.shape).masked_scatter(mask, logps)
-            if entropy is not None:
-                entropy = entropy.new_zeros(mask.shape).masked_scatter(mask, entropy)
+        left = None if scored_window is None else 0 if packed_rows is not None else labels.shape[1] - 1 - scored_window
+        log_probs, entropy, mask = _in_trl_layout(logps, entropy, mask, left)
         denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss, aux_loss = -log_probs.sum() / denominator, None
         if kwargs.get("output_router_logits"):
