@@ -336,7 +336,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 self.__dict__.setdefault("_scoring_chunks_logged", set()), self.accelerator.is_main_process)
         scoring = not torch.is_grad_enabled()  # TRL's no-grad passes: the reference and the old policy
         self.work.forward(self.perf, input_ids, *args, scoring=scoring, **kwargs)  # FLOPs, on a GPU
-        with self.perf.phase("logprob"), self.perf.phase("scoring") if scoring else contextlib.nullcontext():
+        with self.perf.phase("logprob", *(("scoring",) if scoring else ())):
             replayed = training_graphs.replay(self.decisions.train_graphs, self.perf, self.accelerator.autocast,
                                               model, input_ids, *args, **kwargs)  # a training micro-batch
             if replayed is not None:

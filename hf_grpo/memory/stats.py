@@ -45,7 +45,8 @@ class PerformanceStats:
             torch.cuda.synchronize(self.device)
 
     @contextmanager
-    def phase(self, name: str):
+    def phase(self, name: str, *also: str):
+        """Time the block as ``name`` (and as each of ``also``: one span counted in several sums, synced once)."""
         self.sync()
         start = time.perf_counter()
         try:
@@ -53,7 +54,9 @@ class PerformanceStats:
                 yield
         finally:
             self.sync()
-            self.add(f"{name}_s", time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            for each in (name, *also):
+                self.add(f"{each}_s", elapsed)
 
     def total(self, key: str) -> float:
         """The whole run's sum for ``key`` (seconds or a count)."""
