@@ -39,6 +39,7 @@ from .memory.token_budget import check_config as check_token_budget
 from .plan import BatchPlan
 from .training.compiled_layers import validate_setting as validate_compile_setting
 from .training.graphs import validate_setting as validate_graphs_setting
+from .training.rollout_logprobs import RolloutLogprobFields, validate as validate_logprob_fields
 
 logger = logging.getLogger("hf_grpo")
 
@@ -48,7 +49,7 @@ def batch_field_defaults() -> dict[str, Any]:
 
 
 @dataclass
-class GRPOConfig(trl.GRPOConfig):
+class GRPOConfig(RolloutLogprobFields, trl.GRPOConfig):  # RolloutLogprobFields: the sampler's log-probs
     r"""
     ``trl.GRPOConfig`` with per-device chunk sizes for generation and log-probs.
 
@@ -323,6 +324,8 @@ class GRPOConfig(trl.GRPOConfig):
         validate_leaf_setting(self.zero3_leaf_modules)
         validate_compile_setting(self.compile_training)
         validate_graphs_setting(self.training_cuda_graphs)
+        validate_logprob_fields(self.old_logprobs_source, self.old_logprobs_tolerance,
+                                self.sampler_importance_sampling_correction, self.use_vllm)
         cuda = cuda_probe()  # the machine, asked at most once: for use_cpu and bf16 left out, a launcher's bf16
         for name, value in device_fields_left_out(self._explicit_fields, self.fp16, cuda).items():
             setattr(self, name, value)

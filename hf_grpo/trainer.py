@@ -10,7 +10,9 @@ Every override of TRL's and transformers' methods is here, written against trl 1
   so an out-of-memory in it can be retried (``memory.train_backoff``).
 - ``_calculate_rewards``: timed; unscored completions counted, infinite rewards made unscored (``checks.unscored``).
   ``_get_per_token_logps_and_entropies``: timed; no-grad scoring chunks of ``token_budget.scoring_rows``; the
-  models' ``forward`` runs the log-softmax ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``).
+  models' ``forward`` runs the log-softmax ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``); the old
+  policy's pass answered by, or measured against, the sampler's log-probs (``training.rollout_logprobs``), which
+  ``_generate_and_score_completions`` corrects for if asked.
 - ``_prepare_inputs``: TRL's, then a prompt's rows kept in the same micro-batches where the gradient stays the same
   (``training.prompt_groups``). ``_tokenize_prompts``: TRL's, then prompts of no token or past the model's positions
   refused (``checks.prompts``); it sizes caches and probes (``_longest_prompt``).
@@ -44,7 +46,7 @@ import trl
 from trl.models import unwrap_model_for_generation
 
 from .training import compiled_layers as training_compile, eager_packing, graphs as training_graphs, lora_forward
-from .training import prompt_groups
+from .training import prompt_groups, rollout_logprobs
 from .checks import inputs as checks
 from .checks import checkpoint_save, output_lock, prompts as prompt_checks, resume, unscored
 from .config import GRPOConfig
@@ -121,6 +123,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             # whose forward the wrapper calls.
             reference = self.accelerator.unwrap_model(self.ref_model)
             install_chunked_lm_head(reference, return_entropy=False, **head)
+        self._sampled = rollout_logprobs.RolloutLogprobs.for_run(  # the sampler's log-probs: measured, used
+            self.args, self.generation_config, self.tools or self.environment_factories)
         self.add_callback(RunCallbacks(self._begin_run, lambda: self.perf))
         run_files.add_run_files(self)  # metrics.jsonl and performance.json, for library scripts as for recipes
         self.add_callback(autosize.SaveSizesCallback(self.sizes, self.max_completion_length))
@@ -219,7 +223,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         budget = self.sizes.max_tokens_per_micro_batch
         if return_outputs or not self.model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        compute = functools.partial(super().compute_loss, model)  # TRL's loss of one micro-batch or pass
+        compute = self._sampled.watching(functools.partial(super().compute_loss, model))  # TRL's, a pass
         if self._train_backoff is not None and torch.is_grad_enabled():
             # Forward and backward run here, again at half the token budget after an out-of-memory
             # (hf_grpo.memory.train_backoff); the Trainer's backward gets a leaf and reaches no parameter.
@@ -252,6 +256,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if self.model.training and "loss" in logs:
             logs.update({f"perf/{key}": value for key, value in self.perf.pop_window().items()})
             logs.update({f"perf/{k.field}": k.value for k in self._oom_knobs.values() if k.backoffs})
+            logs.update(self._sampled.flush(self.accelerator.gather, self.accelerator.device))
         super().log(logs, start_time)
 
     # ---- overrides of TRL 1.16 private methods -------------------------------------------
@@ -261,21 +266,15 @@ class GRPOTrainer(trl.GRPOTrainer):
             return self._generate_unrouted(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
 
     def _generate_unrouted(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
-        plain_path = not (
-            self.use_vllm or self.use_transformers_continuous_batching or multimodal_fields or images is not None
-        )
-        if not plain_path:
-            with self.perf.phase("generation"):
-                return super()._generate_single_turn(
-                    prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs
-                )
+        if self.use_vllm or self.use_transformers_continuous_batching or multimodal_fields or images is not None:
+            with self.perf.phase("generation"):  # not the plain path: TRL's
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args,
+                                                     **kwargs)
         mirror = self._generation_mirror()
         with (
             self.perf.phase("generation"),
-            unwrap_model_for_generation(
-                self.model_wrapped,
-                self.accelerator,
-                # With the mirror, ZeRO-3 weights are gathered into it layer by layer below, not all at once here.
+            unwrap_model_for_generation(  # with the mirror, ZeRO-3 weights are gathered into it layer by layer below
+                self.model_wrapped, self.accelerator,
                 gather_deepspeed3_params=self.args.ds3_gather_for_generation and mirror is None,
                 generation_kwargs=self.generation_kwargs,
                 gradient_checkpointing_kwargs=checkpointing.rollout_kwargs(self.args),  # TRL's argument
@@ -290,17 +289,11 @@ class GRPOTrainer(trl.GRPOTrainer):
                         unwrapped_model = mirror.refresh(unwrapped_model)
                 backend = self._generation_backend(unwrapped_model)
                 counts_before = backend_counts(backend)
-                completion_ids = generate_with_backoff(  # backend.generate, chunk halved on every rank after an OOM
-                    backend,
-                    unwrapped_model,
-                    prompt_ids,
-                    self._oom_knobs["per_device_generation_batch_size"],
-                    self.accelerator.device,
-                    generation_config=self.generation_config,
-                    pad_token_id=self._tokenizer.pad_token_id,
-                    eos_token_ids=self.eos_token_ids,
-                    pad_to_multiple_of=self.pad_to_multiple_of,
-                )
+                completion_ids, logprobs = generate_with_backoff(  # chunk halved on every rank after an OOM
+                    backend, unwrapped_model, prompt_ids, self._oom_knobs["per_device_generation_batch_size"],
+                    self.accelerator.device, generation_config=self.generation_config,
+                    pad_token_id=self._tokenizer.pad_token_id, eos_token_ids=self.eos_token_ids,
+                    pad_to_multiple_of=self.pad_to_multiple_of)
             finally:
                 if mirror is not None:  # LoRA merged in place: the base weights back before anything else reads them
                     mirror.restore()
@@ -312,7 +305,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.work.rollout(self.perf, prompt_ids, completion_ids, self.sizes.per_device_generation_batch_size)
         for key, after in backend_counts(backend).items():
             self.perf.add(key, float(after - counts_before[key]))
-        return completion_ids, None
+        self._sampled.on_rollout(logprobs, self.model.training, self.state, self.args, self.accelerator, self._metrics)
+        return completion_ids, logprobs  # TRL's sampling_per_token_logps; the old policy's log-probs chosen above
 
     def _tokenize_prompts(self, prompts):  # a rollout's (or the longest-prompt scan's): none empty or too long
         return prompt_checks.checked(super()._tokenize_prompts(prompts), prompts, self.max_completion_length,
@@ -334,14 +328,20 @@ class GRPOTrainer(trl.GRPOTrainer):
             kwargs["batch_size"] = token_budget.scoring_batch_size(
                 model, kwargs["batch_size"], input_ids.shape[1], self.sizes.max_tokens_per_micro_batch,
                 self.__dict__.setdefault("_scoring_chunks_logged", set()), self.accelerator.is_main_process)
-        scoring = not torch.is_grad_enabled()  # TRL's no-grad passes: the reference and the old policy
-        self.work.forward(self.perf, input_ids, *args, scoring=scoring, **kwargs)  # FLOPs, on a GPU
-        with self.perf.phase("logprob", *(("scoring",) if scoring else ())):
+        scoring, parent = not torch.is_grad_enabled(), super()._get_per_token_logps_and_entropies  # no grad: ref, old
+        def score():
+            self.work.forward(self.perf, input_ids, *args, scoring=scoring, **kwargs)  # FLOPs, on a GPU
             replayed = training_graphs.replay(self.decisions.train_graphs, self.perf, self.accelerator.autocast,
                                               model, input_ids, *args, **kwargs)  # a training micro-batch
-            if replayed is not None:
-                return replayed
-            return super()._get_per_token_logps_and_entropies(model, input_ids, *args, **kwargs)
+            return parent(model, input_ids, *args, **kwargs) if replayed is None else replayed
+        with self.perf.phase("logprob", *(("scoring",) if scoring else ())):  # the old policy's: maybe the sampler's
+            return self._sampled.scored(score, model is self.model, scoring, input_ids, args, kwargs,
+                                              self.state.global_step)
+
+    def _generate_and_score_completions(self, inputs):  # TRL's, then the importance-sampling correction if asked
+        return rollout_logprobs.corrected(super()._generate_and_score_completions(inputs), self.args, self.loss_type,
+                                          functools.partial(self._get_per_token_logps_and_entropies, self.model,
+                                                            batch_size=self.sizes.per_device_train_batch_size))
 
     # ---- helpers -----------------------------------------------------------------------------
     def _run_facts(self) -> RunFacts:

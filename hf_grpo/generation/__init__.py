@@ -10,7 +10,8 @@ import logging
 
 import torch
 
-from .base import GenerationBackend, backend_counts, cut_after_eos, iter_chunks, left_pad, model_device, padded_length
+from .base import (Completions, GenerationBackend, backend_counts, cut_after_eos, iter_chunks, left_pad, model_device,
+                   padded_length)
 from .hf import HFGenerateBackend
 
 BACKEND_NAMES = ("auto", "hf", "cuda_graph", "vllm")
@@ -55,6 +56,7 @@ def open_backend(setting: str, model: torch.nn.Module, reserve: int | None, main
 
 __all__ = [
     "BACKEND_NAMES",
+    "Completions",
     "GenerationBackend",
     "backend_counts",
     "HFGenerateBackend",

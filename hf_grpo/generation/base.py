@@ -10,9 +10,19 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import torch
 from transformers import GenerationConfig
+
+
+class Completions(NamedTuple):
+    """A rollout's completions and, beside each token, its log-prob under the law it was drawn from (after
+    temperature, top-k, top-p and min-p): what TRL takes as ``sampling_per_token_logps``. ``logprobs`` is None
+    where the backend did not record them."""
+
+    ids: list[list[int]]
+    logprobs: list[list[float]] | None = None
 
 
 class GenerationBackend(ABC):
@@ -41,6 +51,20 @@ class GenerationBackend(ABC):
         Completions are at most ``generation_config.max_new_tokens`` long. The model is the
         unwrapped policy; the caller has already entered ``torch.no_grad()``.
         """
+
+    def sample(self, model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], **kwargs) -> Completions:
+        """``generate``'s completions with their sampled log-probs (``Completions``); the same keyword arguments.
+
+        A backend that records log-probs implements ``_sample`` (``hf``, ``cuda_graph``); one that does not, or a
+        subclass that overrides ``generate`` below the ``_sample`` it inherits (its own completions, say), gives
+        ``generate``'s completions without log-probs.
+        """
+        mro = type(self).__mro__
+        recorder = next((i for i, cls in enumerate(mro) if "_sample" in vars(cls)), None)
+        generator = next(i for i, cls in enumerate(mro) if "generate" in vars(cls))
+        if recorder is None or generator < recorder:
+            return Completions(self.generate(model, prompt_ids, **kwargs))
+        return self._sample(model, prompt_ids, **kwargs)
 
     def release(self, empty_cache: bool = True) -> None:
         """Free what the backend keeps between calls (caches, captured graphs); nothing by default."""
@@ -124,6 +148,11 @@ def cut_after_eos(completion_ids: torch.Tensor, eos_token_ids: Sequence[int]) ->
     # Position of the first EOS per row, or T when the row has none.
     first_eos = torch.where(is_eos.any(dim=1), is_eos.int().argmax(dim=1), torch.full_like(ids[:, 0], ids.size(1)))
     return [row[: end + 1] for row, end in zip(ids.tolist(), first_eos.tolist())]
+
+
+def cut_like(values: torch.Tensor, completions: Sequence[Sequence[int]]) -> list[list[float]]:
+    """Rows of ``values`` [B, T] cut to the lengths of ``completions`` (``cut_after_eos``'s rows): one host copy."""
+    return [row[: len(ids)] for row, ids in zip(values.tolist(), completions)]
 
 
 def backend_counts(backend: GenerationBackend) -> dict[str, float]:

@@ -58,8 +58,10 @@ import torch
 from transformers import GenerationConfig
 
 from .base import (
+    Completions,
     GenerationBackend,
     cut_after_eos,
+    cut_like,
     fsdp_sharding,
     is_zero3_partitioned,
     iter_chunks,
@@ -249,7 +251,11 @@ class CudaGraphBackend(GenerationBackend):
         return None
 
     # ------------------------------------------------------------------ public entry point
-    def generate(
+    def generate(self, model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], **kwargs) -> list[list[int]]:
+        """Return one completion per prompt, cut after its first EOS token (the EOS is kept); see ``sample``."""
+        return self._sample(model, prompt_ids, **kwargs).ids
+
+    def _sample(
         self,
         model: torch.nn.Module,
         prompt_ids: Sequence[Sequence[int]],
@@ -259,9 +265,9 @@ class CudaGraphBackend(GenerationBackend):
         pad_token_id: int,
         eos_token_ids: Sequence[int],
         pad_to_multiple_of: int | None = None,
-    ) -> list[list[int]]:
+    ) -> Completions:
         if len(prompt_ids) == 0:
-            return []
+            return Completions([], [])
         device = model_device(model)
         if self.use_cuda_graph and device.type != "cuda":
             raise ValueError(
@@ -286,7 +292,7 @@ class CudaGraphBackend(GenerationBackend):
             if reason not in self._warned:
                 logger.warning("cuda_graph backend: %s; this call uses the hf backend", reason)
                 self._warned.add(reason)
-            return self._fallback.generate(
+            return self._fallback.sample(
                 model,
                 prompt_ids,
                 generation_config=generation_config,
@@ -298,6 +304,7 @@ class CudaGraphBackend(GenerationBackend):
 
         sampling = SamplingSettings.from_config(gc, eos_token_ids, pad_token_id)
         completions: list[list[int]] = []
+        logprobs: list[list[float]] = []
         with torch.no_grad():
             decoder = self._decoder(model, batch, need, sampling)
             for chunk, _, steps in plan:
@@ -311,9 +318,11 @@ class CudaGraphBackend(GenerationBackend):
                 self.num_captures += int(not captured and decoder.graph is not None)
                 if decoder.compile_error is not None and self.compile_error is None:
                     self.compile_error = decoder.compile_error  # later decoders capture the eager forward
-                completions.extend(cut_after_eos(generated[:n_real], sampling.eos_token_ids))
+                ids = cut_after_eos(generated[:n_real], sampling.eos_token_ids)
+                completions.extend(ids)
+                logprobs.extend(cut_like(decoder.last_logps[:n_real], ids))
             self.decode_seconds += decoder.pop_decode_seconds()
-        return completions
+        return Completions(completions, logprobs)
 
     def release(self, empty_cache: bool = True) -> None:
         """Free every captured graph and KV cache (the compiled decode step is kept).

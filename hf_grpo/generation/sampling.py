@@ -265,6 +265,12 @@ def inverse_cdf_pick(scores: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return block * PICK_BLOCK + token
 
 
+def chosen_logprobs(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[B]: each row's ``token`` log-prob under softmax(``scores``), the law it was drawn from (``scores``: the
+    filtered float32 scores [B, V] the pick read). One reduction over the vocabulary, no [B, V] buffer kept."""
+    return scores.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scores, dim=-1)
+
+
 def select_tokens(
     scores: torch.Tensor,
     s: SamplingSettings,
@@ -272,19 +278,20 @@ def select_tokens(
     noise: torch.Tensor | None,
     seen: torch.Tensor | None = None,
     eos_blocked: torch.Tensor | None = None,
-) -> torch.Tensor:
+    with_logprobs: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``process_logits_`` then one token per row: a sample from softmax(filtered scores), or the argmax.
 
     ``noise`` is ``row_uniforms(scores)`` when sampling (``inverse_cdf_pick``), None for greedy decoding.
-    ``scores`` (float32) are overwritten.
+    ``scores`` (float32) are overwritten. ``with_logprobs``: (tokens, their log-probs under the filtered law,
+    ``chosen_logprobs``), what the trainer's importance ratio compares with (hf_grpo.training.rollout_logprobs).
     """
     scores = process_logits_(scores, s, seen=seen, eos_blocked=eos_blocked)
-    if not s.do_sample:
-        return scores.argmax(dim=-1)
-    return inverse_cdf_pick(scores, noise)
+    tokens = inverse_cdf_pick(scores, noise) if s.do_sample else scores.argmax(dim=-1)
+    return (tokens, chosen_logprobs(scores, tokens)) if with_logprobs else tokens
 
 
-def select_tokens_from_copies(logits, s, noise, seen, eos_blocked) -> torch.Tensor:
+def select_tokens_from_copies(logits, s, noise, seen, eos_blocked, with_logprobs: bool = False):
     """``select_tokens`` on a float32 copy of ``logits``, leaving them as they were.
 
     The form the decode step compiles: the copy is never written out (inductor fuses it into the
@@ -293,4 +300,4 @@ def select_tokens_from_copies(logits, s, noise, seen, eos_blocked) -> torch.Tens
     an H100).
     """
     scores = logits.to(torch.float32, copy=True)
-    return select_tokens(scores, s, noise=noise, seen=seen, eos_blocked=eos_blocked)
+    return select_tokens(scores, s, noise=noise, seen=seen, eos_blocked=eos_blocked, with_logprobs=with_logprobs)

@@ -70,6 +70,7 @@ class DecodeBuffers:
     unfinished: torch.Tensor  # [B] bool: rows that have not emitted EOS
     eos_vocab_mask: torch.Tensor  # [V] bool: the EOS token ids
     seen: torch.Tensor | None = None  # [B, V + 1] bool, for the repetition penalty
+    logps: torch.Tensor | None = None  # [B, cache_len] float32: each generated token's log-prob (0 after EOS)
 
 
 def take_next_tokens(logits, s: SamplingSettings, noise, buffers: DecodeBuffers, copies: bool = True) -> None:
@@ -77,8 +78,9 @@ def take_next_tokens(logits, s: SamplingSettings, noise, buffers: DecodeBuffers,
 
     ``out[:, step]`` gets the token (``pad_token_id`` for a row that has finished), ``unfinished`` drops the rows
     that emitted EOS, ``tok`` and ``pos`` become the next step's input, ``step`` moves on, ``seen`` (repetition
-    penalty) marks the token. EOS is blocked while ``step < min_steps``. ``noise``: ``sampling.row_uniforms`` when
-    sampling, else None. With ``copies`` the selection works on a float32 copy of ``logits`` (the compiled form: the
+    penalty) marks the token, ``logps[:, step]`` its log-prob under the law it was drawn from (after temperature,
+    top-k, top-p, min-p: ``sampling.chosen_logprobs``). EOS is blocked while ``step < min_steps``. ``noise``:
+    ``sampling.row_uniforms`` when sampling, else None. With ``copies`` the selection works on a float32 copy of ``logits`` (the compiled form: the
     decode step compiles this whole function, a few kernels instead of a dozen eager ones); without, on them in
     place (they must be float32 and disposable).
     """
@@ -86,11 +88,15 @@ def take_next_tokens(logits, s: SamplingSettings, noise, buffers: DecodeBuffers,
     seen, eos_vocab_mask, min_steps = buffers.seen, buffers.eos_vocab_mask, buffers.min_steps
     eos_blocked = eos_vocab_mask & (step < min_steps) if s.blocks_early_eos else None
     if copies:
-        next_tokens = select_tokens_from_copies(logits, s, noise, seen, eos_blocked)
+        next_tokens, logps = select_tokens_from_copies(logits, s, noise, seen, eos_blocked, with_logprobs=True)
     else:
-        next_tokens = select_tokens(logits, s, noise=noise, seen=seen, eos_blocked=eos_blocked)
+        next_tokens, logps = select_tokens(logits, s, noise=noise, seen=seen, eos_blocked=eos_blocked,
+                                           with_logprobs=True)
     next_tokens = torch.where(unfinished, next_tokens, torch.full_like(next_tokens, s.pad_token_id))
-    out.scatter_(1, step.view(1, 1).expand(out.size(0), 1), next_tokens.unsqueeze(1))
+    at = step.view(1, 1).expand(out.size(0), 1)
+    out.scatter_(1, at, next_tokens.unsqueeze(1))
+    if buffers.logps is not None:
+        buffers.logps.scatter_(1, at, torch.where(unfinished, logps, torch.zeros_like(logps)).unsqueeze(1))
     unfinished &= ~eos_vocab_mask[next_tokens]
     tok.copy_(next_tokens.unsqueeze(1))
     pos.add_(1)
@@ -155,6 +161,8 @@ class StaticDecoder:
         self.pos = torch.zeros((batch, 1), dtype=torch.long, device=device)  # its position id
         self.mask2d = torch.ones((batch, cache_len), dtype=torch.long, device=device)  # prompt mask, then ones
         self.out = torch.full((batch, cache_len), sampling.pad_token_id, dtype=torch.long, device=device)
+        self.logps = torch.zeros((batch, cache_len), dtype=torch.float32, device=device)  # of the tokens in out
+        self.last_logps: torch.Tensor | None = None  # [batch, <=steps]: the last run's, beside its tokens
         self.step = torch.zeros((1,), dtype=torch.long, device=device)  # index of the token being generated
         self.min_steps = torch.zeros((1,), dtype=torch.long, device=device)  # EOS blocked while step < min_steps
         self.unfinished = torch.ones((batch,), dtype=torch.bool, device=device)
@@ -176,7 +184,7 @@ class StaticDecoder:
                 tensor = getattr(layer, name, None)
                 if isinstance(tensor, torch.Tensor):
                     total += tensor.numel() * tensor.element_size()
-        for tensor in (self.tok, self.pos, self.mask2d, self.out, self.seen):
+        for tensor in (self.tok, self.pos, self.mask2d, self.out, self.logps, self.seen):
             if tensor is not None:
                 total += tensor.numel() * tensor.element_size()
         return total + (self.fused.nbytes() if self.fused is not None else 0)
@@ -186,6 +194,7 @@ class StaticDecoder:
         """Decode ``steps`` tokens for one chunk of ``batch`` left-padded prompts; [batch, <=steps], a copy on the
         model's device (``cut_after_eos`` searches it there)."""
         if steps == 0:
+            self.last_logps = torch.empty((self.batch, 0), dtype=torch.float32, device=self.out.device)
             return torch.empty((self.batch, 0), dtype=torch.long, device=self.out.device)
         if self.fused is not None:
             self.fused.refresh()  # the weights changed since the last chunk (an optimizer step, say)
@@ -217,6 +226,7 @@ class StaticDecoder:
         if timing is not None:
             timing[1].record()
             self.decode_timings.append(timing)
+        self.last_logps = self.logps[:, :done].clone()
         return self.out[:, :done].clone()
 
     def pop_decode_seconds(self) -> float:
@@ -236,7 +246,7 @@ class StaticDecoder:
 
     def _decode_state(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of what a decode step advances, besides the cache past the prompt: (tensor, copy) pairs."""
-        tensors = [self.tok, self.pos, self.out, self.step, self.unfinished]
+        tensors = [self.tok, self.pos, self.out, self.logps, self.step, self.unfinished]
         tensors += [layer.cumulative_length for layer in self.cache.layers]  # where the next K/V goes
         if self.seen is not None:
             tensors.append(self.seen)
@@ -270,6 +280,7 @@ class StaticDecoder:
         self.mask2d[:, :prompt_len].copy_(attention_mask)
         position_ids = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         self.out.fill_(s.pad_token_id)
+        self.logps.zero_()
         self.step.zero_()
         # EOS is blocked for the first min_new_tokens tokens, and while prompt + generated < min_length.
         self.min_steps.fill_(max(s.min_new_tokens, s.min_length - prompt_len, 0))
@@ -328,7 +339,8 @@ class StaticDecoder:
         noise = row_uniforms(logits) if self.sampling.do_sample else None
         step = compiled or functools.partial(take_next_tokens, copies=False)
         buffers = DecodeBuffers(out=self.out, tok=self.tok, pos=self.pos, step=self.step, min_steps=self.min_steps,
-                                unfinished=self.unfinished, eos_vocab_mask=self.eos_vocab_mask, seen=self.seen)
+                                unfinished=self.unfinished, eos_vocab_mask=self.eos_vocab_mask, seen=self.seen,
+                                logps=self.logps)
         step(logits, self.sampling, noise, buffers)
 
     def _decode_step(self, model) -> None:

@@ -180,13 +180,14 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
 
 
 def generate_with_backoff(backend, model: torch.nn.Module, prompt_ids, knob: SizeKnob, device: torch.device,
-                          **generate_kwargs) -> list[list[int]]:
-    """``backend.generate`` in chunks of ``knob.value``; on an out-of-memory anywhere, the whole rollout is
-    sampled again at half the chunk, from the RNG state it started with, as if that size had been set."""
+                          **generate_kwargs):
+    """``backend.sample`` (the completions and their sampled log-probs, ``generation.Completions``) in chunks of
+    ``knob.value``; on an out-of-memory anywhere, the whole rollout is sampled again at half the chunk, from the RNG
+    state it started with, as if that size had been set."""
     start = rng_state(device)
 
     def attempt(size):
         set_rng_state(start, device)
-        return backend.generate(model, prompt_ids, chunk_size=size, **generate_kwargs)
+        return backend.sample(model, prompt_ids, chunk_size=size, **generate_kwargs)
 
     return knob.run(attempt, full=lambda: len(prompt_ids), on_retry=lambda: backend.release(empty_cache=True))
