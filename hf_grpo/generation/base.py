@@ -55,19 +55,28 @@ class GenerationBackend(ABC):
     def sample(self, model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], **kwargs) -> Completions:
         """``generate``'s completions with their sampled log-probs (``Completions``); the same keyword arguments.
 
-        A backend that records log-probs implements ``_sample`` (``hf``, ``cuda_graph``); one that does not, or a
-        subclass that overrides ``generate`` below the ``_sample`` it inherits (its own completions, say), gives
-        ``generate``'s completions without log-probs.
+        A backend that records log-probs implements ``_sample`` and a ``generate`` made by ``ids_of_sample``
+        (``hf``, ``cuda_graph``); where ``generate`` is another (a subclass's own completions, a patched method),
+        its completions come without log-probs.
         """
-        mro = type(self).__mro__
-        recorder = next((i for i, cls in enumerate(mro) if "_sample" in vars(cls)), None)
-        generator = next(i for i, cls in enumerate(mro) if "generate" in vars(cls))
-        if recorder is None or generator < recorder:
-            return Completions(self.generate(model, prompt_ids, **kwargs))
-        return self._sample(model, prompt_ids, **kwargs)
+        if getattr(self.generate, "ids_of_sample", False):
+            return self._sample(model, prompt_ids, **kwargs)
+        return Completions(self.generate(model, prompt_ids, **kwargs))
 
     def release(self, empty_cache: bool = True) -> None:
         """Free what the backend keeps between calls (caches, captured graphs); nothing by default."""
+
+
+def ids_of_sample(cls_name: str):
+    """A backend's ``generate``: its ``_sample``'s completions (``GenerationBackend.sample`` calls ``_sample``)."""
+
+    def generate(self, model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], **kwargs) -> list[list[int]]:
+        return self._sample(model, prompt_ids, **kwargs).ids
+
+    generate.ids_of_sample = True
+    generate.__doc__ = (f"{cls_name}'s completions, one per prompt, each cut after its first EOS token (kept); "
+                        "``sample`` gives their log-probs too.")
+    return generate
 
 
 def iter_chunks(items: Sequence, size: int) -> Iterator[Sequence]:

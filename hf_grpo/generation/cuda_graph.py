@@ -63,6 +63,7 @@ from .base import (
     cut_after_eos,
     cut_like,
     fsdp_sharding,
+    ids_of_sample,
     is_zero3_partitioned,
     iter_chunks,
     left_pad,
@@ -251,9 +252,7 @@ class CudaGraphBackend(GenerationBackend):
         return None
 
     # ------------------------------------------------------------------ public entry point
-    def generate(self, model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], **kwargs) -> list[list[int]]:
-        """Return one completion per prompt, cut after its first EOS token (the EOS is kept); see ``sample``."""
-        return self._sample(model, prompt_ids, **kwargs).ids
+    generate = ids_of_sample("CudaGraphBackend")
 
     def _sample(
         self,

@@ -26,7 +26,8 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from .base import Completions, GenerationBackend, cut_after_eos, cut_like, iter_chunks, left_pad, model_device
+from .base import (Completions, GenerationBackend, cut_after_eos, cut_like, ids_of_sample, iter_chunks, left_pad,
+                   model_device)
 from .sampling import chosen_logprobs, effective_generation_config, unsupported_generation_setting
 from .static_cache import base_model
 
@@ -84,9 +85,7 @@ def warpers_as_processors(gc: GenerationConfig) -> tuple[GenerationConfig, list[
 class HFGenerateBackend(GenerationBackend):
     name = "hf"
 
-    def generate(self, model: torch.nn.Module, prompt_ids: Sequence[Sequence[int]], **kwargs) -> list[list[int]]:
-        """Return one completion per prompt, cut after its first EOS token (the EOS is kept); see ``sample``."""
-        return self._sample(model, prompt_ids, **kwargs).ids
+    generate = ids_of_sample("HFGenerateBackend")
 
     def _sample(
         self,
