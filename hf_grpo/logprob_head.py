@@ -16,6 +16,7 @@ and ``loss`` includes it weighted by the config's ``router_aux_loss_coef``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import types
@@ -70,40 +71,71 @@ def router_aux_loss(model: torch.nn.Module, router_logits, attention_mask: torch
     return load_balancing_loss_func(router_logits, experts, per_token, attention_mask)
 
 
-def _static_window_states(model, backbone, args, kwargs, labels, scored_window: int, packed_rows, window_index):
+@dataclasses.dataclass
+class ScoredStates:
+    """What a layout hands the head: the scored positions' hidden states ``[T, H]``, which label columns they are
+    (``mask``), their target tokens ``[T]``, the backbone's outputs where it ran as a whole (the MoE router logits
+    are read there), and ``left``: a static window's columns before it in TRL's layout (None: not a window)."""
+
+    states: torch.Tensor
+    mask: torch.Tensor
+    targets: torch.Tensor
+    backbone_outputs: object | None = None
+    left: int | None = None
+
+
+class PaddedRows:
+    """The rows as the caller padded them: the backbone runs them as they are."""
+
+    def scored_states(self, model, backbone, args, kwargs, labels, shift_labels) -> ScoredStates:
+        backbone_outputs = backbone(*args, **kwargs)
+        hidden = backbone_outputs.last_hidden_state  # [B, L, H]
+        if shift_labels is None:  # causal LM: position i predicts token i + 1
+            hidden, targets = hidden[:, :-1], labels[:, 1:]
+        else:
+            targets = shift_labels
+        mask = targets != -100
+        return ScoredStates(hidden[mask], mask, targets[mask], backbone_outputs)
+
+
+class PackedRows:
+    """The rows packed into one sequence (``padding_free.pack_rows``): a scored position's state read from its
+    packed place."""
+
+    def __init__(self, packed):
+        self.packed = packed
+
+    def scored_states(self, model, backbone, args, kwargs, labels, shift_labels) -> ScoredStates:
+        hidden = padding_free.packed_hidden_states(model, backbone, self.packed, **kwargs)[0]  # [T, H]
+        mask = labels[:, 1:] != -100
+        return ScoredStates(hidden[self.packed.index[:, :-1][mask]], mask, labels[:, 1:][mask])
+
+
+class StaticWindow:
     """Static shapes, for a CUDA graph (``hf_grpo.training.graphs``): every position of the last ``scored_window``
     label columns is scored, the unscored ones zeroed later. Packed (``packed_rows``), ``labels`` are
     ``[1, scored_window]``, the scored tokens gathered (graph_inputs.packed), and ``window_index`` the packed place of
-    the state predicting each. Returns (scored states, scored mask, their targets, the backbone's outputs or None)."""
-    backbone_outputs = None
-    if packed_rows is not None:
-        hidden = padding_free.packed_hidden_states(model, backbone, packed_rows, **kwargs)[0]  # [T, H]
-        scored, targets = hidden[window_index.reshape(-1)], labels
-    else:
-        backbone_outputs = backbone(*args, **kwargs)
-        hidden = backbone_outputs.last_hidden_state[:, -scored_window - 1:-1]
-        targets = labels[:, -scored_window:]
-        scored = hidden.reshape(-1, hidden.shape[-1])
-    return scored, targets != -100, targets.clamp(min=0).reshape(-1), backbone_outputs  # mask: [B, window]
+    the state predicting each; TRL's layout is made outside the graph (graph_inputs' spread)."""
 
+    def __init__(self, scored_window: int, packed_rows, window_index):
+        self.scored_window, self.packed_rows, self.window_index = scored_window, packed_rows, window_index
 
-def _packed_states(model, backbone, packed, kwargs, labels):
-    """Rows packed into one sequence: (a scored position's hidden state, from its packed place; the mask [B, L-1])."""
-    hidden = padding_free.packed_hidden_states(model, backbone, packed, **kwargs)[0]  # [T, H]
-    mask = labels[:, 1:] != -100
-    return hidden[packed.index[:, :-1][mask]], mask
+    def chunk_rows(self, chunk_rows) -> Callable[[int], int]:
+        """At most ``STATIC_WINDOW_CHUNK_ROWS`` a chunk; a capture has no out-of-memory retry (a failure ends it)."""
+        asked = chunk_rows.value if isinstance(chunk_rows, SizeKnob) else chunk_rows
+        return lambda full: min(asked or full, STATIC_WINDOW_CHUNK_ROWS)
 
-
-def _padded_states(backbone, args, kwargs, labels, shift_labels):
-    """Padded rows: (the scored positions' hidden states, the mask [B, L-1], the backbone's outputs)."""
-    backbone_outputs = backbone(*args, **kwargs)
-    hidden = backbone_outputs.last_hidden_state  # [B, L, H]
-    if shift_labels is None:  # causal LM: position i predicts token i + 1
-        hidden, targets = hidden[:, :-1], labels[:, 1:]
-    else:
-        targets = shift_labels
-    mask = targets != -100
-    return hidden[mask], mask, backbone_outputs
+    def scored_states(self, model, backbone, args, kwargs, labels, shift_labels) -> ScoredStates:
+        if self.packed_rows is not None:
+            hidden = padding_free.packed_hidden_states(model, backbone, self.packed_rows, **kwargs)[0]  # [T, H]
+            scored, targets, backbone_outputs, left = hidden[self.window_index.reshape(-1)], labels, None, 0
+        else:
+            backbone_outputs = backbone(*args, **kwargs)
+            hidden = backbone_outputs.last_hidden_state[:, -self.scored_window - 1:-1]
+            targets = labels[:, -self.scored_window:]
+            scored, left = hidden.reshape(-1, hidden.shape[-1]), labels.shape[1] - 1 - self.scored_window
+        mask = targets != -100  # [B, window]
+        return ScoredStates(scored, mask, targets.clamp(min=0).reshape(-1), backbone_outputs, left)
 
 
 def _in_trl_layout(logps, entropy, mask, left: int | None):
@@ -145,6 +177,63 @@ def _head_logprobs(head: torch.nn.Module, scored: torch.Tensor, targets: torch.T
         return logprobs(chunk_rows(scored.shape[0]) if callable(chunk_rows) else chunk_rows)
 
 
+class ChunkedLogprobHead:
+    """The policy's (or reference's) ``forward`` for TRL's ``fused_lm_head=True`` calls: the rows' layout chosen
+    once per call (``layout``), the backbone run in it, the scored states' log-probs through ``chunked_logprobs``
+    ``chunk_rows`` rows at a time, TRL's output built from them. Other calls go to ``previous_forward``."""
+
+    def __init__(self, model: torch.nn.Module, previous_forward: Callable, *, temperature: float, chunk_rows,
+                 return_entropy: bool, in_fp32: bool, rows_packed: Callable[[], bool]):
+        self.previous_forward, self.rows_packed = previous_forward, rows_packed
+        self.temperature, self.chunk_rows, self.return_entropy, self.in_fp32 = (temperature, chunk_rows,
+                                                                                return_entropy, in_fp32)
+        self.backbone_name = model.base_model_prefix
+        self.text_config = model.config.get_text_config()
+
+    def layout(self, model, args, kwargs, labels, shift_labels, scored_window, packed_rows, window_index):
+        """The rows' layout for this call: a static window where a graph asks for one, packed where the run packs
+        and the batch allows it, else padded as they came."""
+        if scored_window is not None:
+            return StaticWindow(scored_window, packed_rows, window_index)
+        # MoE router logits are scored against the padded rows' mask (TRL's aux loss): those stay padded
+        if (self.rows_packed() and not args and shift_labels is None and kwargs.get("attention_mask") is not None
+                and not kwargs.get("output_router_logits")):
+            # rows of one prompt share its states: the columns before the first scored one (TRL's prompt)
+            shared = (labels != -100).any(dim=0).int().argmax() if padding_free.shares_prompts(model) else 0
+            packed = padding_free.pack_rows(kwargs["input_ids"], kwargs["attention_mask"], shared)
+            if packed is not None and padding_free.packable(model, packed):
+                return PackedRows(packed)
+        return PaddedRows()
+
+    def __call__(self, model, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
+                 scored_window=None, packed_rows=None, window_index=None, **kwargs):
+        if not fused_lm_head:
+            return self.previous_forward(
+                *args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, **kwargs
+            )
+        kwargs["use_cache"] = False
+        if getattr(self.text_config, "output_router_logits", False):  # as the model's own forward: the config asks
+            kwargs.setdefault("output_router_logits", True)
+        layout = self.layout(model, args, kwargs, labels, shift_labels, scored_window, packed_rows, window_index)
+        scored = layout.scored_states(model, getattr(model, self.backbone_name), args, kwargs, labels, shift_labels)
+        rows = layout.chunk_rows(self.chunk_rows) if isinstance(layout, StaticWindow) else self.chunk_rows
+        result = _head_logprobs(model.get_output_embeddings(), scored.states, scored.targets, rows, self.temperature,
+                                self.return_entropy, self.in_fp32)
+        logps, entropy = result if self.return_entropy else (result, None)
+        return self.output(model, scored, logps, entropy, num_items_in_batch, kwargs)
+
+    def output(self, model, scored: ScoredStates, logps, entropy, num_items_in_batch, kwargs) -> FusedCausalLMOutput:
+        """TRL's fused-head output: the log-probs in its layout, the mean negative log-likelihood (with the MoE
+        load-balancing loss where router logits were asked for)."""
+        log_probs, entropy, mask = _in_trl_layout(logps, entropy, scored.mask, scored.left)
+        denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        loss, aux_loss = -log_probs.sum() / denominator, None
+        if kwargs.get("output_router_logits"):
+            aux_loss = router_aux_loss(model, scored.backbone_outputs.router_logits, kwargs.get("attention_mask"))
+            loss = loss + getattr(self.text_config, "router_aux_loss_coef", 0.0) * aux_loss
+        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask, aux_loss=aux_loss)
+
+
 def install_chunked_lm_head(
     model: torch.nn.Module,
     *,
@@ -154,7 +243,8 @@ def install_chunked_lm_head(
     cast_lm_head_to_fp32: bool = False,
     padding_free_rows: bool | None | Callable[[], bool] = False,
 ) -> bool:
-    """Patch ``model.forward`` (the base model, after TRL's ``add_fused_lm_head``). Returns False if skipped.
+    """Patch ``model.forward`` (the base model, after TRL's ``add_fused_lm_head``) with a ``ChunkedLogprobHead``.
+    Returns False if skipped.
 
     ``chunk_rows`` as a ``SizeKnob`` is read at every call and halved on every rank after an out-of-memory
     in the head (``hf_grpo.memory.oom``); the backbone's forward has run by then, so the retry redoes the head only.
@@ -174,54 +264,14 @@ def install_chunked_lm_head(
         return False
     rows_packed = (padding_free_rows if callable(padding_free_rows) and refused is None
                    else (lambda: bool(padding_free_rows) and refused is None))
-    previous_forward = model.forward
-    backbone_name = model.base_model_prefix
-    text_config = model.config.get_text_config()
+    head = ChunkedLogprobHead(model, model.forward, temperature=temperature, chunk_rows=chunk_rows,
+                              return_entropy=return_entropy, in_fp32=cast_lm_head_to_fp32, rows_packed=rows_packed)
 
     # Keep the model's own signature: `generate` reads it to decide which kwargs to pass, and without
     # `logits_to_keep` there its prefill would build logits for every prompt token.
     @functools.wraps(type(model).forward)
-    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None,
-                scored_window=None, packed_rows=None, window_index=None, **kwargs):
-        if not fused_lm_head:
-            return previous_forward(
-                *args, labels=labels, shift_labels=shift_labels, num_items_in_batch=num_items_in_batch, **kwargs
-            )
-        kwargs["use_cache"] = False
-        if getattr(text_config, "output_router_logits", False):  # as the model's own forward: the config asks
-            kwargs.setdefault("output_router_logits", True)
-        backbone = getattr(self, backbone_name)
-        packed = None
-        # MoE router logits are scored against the padded rows' mask (TRL's aux loss): those stay padded
-        if (scored_window is None and rows_packed() and not args and shift_labels is None
-                and kwargs.get("attention_mask") is not None and not kwargs.get("output_router_logits")):
-            # rows of one prompt share its states: the columns before the first scored one (TRL's prompt)
-            shared = (labels != -100).any(dim=0).int().argmax() if padding_free.shares_prompts(self) else 0
-            packed = padding_free.pack_rows(kwargs["input_ids"], kwargs["attention_mask"], shared)
-            packed = packed if packed is not None and padding_free.packable(self, packed) else None
-        if scored_window is not None:
-            scored, mask, scored_targets, backbone_outputs = _static_window_states(
-                self, backbone, args, kwargs, labels, scored_window, packed_rows, window_index)
-        elif packed is not None:
-            scored, mask, backbone_outputs = *_packed_states(self, backbone, packed, kwargs, labels), None
-        else:
-            scored, mask, backbone_outputs = _padded_states(backbone, args, kwargs, labels, shift_labels)
-        if scored_window is None:
-            scored_targets = (labels[:, 1:] if shift_labels is None else shift_labels)[mask]  # [T]
-        # (a static window runs inside a capture: no out-of-memory retry there, a failure ends the capture)
-        rows = chunk_rows if scored_window is None else lambda full: min(
-            (chunk_rows.value if isinstance(chunk_rows, SizeKnob) else chunk_rows) or full, STATIC_WINDOW_CHUNK_ROWS)
-        result = _head_logprobs(self.get_output_embeddings(), scored, scored_targets, rows, temperature,
-                                return_entropy, cast_lm_head_to_fp32)
-        logps, entropy = result if return_entropy else (result, None)
-        left = None if scored_window is None else 0 if packed_rows is not None else labels.shape[1] - 1 - scored_window
-        log_probs, entropy, mask = _in_trl_layout(logps, entropy, mask, left)
-        denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        loss, aux_loss = -log_probs.sum() / denominator, None
-        if kwargs.get("output_router_logits"):
-            aux_loss = router_aux_loss(self, backbone_outputs.router_logits, kwargs.get("attention_mask"))
-            loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
-        return FusedCausalLMOutput(loss=loss, log_probs=log_probs, entropy=entropy, label_mask=mask, aux_loss=aux_loss)
+    def forward(self, *args, **kwargs):
+        return head(self, *args, **kwargs)
 
     model.forward = types.MethodType(forward, model)
     return True
