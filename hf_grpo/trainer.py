@@ -1,7 +1,8 @@
 """GRPOTrainer: TRL's trainer with chunked generation, chunked log-probs and performance stats.
 
 Every override of TRL's and transformers' methods is here, written against trl 1.16.0 (pyproject pins
-``trl>=1.16,<1.17``; ``tests/test_trl_signatures.py`` pins their signatures). Each is thin and calls the original:
+``trl>=1.16,<1.17``; ``tests/test_trl_signatures.py`` pins their signatures; the other private names of TRL and
+transformers it reads go through ``hf_grpo.runtime.upstream``). Each is thin and calls the original:
 
 - ``_generate_single_turn``: the plain (text-only, no vLLM) path is served by a ``hf_grpo.generation`` backend,
   ``per_device_generation_batch_size`` prompts at a time inside one ``unwrap_model_for_generation``, or from a
@@ -43,10 +44,9 @@ import torch
 import trl
 from trl.models import unwrap_model_for_generation
 
-from .training import compiled_layers as training_compile, eager_packing, graphs as training_graphs, lora_forward
-from .training import prompt_groups
-from .checks import inputs as checks
-from .checks import checkpoint_save, output_lock, prompts as prompt_checks, resume, unscored
+from .training import compiled_layers as training_compile, eager_packing, graphs as training_graphs
+from .training import lora_forward, prompt_groups
+from .checks import checkpoint_save, inputs as checks, output_lock, prompts as prompt_checks, resume, unscored
 from .config import GRPOConfig
 from .distributed import plain_to_zero, prepare_process, zero3_leaves
 from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, open_backend
@@ -61,6 +61,7 @@ from . import checkpointing, reference_copy, run_files
 from .plan import BatchPlan
 from .run_callbacks import RunCallbacks
 from .run_state import RunDecisions, RunFacts, RunSizes
+from .runtime import upstream
 from .training.cudnn_attention import cudnn_attention
 
 logger = logging.getLogger("hf_grpo")
@@ -89,8 +90,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             super().__init__(*args, **kwargs)
         checks.check_reward_outputs(self)
         self._position_limit = prompt_checks.check_loaded(  # the tokenizer, the prompts (an environment's: per rollout)
-            self._tokenizer, self.model, self.max_completion_length, self.train_dataset,
-            None if self.environment_factories else functools.partial(trl.GRPOTrainer._tokenize_prompts, self))
+            upstream.tokenizer(self), self.model, self.max_completion_length, self.train_dataset,
+            None if self.environment_factories else functools.partial(upstream.trl_tokenize_prompts, self))
         # what helpers read of the run: facts fixed now, the sizes as they change, what is decided once (run_state)
         self.facts, self.sizes, self.decisions = self._run_facts(), RunSizes.from_config(self.args), RunDecisions()
         token_budget.check_run(self.facts, self.sizes.max_tokens_per_micro_batch)
@@ -102,7 +103,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._train_backoff_unavailable = train_backoff.reason_unavailable(self.args, self.facts)
         self._train_backoff = None if self._train_backoff_unavailable else train_backoff.MicroBatchBackoff(
             self._oom_knobs[token_budget.FIELD], self.loss_type, self.accelerator,
-            lambda: self.model.zero_grad(set_to_none=True), lambda: self._metrics["train"], self._longest_row)
+            lambda: self.model.zero_grad(set_to_none=True), lambda: upstream.metrics(self, "train"), self._longest_row)
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         self.work = WorkCounter(policy, recompute=self.facts.activation_checkpointing)  # (memory.flops)
         # eager micro-batches packed or padded: the user's padding_free, else chosen at train begin, once the
@@ -181,12 +182,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         if not plain_to_zero.applies(resume_from_checkpoint, self.is_deepspeed_enabled):
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         # a checkpoint without ZeRO state under ZeRO-1/2: weights before DeepSpeed, optimizer into its partitions
-        self._load_from_checkpoint(resume_from_checkpoint)  # (before DeepSpeed builds its fp32 master copy)
+        upstream.load_weights(self, resume_from_checkpoint)  # (before DeepSpeed builds its fp32 master copy)
         prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
         plain_to_zero.load_optimizer_state(self.model_wrapped, resume_from_checkpoint, self.accelerator.is_main_process)
         if plain_to_zero.has_schedule(resume_from_checkpoint, self.accelerator.is_main_process):
-            self._load_optimizer_and_scheduler(resume_from_checkpoint)  # the schedule (DeepSpeed leaves it to us)
-        self._load_scaler(resume_from_checkpoint)
+            upstream.load_optimizer_and_scheduler(self, resume_from_checkpoint)  # the schedule (DeepSpeed leaves it)
+        upstream.load_scaler(self, resume_from_checkpoint)
         return prepared
 
     def _save_rng_state(self, output_dir):
@@ -198,7 +199,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.accelerator.wait_for_everyone()  # (nothing in a one-process run)
 
     def _save_checkpoint(self, model, trial):  # a failed save (a full disk) named, with what it left intact
-        with checkpoint_save.explained(self._get_output_dir(trial=trial), self.state.global_step):
+        with checkpoint_save.explained(upstream.checkpoint_output_dir(self, trial), self.state.global_step):
             return super()._save_checkpoint(model, trial)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -231,9 +232,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         return token_budget.packed_loss(self.accelerator, model, inputs, budget, self.loss_type, compute)
 
     def _prepare_inputs(self, generation_batch):
-        buffered = self._buffered_inputs
+        buffered = upstream.buffered_inputs(self)
         inputs = super()._prepare_inputs(generation_batch)
-        if self.model.training and self._buffered_inputs is not buffered:  # a new rollout, split by TRL
+        rollout = upstream.buffered_inputs(self)
+        if self.model.training and rollout is not buffered:  # a new rollout, split by TRL
             # a prompt's rows in the same micro-batches, where the step's gradient stays the same (prompt_groups)
             decisions = self.decisions
             if decisions.prompt_grouping is None:
@@ -241,10 +243,10 @@ class GRPOTrainer(trl.GRPOTrainer):
                 decisions.prompt_grouping = prompt_groups.unavailable_reason(packed, self.sizes, self.facts) or "on"
                 logger.info("micro-batches: %s", "a prompt's rows together" if decisions.prompt_grouping == "on" else
                             f"TRL's shuffled rows ({decisions.prompt_grouping})")
-            regrouped = prompt_groups.regroup(self._buffered_inputs) if decisions.prompt_grouping == "on" else None
+            regrouped = prompt_groups.regroup(rollout) if decisions.prompt_grouping == "on" else None
             if regrouped is not None:
-                self._buffered_inputs = regrouped
-                inputs = regrouped[self._step % self.args.steps_per_generation]
+                upstream.set_buffered_inputs(self, regrouped)
+                inputs = regrouped[upstream.micro_step(self) % self.args.steps_per_generation]
         self._last_micro_batch_tokens = int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
         return inputs
 
@@ -261,14 +263,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             return self._generate_unrouted(prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs)
 
     def _generate_unrouted(self, prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs):
-        plain_path = not (
-            self.use_vllm or self.use_transformers_continuous_batching or multimodal_fields or images is not None
-        )
+        plain_path = not (self.use_vllm or self.use_transformers_continuous_batching or multimodal_fields
+                          or images is not None)
         if not plain_path:
             with self.perf.phase("generation"):
-                return super()._generate_single_turn(
-                    prompt_ids, images, multimodal_fields, num_generations, *args, **kwargs
-                )
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
+                                                     *args, **kwargs)
         mirror = self._generation_mirror()
         with (
             self.perf.phase("generation"),
@@ -281,7 +281,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 gradient_checkpointing_kwargs=checkpointing.rollout_kwargs(self.args),  # TRL's argument
             ) as unwrapped_model,
             torch.no_grad(),
-            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+            upstream.summon_full_params(self),
         ):
             try:
                 if mirror is not None:
@@ -297,7 +297,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                     self._oom_knobs["per_device_generation_batch_size"],
                     self.accelerator.device,
                     generation_config=self.generation_config,
-                    pad_token_id=self._tokenizer.pad_token_id,
+                    pad_token_id=upstream.tokenizer(self).pad_token_id,
                     eos_token_ids=self.eos_token_ids,
                     pad_to_multiple_of=self.pad_to_multiple_of,
                 )
@@ -324,7 +324,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         # every rank the same (the rewards are gathered); infinite ones set to NaN here, warned about once per function
         warned = self.__dict__.setdefault("_out_of_range_warned", set() if self.accelerator.is_main_process else None)
         for key, value in unscored.check_rollout(rewards, self.reward_func_names, self.reward_weights, warned).items():
-            self._metrics["train" if self.model.training else "eval"][key].append(value)
+            upstream.metrics(self, "train" if self.model.training else "eval")[key].append(value)
         return rewards
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
@@ -354,23 +354,23 @@ class GRPOTrainer(trl.GRPOTrainer):
             distributed_type=accelerator.distributed_type.value, n_gpu=getattr(args, "n_gpu", 1),
             deepspeed=self.is_deepspeed_enabled, fsdp=self.is_fsdp_enabled,
             zero3=plugin is not None and zero3_leaves.is_zero3_config(plugin.deepspeed_config),
-            attention=getattr(model.config, "_attn_implementation", None),
+            attention=upstream.attention_implementation(model.config),
             half=bool(args.bf16 or args.fp16 or getattr(model, "dtype", None) in (torch.float16, torch.bfloat16)),
             moe=any(getattr(text, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts")),
-            pad_token_id=getattr(getattr(self, "_tokenizer", None), "pad_token_id", None),
+            pad_token_id=getattr(upstream.tokenizer(self), "pad_token_id", None),
             activation_checkpointing=bool(args.activation_checkpointing), loss_type=self.loss_type,
             max_completion_length=self.max_completion_length,
-            entropy_per_micro_batch=self.top_entropy_quantile < 1.0 or bool(self._entropy_bonus_enabled),
+            entropy_per_micro_batch=self.top_entropy_quantile < 1.0 or upstream.entropy_bonus_enabled(self),
             off_policy_mask=self.off_policy_mask_threshold is not None,
             aux_loss_enabled=bool(getattr(self, "aux_loss_enabled", False)),
             router_aux_loss_coef=getattr(self, "router_aux_loss_coef", 0.0),
-            replaced_loss=None if type(self)._compute_loss is trl.GRPOTrainer._compute_loss else type(self).__name__,
+            replaced_loss=type(self).__name__ if upstream.replaces_trl_loss(type(self)) else None,
             training_graphs_unavailable=getattr(self, "training_graphs_unavailable", None))
 
     def _settle_sizes(self, checkpoint: str | None) -> dict[str, Any]:
         """The "auto" sizes and a resume's kept back-offs, into ``self.sizes`` (``memory.autosize``); where they
         differ from ``args``, TRL and transformers get a copy carrying them (``RunSizes.published``)."""
-        generate = dict(generation_config=self.generation_config, pad_token_id=self._tokenizer.pad_token_id,
+        generate = dict(generation_config=self.generation_config, pad_token_id=upstream.tokenizer(self).pad_token_id,
                         eos_token_ids=self.eos_token_ids)
         target = lambda: autosize.ProbeTarget(  # the probes run the trainer's own scoring and backend
             self.model, self.accelerator.device, self._longest_prompt() or getattr(self, "max_prompt_length", None)
@@ -382,7 +382,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                                              checkpoint, self.accelerator.is_main_process)
         if self.sizes.differs_from(self.args):
             self.args = self.sizes.published(self.args)
-            self._train_batch_size = self.args.train_batch_size  # transformers' (its accelerator keeps A = 1)
+            upstream.set_train_batch_size(self, self.args.train_batch_size)  # (its accelerator keeps A = 1)
         return chosen
 
     def _begin_run(self, max_steps: int, world_process_zero: bool) -> None:

@@ -57,6 +57,7 @@ from collections.abc import Sequence
 import torch
 from transformers import GenerationConfig
 
+from ..runtime import upstream
 from .base import (
     GenerationBackend,
     cut_after_eos,
@@ -222,9 +223,9 @@ class CudaGraphBackend(GenerationBackend):
                 f"model type {model_type!r} is not in the cuda_graph backend's supported families "
                 f"({', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
             )
-        if not getattr(base, "_can_compile_fullgraph", False):
+        if not upstream.can_compile_fullgraph(base):
             return f"{type(base).__name__} does not support static-cache (fullgraph) decoding"
-        attn = getattr(config, "_attn_implementation", None) or "eager"
+        attn = upstream.attention_implementation(config) or "eager"
         if attn not in SUPPORTED_ATTENTION:
             return f"attention implementation {attn!r} is not supported (use 'sdpa' or 'eager')"
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}

@@ -42,6 +42,7 @@ from contextlib import contextmanager
 import torch
 
 from ..generation.regional_compile import CompiledLayers, decoder_layers
+from ..runtime import upstream
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def checkpointed_forward(layer: torch.nn.Module, compiled, recomputing, *args, *
         if any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
             return type(layer).forward(layer, *args, **kwargs)
         if recomputing is None:
-            return layer._gradient_checkpointing_func(functools.partial(compiled, layer, **kwargs), *args)
+            return upstream.checkpoint_function(layer)(functools.partial(compiled, layer, **kwargs), *args)
         return recomputing(layer, *args, **kwargs)
     return compiled(layer, *args, **kwargs)
 
