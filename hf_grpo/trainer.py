@@ -55,13 +55,14 @@ from .logprob_head import install_chunked_lm_head
 from .memory import autosize, prompt_lengths, token_budget, train_backoff
 from .memory.device_rates import device_rates
 from .memory.flops import WorkCounter
-from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
+from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff
 from .memory.stats import PerformanceStats
 from . import checkpointing, reference_copy, run_files
 from .plan import BatchPlan
 from .run_callbacks import RunCallbacks
 from .run_state import RunDecisions, RunFacts, RunSizes
 from .runtime import upstream
+from .runtime.collectives import min_over_ranks
 from .training.cudnn_attention import cudnn_attention
 
 logger = logging.getLogger("hf_grpo")

@@ -45,6 +45,11 @@ class GenerationBackend(ABC):
     def release(self, empty_cache: bool = True) -> None:
         """Free what the backend keeps between calls (caches, captured graphs); nothing by default."""
 
+    def for_memory_probe(self) -> GenerationBackend:
+        """The backend ``memory.autosize`` measures a generation chunk's memory with: this one, unless it would
+        spend minutes on work that takes no memory (the cuda_graph backend's compiles)."""
+        return self
+
 
 def iter_chunks(items: Sequence, size: int) -> Iterator[Sequence]:
     """Consecutive slices of ``size`` items; the last one may be shorter."""

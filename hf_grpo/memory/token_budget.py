@@ -105,7 +105,7 @@ from accelerate.utils import DistributedType
 
 from ..run_state import RunFacts
 from ..runtime import upstream
-from .oom import min_over_ranks
+from ..runtime.collectives import min_over_ranks
 from .packing import (  # noqa: F401 (re-exported: the planning names are token_budget's too)
     FIELD,
     LOSS_TYPES,

@@ -6,7 +6,7 @@ eager layers (norms, rotary embeddings, activations and residual adds a few kern
 activation checkpointing's recompute). Compiled, each layer is a handful of fused kernels and one call.
 
 * One compile serves every layer of a class (parameters are graph inputs, as in the decode step's
-  ``generation.regional_compile``), and ``dynamic=True`` makes one graph serve every micro-batch shape, so
+  ``runtime.regional_compile``), and ``dynamic=True`` makes one graph serve every micro-batch shape, so
   a run compiles a bounded number of times (``compiles`` counts the graphs; ``perf/train_compiles``).
 * Layers are routed through the compiled forward only inside ``route`` - the trainer's ``training_step``
   (scoring, forward and backward) - and lifted again around generation (``suspended``), whose decoders
@@ -41,7 +41,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..generation.regional_compile import CompiledLayers, decoder_layers
+from ..runtime.regional_compile import CompiledLayers, decoder_layers
 from ..runtime import upstream
 
 logger = logging.getLogger(__name__)
