@@ -61,8 +61,7 @@ from . import checkpointing, reference_copy, run_files
 from .plan import BatchPlan
 from .run_callbacks import RunCallbacks
 from .run_state import RunDecisions, RunFacts, RunSizes
-from .runtime import upstream
-from .runtime.collectives import min_over_ranks
+from .runtime import collectives, upstream
 from .training.cudnn_attention import cudnn_attention
 
 logger = logging.getLogger("hf_grpo")
@@ -436,7 +435,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if not self.decisions.mirror_decided:
             model = self.accelerator.unwrap_model(self.model_wrapped)
             self.decisions.mirror_decided, self.decisions.mirror = dense_mirror.choose_for_run(
-                self.args, model, self.facts.zero3, self.accelerator.device, min_over_ranks,
+                self.args, model, self.facts.zero3, self.accelerator.device, collectives.min_over_ranks,
                 self.accelerator.is_main_process)
         return None if self.decisions.mirror is None else self.decisions.mirror.mirror
 
