@@ -467,15 +467,15 @@ def test_a_reserved_length_sizes_one_cache_for_the_whole_run(tokenizer, monkeypa
 def test_the_memory_probe_of_a_cuda_graph_backend_is_eager_with_the_same_cache(tokenizer, monkeypatch):
     """memory.autosize measures generation with ``for_memory_probe()``: no compile or capture per probed size, the
     cache sized as the run's will be; other backends measure with themselves."""
-    backend = CudaGraphBackend(min_cache_len=32)
-    backend.reserve(60 + 8)
+    backend = CudaGraphBackend()  # as the trainer opens it
+    backend.reserve(300 + 8)
     probe = backend.for_memory_probe()
-    assert (probe.use_cuda_graph, probe.compile, probe.reserved_len) == (False, False, 68)
+    assert (probe.use_cuda_graph, probe.compile, probe.reserved_len) == (False, False, 308)
     made = _record_cache_lengths(monkeypatch)
     gc = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
     probe.generate(build_tiny_model(tokenizer).eval(), [[3, 4, 5]], generation_config=gc, chunk_size=1,
                    pad_token_id=PAD, eos_token_ids=[EOS])
-    assert made == [96] and probe.num_compiles == 0
+    assert made == [cache_len_ladder(308, backend.min_cache_len)] and probe.num_compiles == 0  # the run's cache
     hf = HFGenerateBackend()
     assert hf.for_memory_probe() is hf
 
