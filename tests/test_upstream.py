@@ -38,8 +38,9 @@ TORCH_OR_STDLIB = {
     "_parameters", "_buffers", "_forward_hooks", "_forward_pre_hooks",  # torch.nn.Module
     "_pre_forward", "_post_forward", "_use_python_reducer", "_delay_all_reduce_params",  # DistributedDataParallel
 }
-# hf_grpo's own methods whose names an upstream class also uses (each only in its file, on hf_grpo's own object).
-OWN_BY_FILE = {("_prefill", "hf_grpo/generation/static_decoder.py"), ("_evaluate", "hf_grpo/recipe_support/answer_parsing.py")}
+# hf_grpo's own methods whose names an upstream class also uses (each only in its file, on hf_grpo's own object):
+# StaticDecoder._prefill (transformers' GenerationMixin has one too).
+OWN_BY_FILE = {("_prefill", "hf_grpo/generation/static_decoder.py")}
 
 
 def upstream_class_names() -> set[str]:

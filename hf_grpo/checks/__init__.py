@@ -9,6 +9,6 @@ without an EOS token and prompts of no token or too long for the model; ``checkp
 failed (a full disk) and the checkpoint it left intact.
 
 May import: torch, numpy, accelerate, the standard library, and ``hf_grpo.runtime`` and ``hf_grpo.distributed``
-(ranks agreeing on a checkpoint, a ZeRO checkpoint's shape, the exit hook of the output-dir lock). Never the trainer or the config class (they call in
-here).
+(ranks agreeing on a checkpoint, a ZeRO checkpoint's shape, the exit hook of the output-dir lock). Never the
+trainer or the config class (they call in here).
 """
