@@ -23,6 +23,8 @@ from unittest import mock
 
 import torch
 
+from .runtime import upstream
+
 PREFIX = "hf_grpo_reference_"
 
 
@@ -34,7 +36,7 @@ def needs_copy(model, beta: float, peft_config) -> bool:
     if hasattr(model, "peft_config"):  # already a PeftModel
         return False
     config = getattr(model, "config", None)
-    return config is not None and not getattr(config, "_name_or_path", "")
+    return config is not None and not upstream.name_or_path(config)
 
 
 @contextlib.contextmanager
@@ -60,10 +62,10 @@ def reference_loadable(model, beta: float, peft_config=None):
                                        create=True)
         with every_rank, torch.no_grad():
             model.save_pretrained(directory)
-        model.config._name_or_path = directory
+        upstream.set_name_or_path(model.config, directory)
         yield
     finally:
-        model.config._name_or_path = ""
+        upstream.set_name_or_path(model.config, "")
         shutil.rmtree(directory, ignore_errors=True)
 
 

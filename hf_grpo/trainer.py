@@ -1,7 +1,8 @@
 """GRPOTrainer: TRL's trainer with chunked generation, chunked log-probs and performance stats.
 
 Every override of TRL's and transformers' methods is here, written against trl 1.16.0 (pyproject pins
-``trl>=1.16,<1.17``; ``tests/test_trl_signatures.py`` pins their signatures). Each is thin and calls the original:
+``trl>=1.16,<1.17``; ``tests/test_trl_signatures.py`` pins their signatures; the other private names of TRL and
+transformers it reads go through ``hf_grpo.runtime.upstream``). Each is thin and calls the original:
 
 - ``_generate_single_turn``: the plain (text-only, no vLLM) path is served by a ``hf_grpo.generation`` backend,
   ``per_device_generation_batch_size`` prompts at a time inside one ``unwrap_model_for_generation``, or from a
@@ -11,13 +12,12 @@ Every override of TRL's and transformers' methods is here, written against trl 1
 - ``_calculate_rewards``: timed; unscored completions counted, infinite rewards made unscored (``checks.unscored``).
   ``_get_per_token_logps_and_entropies``: timed; no-grad scoring chunks of ``token_budget.scoring_rows``; the
   models' ``forward`` runs the log-softmax ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``); the old
-  policy's pass answered by, or measured against, the sampler's log-probs (``training.rollout_logprobs``), which
-  ``_generate_and_score_completions`` corrects for if asked.
+  policy's pass answered by, or measured against, the sampler's log-probs (``training.rollout_logprobs``).
 - ``_prepare_inputs``: TRL's, then a prompt's rows kept in the same micro-batches where the gradient stays the same
   (``training.prompt_groups``). ``_tokenize_prompts``: TRL's, then prompts of no token or past the model's positions
   refused (``checks.prompts``); it sizes caches and probes (``_longest_prompt``).
-- ``training_step`` (time; compiled decoder layers inside it, ``training.compiled_layers``), ``log`` (``perf/``).
-- ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules), ``_save_rng_state`` (sizes and every rank's random
+- ``training_step`` (time; compiled layers, ``training.compiled_layers``), ``log`` (``perf/``), and
+  ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules), ``_save_rng_state`` (sizes and every rank's random
   state, before rank 0 marks a checkpoint complete), ``_save_checkpoint`` (a failed save named,
   ``checks.checkpoint_save``), ``_prepare_for_training`` (a checkpoint without ZeRO state, ``plain_to_zero``),
   ``_init_training_state`` (no epoch for a finished run, ``checks.resume``).
@@ -45,10 +45,9 @@ import torch
 import trl
 from trl.models import unwrap_model_for_generation
 
-from .training import compiled_layers as training_compile, eager_packing, graphs as training_graphs, lora_forward
-from .training import prompt_groups, rollout_logprobs
-from .checks import inputs as checks
-from .checks import checkpoint_save, output_lock, prompts as prompt_checks, resume, unscored
+from .training import compiled_layers as training_compile, eager_packing, graphs as training_graphs
+from .training import lora_forward, prompt_groups, rollout_logprobs
+from .checks import checkpoint_save, inputs as checks, output_lock, prompts as prompt_checks, resume, unscored
 from .config import GRPOConfig
 from .distributed import plain_to_zero, prepare_process, zero3_leaves
 from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, open_backend
@@ -57,12 +56,13 @@ from .logprob_head import install_chunked_lm_head
 from .memory import autosize, prompt_lengths, token_budget, train_backoff
 from .memory.device_rates import device_rates
 from .memory.flops import WorkCounter
-from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
+from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff
 from .memory.stats import PerformanceStats
 from . import checkpointing, reference_copy, run_files
 from .plan import BatchPlan
 from .run_callbacks import RunCallbacks
 from .run_state import RunDecisions, RunFacts, RunSizes
+from .runtime import collectives, upstream
 from .training.cudnn_attention import cudnn_attention
 
 logger = logging.getLogger("hf_grpo")
@@ -91,8 +91,8 @@ class GRPOTrainer(trl.GRPOTrainer):
             super().__init__(*args, **kwargs)
         checks.check_reward_outputs(self)
         self._position_limit = prompt_checks.check_loaded(  # the tokenizer, the prompts (an environment's: per rollout)
-            self._tokenizer, self.model, self.max_completion_length, self.train_dataset,
-            None if self.environment_factories else functools.partial(trl.GRPOTrainer._tokenize_prompts, self))
+            upstream.tokenizer(self), self.model, self.max_completion_length, self.train_dataset,
+            None if self.environment_factories else functools.partial(upstream.trl_tokenize_prompts, self))
         # what helpers read of the run: facts fixed now, the sizes as they change, what is decided once (run_state)
         self.facts, self.sizes, self.decisions = self._run_facts(), RunSizes.from_config(self.args), RunDecisions()
         token_budget.check_run(self.facts, self.sizes.max_tokens_per_micro_batch)
@@ -104,7 +104,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._train_backoff_unavailable = train_backoff.reason_unavailable(self.args, self.facts)
         self._train_backoff = None if self._train_backoff_unavailable else train_backoff.MicroBatchBackoff(
             self._oom_knobs[token_budget.FIELD], self.loss_type, self.accelerator,
-            lambda: self.model.zero_grad(set_to_none=True), lambda: self._metrics["train"], self._longest_row)
+            lambda: self.model.zero_grad(set_to_none=True), lambda: upstream.metrics(self, "train"), self._longest_row)
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         self.work = WorkCounter(policy, recompute=self.facts.activation_checkpointing)  # (memory.flops)
         # eager micro-batches packed or padded: the user's padding_free, else chosen at train begin, once the
@@ -119,8 +119,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         fused = self.args.lora_fused_forward and self.facts.sharding is None
         self.decisions.lora_fused_layers = lora_forward.install(policy) if fused else 0
         if self.ref_model is not None:
-            # TRL has already wrapped the reference (a DeepSpeed engine under ZeRO): patch the module inside,
-            # whose forward the wrapper calls.
+            # TRL has already wrapped the reference (a DeepSpeed engine under ZeRO): the module inside is patched
             reference = self.accelerator.unwrap_model(self.ref_model)
             install_chunked_lm_head(reference, return_entropy=False, **head)
         self._sampled = rollout_logprobs.RolloutLogprobs.for_run(  # the sampler's log-probs: measured, used
@@ -185,12 +184,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         if not plain_to_zero.applies(resume_from_checkpoint, self.is_deepspeed_enabled):
             return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         # a checkpoint without ZeRO state under ZeRO-1/2: weights before DeepSpeed, optimizer into its partitions
-        self._load_from_checkpoint(resume_from_checkpoint)  # (before DeepSpeed builds its fp32 master copy)
+        upstream.load_weights(self, resume_from_checkpoint)  # (before DeepSpeed builds its fp32 master copy)
         prepared = super()._prepare_for_training(max_steps, train_dataloader, None)
         plain_to_zero.load_optimizer_state(self.model_wrapped, resume_from_checkpoint, self.accelerator.is_main_process)
         if plain_to_zero.has_schedule(resume_from_checkpoint, self.accelerator.is_main_process):
-            self._load_optimizer_and_scheduler(resume_from_checkpoint)  # the schedule (DeepSpeed leaves it to us)
-        self._load_scaler(resume_from_checkpoint)
+            upstream.load_optimizer_and_scheduler(self, resume_from_checkpoint)  # the schedule (DeepSpeed leaves it)
+        upstream.load_scaler(self, resume_from_checkpoint)
         return prepared
 
     def _save_rng_state(self, output_dir):
@@ -202,7 +201,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.accelerator.wait_for_everyone()  # (nothing in a one-process run)
 
     def _save_checkpoint(self, model, trial):  # a failed save (a full disk) named, with what it left intact
-        with checkpoint_save.explained(self._get_output_dir(trial=trial), self.state.global_step):
+        with checkpoint_save.explained(upstream.checkpoint_output_dir(self, trial), self.state.global_step):
             return super()._save_checkpoint(model, trial)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -235,9 +234,10 @@ class GRPOTrainer(trl.GRPOTrainer):
         return token_budget.packed_loss(self.accelerator, model, inputs, budget, self.loss_type, compute)
 
     def _prepare_inputs(self, generation_batch):
-        buffered = self._buffered_inputs
+        buffered = upstream.buffered_inputs(self)
         inputs = super()._prepare_inputs(generation_batch)
-        if self.model.training and self._buffered_inputs is not buffered:  # a new rollout, split by TRL
+        rollout = upstream.buffered_inputs(self)
+        if self.model.training and rollout is not buffered:  # a new rollout, split by TRL
             # a prompt's rows in the same micro-batches, where the step's gradient stays the same (prompt_groups)
             decisions = self.decisions
             if decisions.prompt_grouping is None:
@@ -245,10 +245,10 @@ class GRPOTrainer(trl.GRPOTrainer):
                 decisions.prompt_grouping = prompt_groups.unavailable_reason(packed, self.sizes, self.facts) or "on"
                 logger.info("micro-batches: %s", "a prompt's rows together" if decisions.prompt_grouping == "on" else
                             f"TRL's shuffled rows ({decisions.prompt_grouping})")
-            regrouped = prompt_groups.regroup(self._buffered_inputs) if decisions.prompt_grouping == "on" else None
+            regrouped = prompt_groups.regroup(rollout) if decisions.prompt_grouping == "on" else None
             if regrouped is not None:
-                self._buffered_inputs = regrouped
-                inputs = regrouped[self._step % self.args.steps_per_generation]
+                upstream.set_buffered_inputs(self, regrouped)
+                inputs = regrouped[upstream.micro_step(self) % self.args.steps_per_generation]
         self._last_micro_batch_tokens = int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
         return inputs
 
@@ -280,7 +280,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 gradient_checkpointing_kwargs=checkpointing.rollout_kwargs(self.args),  # TRL's argument
             ) as unwrapped_model,
             torch.no_grad(),
-            self._dist.summon_full_params(self.model_wrapped, recurse=False),
+            upstream.summon_full_params(self),
         ):
             try:
                 if mirror is not None:
@@ -292,7 +292,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 completion_ids, logprobs = generate_with_backoff(  # chunk halved on every rank after an OOM
                     backend, unwrapped_model, prompt_ids, self._oom_knobs["per_device_generation_batch_size"],
                     self.accelerator.device, generation_config=self.generation_config,
-                    pad_token_id=self._tokenizer.pad_token_id, eos_token_ids=self.eos_token_ids,
+                    pad_token_id=upstream.tokenizer(self).pad_token_id, eos_token_ids=self.eos_token_ids,
                     pad_to_multiple_of=self.pad_to_multiple_of)
             finally:
                 if mirror is not None:  # LoRA merged in place: the base weights back before anything else reads them
@@ -305,7 +305,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         self.work.rollout(self.perf, prompt_ids, completion_ids, self.sizes.per_device_generation_batch_size)
         for key, after in backend_counts(backend).items():
             self.perf.add(key, float(after - counts_before[key]))
-        self._sampled.on_rollout(logprobs, self.model.training, self.state, self.args, self.accelerator, self._metrics)
+        self._sampled.on_rollout(logprobs, self.model.training, self.state, self.args, self.accelerator,
+                                 upstream.metrics(self, "train"))
         return completion_ids, logprobs  # TRL's sampling_per_token_logps; the old policy's log-probs chosen above
 
     def _tokenize_prompts(self, prompts):  # a rollout's (or the longest-prompt scan's): none empty or too long
@@ -318,13 +319,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         # every rank the same (the rewards are gathered); infinite ones set to NaN here, warned about once per function
         warned = self.__dict__.setdefault("_out_of_range_warned", set() if self.accelerator.is_main_process else None)
         for key, value in unscored.check_rollout(rewards, self.reward_func_names, self.reward_weights, warned).items():
-            self._metrics["train" if self.model.training else "eval"][key].append(value)
+            upstream.metrics(self, "train" if self.model.training else "eval")[key].append(value)
         return rewards
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, *args, **kwargs):
         if kwargs.get("batch_size") is not None:
-            # TRL's no-grad scoring of the rollout (old policy, reference) in row chunks (token_budget.scoring_rows)
-            # (the same chunk on every rank where a budget is set: a 2-process ZeRO-2 run hung on unequal counts)
+            # TRL's no-grad scoring (old policy, reference) in row chunks, the same on every rank (unequal hung)
             kwargs["batch_size"] = token_budget.scoring_batch_size(
                 model, kwargs["batch_size"], input_ids.shape[1], self.sizes.max_tokens_per_micro_batch,
                 self.__dict__.setdefault("_scoring_chunks_logged", set()), self.accelerator.is_main_process)
@@ -335,8 +335,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                                               model, input_ids, *args, **kwargs)  # a training micro-batch
             return parent(model, input_ids, *args, **kwargs) if replayed is None else replayed
         with self.perf.phase("logprob", *(("scoring",) if scoring else ())):  # the old policy's: maybe the sampler's
-            return self._sampled.scored(score, model is self.model, scoring, input_ids, args, kwargs,
-                                              self.state.global_step)
+            step = self.state.global_step
+            return self._sampled.scored(score, model is self.model, scoring, input_ids, args, kwargs, step)
 
     def _generate_and_score_completions(self, inputs):  # TRL's, then the importance-sampling correction if asked
         return rollout_logprobs.corrected(super()._generate_and_score_completions(inputs), self.args, self.loss_type,
@@ -354,23 +354,23 @@ class GRPOTrainer(trl.GRPOTrainer):
             distributed_type=accelerator.distributed_type.value, n_gpu=getattr(args, "n_gpu", 1),
             deepspeed=self.is_deepspeed_enabled, fsdp=self.is_fsdp_enabled,
             zero3=plugin is not None and zero3_leaves.is_zero3_config(plugin.deepspeed_config),
-            attention=getattr(model.config, "_attn_implementation", None),
+            attention=upstream.attention_implementation(model.config),
             half=bool(args.bf16 or args.fp16 or getattr(model, "dtype", None) in (torch.float16, torch.bfloat16)),
             moe=any(getattr(text, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts")),
-            pad_token_id=getattr(getattr(self, "_tokenizer", None), "pad_token_id", None),
+            pad_token_id=getattr(upstream.tokenizer(self), "pad_token_id", None),
             activation_checkpointing=bool(args.activation_checkpointing), loss_type=self.loss_type,
             max_completion_length=self.max_completion_length,
-            entropy_per_micro_batch=self.top_entropy_quantile < 1.0 or bool(self._entropy_bonus_enabled),
+            entropy_per_micro_batch=self.top_entropy_quantile < 1.0 or upstream.entropy_bonus_enabled(self),
             off_policy_mask=self.off_policy_mask_threshold is not None,
             aux_loss_enabled=bool(getattr(self, "aux_loss_enabled", False)),
             router_aux_loss_coef=getattr(self, "router_aux_loss_coef", 0.0),
-            replaced_loss=None if type(self)._compute_loss is trl.GRPOTrainer._compute_loss else type(self).__name__,
+            replaced_loss=type(self).__name__ if upstream.replaces_trl_loss(type(self)) else None,
             training_graphs_unavailable=getattr(self, "training_graphs_unavailable", None))
 
     def _settle_sizes(self, checkpoint: str | None) -> dict[str, Any]:
         """The "auto" sizes and a resume's kept back-offs, into ``self.sizes`` (``memory.autosize``); where they
         differ from ``args``, TRL and transformers get a copy carrying them (``RunSizes.published``)."""
-        generate = dict(generation_config=self.generation_config, pad_token_id=self._tokenizer.pad_token_id,
+        generate = dict(generation_config=self.generation_config, pad_token_id=upstream.tokenizer(self).pad_token_id,
                         eos_token_ids=self.eos_token_ids)
         target = lambda: autosize.ProbeTarget(  # the probes run the trainer's own scoring and backend
             self.model, self.accelerator.device, self._longest_prompt() or getattr(self, "max_prompt_length", None)
@@ -382,7 +382,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                                              checkpoint, self.accelerator.is_main_process)
         if self.sizes.differs_from(self.args):
             self.args = self.sizes.published(self.args)
-            self._train_batch_size = self.args.train_batch_size  # transformers' (its accelerator keeps A = 1)
+            upstream.set_train_batch_size(self, self.args.train_batch_size)  # (its accelerator keeps A = 1)
         return chosen
 
     def _begin_run(self, max_steps: int, world_process_zero: bool) -> None:
@@ -435,7 +435,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if not self.decisions.mirror_decided:
             model = self.accelerator.unwrap_model(self.model_wrapped)
             self.decisions.mirror_decided, self.decisions.mirror = dense_mirror.choose_for_run(
-                self.args, model, self.facts.zero3, self.accelerator.device, min_over_ranks,
+                self.args, model, self.facts.zero3, self.accelerator.device, collectives.min_over_ranks,
                 self.accelerator.is_main_process)
         return None if self.decisions.mirror is None else self.decisions.mirror.mirror
 

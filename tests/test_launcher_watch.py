@@ -2,6 +2,7 @@
 shell with a launcher's variable exported (ACCELERATE_USE_CPU is also a setting users export) keeps running when
 its shell ends, as with nohup. The launches themselves are tests/test_launcher_death.py."""
 
+import os
 import signal
 
 import pytest
@@ -59,3 +60,19 @@ def test_sigterm_releases_the_lock_before_the_process_ends(monkeypatch):
         assert signal.getsignal(signal.SIGTERM) is own
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_held_lock_is_released_by_the_exit_hooks_the_watch_runs(tmp_path, monkeypatch, caplog):
+    """The watch ends the process through runtime.exit_hooks, not by importing the lock: the lock registered its
+    release there. A hook that raises is logged and the others still run."""
+    from hf_grpo.checks import output_lock
+    from hf_grpo.runtime import exit_hooks
+
+    monkeypatch.setattr(exit_hooks, "_hooks", dict(exit_hooks._hooks))  # this test's hooks go with it
+    ran = []
+    exit_hooks.register("first", lambda: 1 / 0)
+    assert output_lock.acquire(str(tmp_path))
+    exit_hooks.register("last", lambda: ran.append("last"))
+    assert exit_hooks.run_all() == ["first"]
+    assert not os.path.exists(output_lock.lock_path(str(tmp_path))) and ran == ["last"]
+    assert "the exit hook 'first' failed" in caplog.text

@@ -138,3 +138,27 @@ def test_no_import_cycle(graph):
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle) + "\n" + "\n".join(
         where(graph, a, b) for a, b in zip(cycle, cycle[1:]))
+
+
+RUNTIME = ("hf_grpo.runtime",)
+# (importer, imported) packages that must not be tied: what both need lives lower, in runtime/
+FORBIDDEN = [(("hf_grpo.distributed",), ("hf_grpo.checks",)),  # the lock's release: runtime.exit_hooks
+             (("hf_grpo.memory", "hf_grpo.training"), ("hf_grpo.generation",))]  # collectives, capture, compile
+
+
+def test_runtime_is_a_floor_that_imports_no_other_part_of_the_package(graph):
+    """runtime/ (collectives, graph capture, regional compile, exit hooks, upstream's private names) is imported by
+    the feature packages and imports none of them: only itself."""
+    assert {name for name in graph if under(name, RUNTIME)} >= {
+        "hf_grpo.runtime.collectives", "hf_grpo.runtime.exit_hooks", "hf_grpo.runtime.graph_capture",
+        "hf_grpo.runtime.regional_compile", "hf_grpo.runtime.upstream"}
+    upward = [where(graph, importer, imported) for importer, edges in graph.items() if under(importer, RUNTIME)
+              for imported in edges if not under(imported, RUNTIME)]
+    assert not upward, "runtime/ imports a package above it:\n" + "\n".join(upward)
+
+
+@pytest.mark.parametrize("importers,imported", FORBIDDEN, ids=lambda p: "+".join(n.split(".")[-1] for n in p))
+def test_packages_that_share_a_primitive_reach_it_through_runtime(graph, importers, imported):
+    tied = [where(graph, a, b) for a, edges in graph.items() if under(a, importers)
+            for b in edges if under(b, imported)]
+    assert not tied, "\n".join(tied)

@@ -144,6 +144,18 @@ def test_no_shipped_file_cites_a_file_the_project_does_not_ship():
     assert not citing, citing
 
 
+def test_no_function_of_the_package_passes_80_lines():
+    """A function a reader can hold at once: at most 80 lines from its ``def`` to its last line (its docstring
+    counted; a nested function counts within its parent too)."""
+    import ast
+
+    long = {f"{p.relative_to(ROOT)}:{node.lineno} {node.name}": length
+            for p in sorted((ROOT / "hf_grpo").rglob("*.py")) for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and (length := node.end_lineno - node.lineno + 1) > 80}
+    assert not long, f"functions over 80 lines: {long}"
+
+
 def test_the_package_keeps_its_shape():
     """The house rules a newcomer relies on to find things (docs/testing.md): the top of ``hf_grpo`` holds the
     core, at most 10 modules, and every other module sits in a folder with one job; no module passes 450 lines."""

@@ -15,6 +15,7 @@ import pytest
 import trl
 
 from hf_grpo.diffusion.trainer import DiffuGRPOTrainer
+from hf_grpo.runtime import upstream
 from hf_grpo.trainer import GRPOTrainer
 
 WRITTEN_AGAINST = "1.16.0"
@@ -41,6 +42,7 @@ RECORDED = {
     "_load_from_checkpoint": "(self, resume_from_checkpoint, model=None)",
     "_load_optimizer_and_scheduler": "(self, checkpoint)",
     "_load_scaler": "(self, checkpoint)",
+    "_get_output_dir": "(self, trial)",  # transformers' Trainer's (transformers 5.25)
     "_save_rng_state": "(self, output_dir)",  # transformers' Trainer's (transformers 5.24)
     "_save_checkpoint": "(self, model, trial)",  # transformers' Trainer's (transformers 5.25)
     "_tokenize_prompts": "(self, prompts)",
@@ -50,9 +52,10 @@ RECORDED = {
     "train": "(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None)",
     "training_step": "(self, model, inputs, num_items_in_batch)",
 }
-# Called, not overridden: a checkpoint without ZeRO state resumed under ZeRO-1/2 is loaded with the Trainer's loaders
-# (distributed.plain_to_zero).
-CALLED_ONLY = {"_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler"}
+# Called, not overridden (through hf_grpo.runtime.upstream): a checkpoint without ZeRO state resumed under ZeRO-1/2
+# is loaded with the Trainer's loaders (distributed.plain_to_zero); a failed save names the checkpoint directory.
+CALLED_ONLY = {name.name for name in upstream.NAMES if name.owner in ("trainer", "trl.GRPOTrainer")
+               and callable(getattr(trl.GRPOTrainer, name.name, None))} - set(upstream.OVERRIDDEN)
 
 
 def shape(function) -> str:
@@ -92,3 +95,11 @@ def test_the_recorded_methods_are_the_ones_overridden_or_called():
     """No stale entries: each recorded method is overridden by one of the trainers or called by them."""
     used = overridden(GRPOTrainer) | overridden(DiffuGRPOTrainer) | CALLED_ONLY
     assert set(RECORDED) == used
+
+
+def test_the_private_overrides_are_the_ones_hf_grpo_runtime_upstream_lists():
+    """hf_grpo/runtime/upstream.py lists the private methods the trainers override (its scan lets only them pass)."""
+    private = {name for name in overridden(GRPOTrainer) | overridden(DiffuGRPOTrainer) if name.startswith("_")
+               and not name.endswith("__")}
+    assert private == set(upstream.OVERRIDDEN)
+    assert CALLED_ONLY == {"_get_output_dir", "_load_from_checkpoint", "_load_optimizer_and_scheduler", "_load_scaler"}

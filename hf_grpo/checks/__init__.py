@@ -8,7 +8,7 @@ refuses a rollout no reward function scored and counts the completions none scor
 without an EOS token and prompts of no token or too long for the model; ``checkpoint_save`` names a save that
 failed (a full disk) and the checkpoint it left intact.
 
-May import: torch, numpy, accelerate, the standard library, and ``hf_grpo.memory`` and ``hf_grpo.distributed``
-(ranks agreeing on a checkpoint, a ZeRO checkpoint's shape). Never the trainer or the config class (they call in
-here).
+May import: torch, numpy, accelerate, the standard library, and ``hf_grpo.runtime`` and ``hf_grpo.distributed``
+(ranks agreeing on a checkpoint, a ZeRO checkpoint's shape, the exit hook of the output-dir lock). Never the
+trainer or the config class (they call in here).
 """

@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 
-from ..memory.oom import max_over_ranks, min_over_ranks
+from ..runtime.collectives import max_over_ranks, min_over_ranks
 
 logger = logging.getLogger("hf_grpo")
 CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")

@@ -25,6 +25,8 @@ import re
 import socket
 import sys
 
+from ..runtime import exit_hooks
+
 logger = logging.getLogger("hf_grpo")
 LOCK_FILE = "_hf_grpo.lock"
 # output_dir (real path) -> the record this process wrote there
@@ -246,6 +248,11 @@ def release_all() -> None:
     """Remove every lock this process holds (a training process about to exit)."""
     for key in list(_held):
         release(key)
+
+
+# A process that ends abruptly (distributed.launcher_watch: the launcher gone, SIGTERM) releases what it holds first.
+# Looked up when run, so that a test may replace release_all.
+exit_hooks.register("output-dir lock", lambda: release_all())
 
 
 def take_for_run(output_dir: str, accelerator) -> bool:

@@ -37,7 +37,7 @@ import weakref
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from ..generation.graph_capture import capture_graph
+from ..runtime.graph_capture import capture_graph
 from .model import base_module
 
 logger = logging.getLogger("hf_grpo")

@@ -58,6 +58,7 @@ from trl.trainer.utils import create_model_from_path, use_adapter
 
 from .. import checkpointing
 from ..distributed import prepare_process
+from ..runtime import upstream
 from ..generation.base import is_zero3_partitioned
 from ..trainer import GRPOTrainer
 from .config import DiffuGRPOConfig
@@ -98,9 +99,7 @@ def _loads_as_causal_lm(config) -> bool:
     auto_map = getattr(config, "auto_map", None) or {}
     if auto_map:
         return "AutoModelForCausalLM" in auto_map
-    from transformers import AutoModelForCausalLM
-
-    return type(config) in AutoModelForCausalLM._model_mapping
+    return upstream.loads_as_causal_lm(config)
 
 
 class DiffuGRPOTrainer(GRPOTrainer):
@@ -158,7 +157,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
         # no tensor_batch_size here: each estimate reads it from the run's sizes (settled at train start, halved
         # after an out-of-memory), as the sampler does (_estimate, _generation_backend)
         self.estimator = EstimatorSpec(
-            mask_token_id=self.mask_token_id, pad_token_id=self._tokenizer.pad_token_id,
+            mask_token_id=self.mask_token_id, pad_token_id=upstream.tokenizer(self).pad_token_id,
             completion_slots=args.max_completion_length, p_mask_prompt=args.p_mask_prompt,
             logits_shift=self.logits_shift, estimator=args.logprob_estimator, temperature=temperature,
             padding_style=padding_style(self.model),
@@ -191,7 +190,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
 
         if args.beta == 0.0 or peft_config is not None or is_peft_model(model) or args.sync_ref_model:
             return None
-        if getattr(model.config, "_name_or_path", "") and _loads_as_causal_lm(model.config):
+        if upstream.name_or_path(model.config) and _loads_as_causal_lm(model.config):
             return None  # TRL loads the reference from this path, as for any policy
         if is_zero3_partitioned(model):
             raise ValueError(
@@ -276,7 +275,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
         self._padding_probed = True
         with torch.no_grad(), self.accelerator.autocast():
             attended = attends_to_padding(model, self.estimator.padding_style, self.mask_token_id,
-                                          self._tokenizer.pad_token_id, self.accelerator.device)
+                                          upstream.tokenizer(self).pad_token_id, self.accelerator.device)
         self.estimator.attends_to_padding = attended
         if attended and self.accelerator.is_main_process:
             logger.warning("%s attends to padding whatever mask it is given (as the released LLaDA modelling code "
@@ -321,7 +320,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
             if self.beta != 0.0:
                 output["diffu_ref_logps"] = self._reference_logps(output)
         if training:
-            self._rollout_start_step = self._step
+            self._rollout_start_step = upstream.micro_step(self)
         return output
 
     def _rollout_key(self, training: bool) -> str:
@@ -330,7 +329,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
             self._eval_rollouts += 1
             return f"eval{self._eval_rollouts}"
         accumulation = self.args.gradient_accumulation_steps
-        micro_step = self.state.global_step * accumulation + self._step % accumulation
+        micro_step = self.state.global_step * accumulation + upstream.micro_step(self) % accumulation
         return str(micro_step // (self.args.steps_per_generation * self.num_iterations))
 
     def _reference_logps(self, output) -> torch.Tensor:
@@ -367,7 +366,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
     # ---- loss --------------------------------------------------------------------------------------
     def _iteration_index(self) -> int:
         """The rollout pass of the current micro-batch: 0 .. num_iterations - 1."""
-        passes = (self._step - self._rollout_start_step) // self.args.steps_per_generation
+        passes = (upstream.micro_step(self) - self._rollout_start_step) // self.args.steps_per_generation
         return min(max(passes, 0), self.num_iterations - 1)
 
     def _compute_loss(self, model, inputs):
@@ -381,7 +380,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
             inputs["ref_per_token_logps"] = ref[:, k]
         self._active_seeds = seeds[:, k]
         if self.model.training:
-            self.mask_seed_trace.append((self._step, k, int(seeds[0, k]) if len(seeds) else None))
+            self.mask_seed_trace.append((upstream.micro_step(self), k, int(seeds[0, k]) if len(seeds) else None))
         try:
             return super()._compute_loss(model, inputs)
         finally:

@@ -8,8 +8,9 @@ launcher died, ``launch_precision`` turns off a launcher's bf16 for an fp32 run 
 both for a training process), ``deepspeed_replay`` and ``ddp_replay`` do around a training forward replayed from
 CUDA graphs what DeepSpeed's engine or DistributedDataParallel would have done in their forward.
 
-May import: ``hf_grpo.memory`` (rank agreement helpers), torch, accelerate, deepspeed. Never the trainer or the
-config class (``launcher_watch`` releases ``hf_grpo.checks.output_lock``'s lock before it exits).
+May import: ``hf_grpo.runtime`` (rank collectives, exit hooks, DeepSpeed's private names), torch, accelerate,
+deepspeed. Never ``hf_grpo.checks``, which imports from here (``launcher_watch`` runs ``runtime.exit_hooks``, where
+the output-dir lock registers its release), nor the trainer or the config class.
 """
 
 from typing import Any

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..runtime import upstream
 from .build_locks import launched_with_deepspeed
 
 SHM_COMM_OP = "deepspeed_shm_comm"  # deepspeed.ops.op_builder.cpu.ShareMemCommBuilder.NAME
@@ -26,9 +27,7 @@ def skip_unused_cpu_comm_op(deepspeed_field: Any = None) -> bool:
 
     if get_accelerator().device_name() != "cpu":
         return False
-    import deepspeed.ops
-
-    compatible = deepspeed.ops.__compatible_ops__  # DeepSpeed's own probe of which ops this machine can build
+    compatible = upstream.compatible_ops()  # DeepSpeed's own probe of which ops this machine can build
     if not compatible.get(SHM_COMM_OP, False):
         return False
     compatible[SHM_COMM_OP] = False

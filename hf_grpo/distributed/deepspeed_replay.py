@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..runtime import upstream
+
 
 def is_engine_of(model, module: torch.nn.Module) -> bool:
     """Whether ``model`` is the DeepSpeed engine wrapping ``module`` (TRL scores training micro-batches through it)."""
@@ -30,17 +32,9 @@ def forward_as_engine(engine, run):
 
 def begin_forward(engine) -> None:
     """What ``DeepSpeedEngine.forward`` does before the module runs that the backward depends on."""
-    from deepspeed.runtime.base_optimizer import ZeROOptimizer
-
-    if isinstance(engine.optimizer, ZeROOptimizer) and hasattr(engine.optimizer, "clear_backward_seen_flag"):
-        engine.optimizer.clear_backward_seen_flag()
+    upstream.reset_backward_seen(engine)
 
 
 def end_forward(engine, outputs) -> None:
     """The hooks ``DeepSpeedEngine.forward`` puts on its outputs, on the replay's (where this DeepSpeed has them)."""
-    try:
-        from deepspeed.runtime.utils import register_output_backward_hooks
-    except ImportError:  # engine.backward starts the backward itself
-        return
-    register_output_backward_hooks(outputs, preprocess_once_fn=engine._backward_prologue,
-                                   preprocess_per_tensor_fn=engine._backward_prologue_per_tensor)
+    upstream.hook_engine_outputs(engine, outputs)

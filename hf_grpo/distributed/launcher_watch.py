@@ -27,6 +27,8 @@ import sys
 import threading
 import time
 
+from ..runtime import exit_hooks
+
 logger = logging.getLogger("hf_grpo")
 POLL_S = 0.5
 OPT_OUT = "HF_GRPO_EXIT_WITH_LAUNCHER"  # "0": keep training when the launcher dies
@@ -85,12 +87,10 @@ def _release_on_sigterm() -> None:
         return
 
     def release_and_exit(signum, frame):
-        from ..checks.output_lock import release_all
-
         try:
             print(f"hf_grpo: SIGTERM to this training process (pid {os.getpid()}): releasing the output-dir lock "
                   "and exiting", file=sys.stderr)
-            release_all()
+            exit_hooks.run_all()  # the output-dir lock's release (checks.output_lock registers it)
         finally:
             sys.stderr.flush()
             os._exit(128 + signum)  # as the default action's status; the step in progress is not waited for
@@ -101,12 +101,10 @@ def _release_on_sigterm() -> None:
 def _watch(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(POLL_S)
-    from ..checks.output_lock import release_all
-
     message = f"hf_grpo: the launcher (pid {parent}) of this training process (pid {os.getpid()}) is gone: exiting"
     try:
         logger.error(message)
-        release_all()
+        exit_hooks.run_all()
     finally:
         sys.stderr.flush()
         os._exit(1)  # from this thread: the main thread may be inside a step or a collective

@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from ..runtime import upstream
+
 logger = logging.getLogger("hf_grpo")
 OPTIMIZER_FILE = "optimizer.pt"
 
@@ -57,7 +59,7 @@ def load_optimizer_state(engine, checkpoint: str, is_main_process: bool) -> None
                            OPTIMIZER_FILE)
         return
     saved = torch.load(path, map_location="cpu", weights_only=True)
-    groups = getattr(zero, "bit16_groups", None)
+    groups = upstream.zero_parameter_groups(zero)
     counts = [len(group) for group in groups] if groups is not None else None
     saved_counts = [len(group["params"]) for group in saved["param_groups"]]
     if counts != saved_counts:
@@ -66,7 +68,7 @@ def load_optimizer_state(engine, checkpoint: str, is_main_process: bool) -> None
             f"does not match this run's DeepSpeed optimizer ({'not ZeRO-1/2' if counts is None else counts}): "
             f"resume with the model and optimizer settings that saved it")
     for i, group in enumerate(groups):
-        flat = zero.single_partition_of_fp32_groups[i]
+        flat = upstream.zero_fp32_partition(zero, i)
         scalars: dict = {}
         buffers: dict = {}
         for param, index in zip(group, saved["param_groups"][i]["params"]):
@@ -78,11 +80,11 @@ def load_optimizer_state(engine, checkpoint: str, is_main_process: bool) -> None
                     raise ValueError(f"{path}: the optimizer's {key} of parameter {index} in group {i} has shape "
                                      f"{tuple(value.shape)}, this run's parameter {tuple(param.shape)}: resume with "
                                      f"the model that saved it")
-                mapping = param._hp_mapping
-                if mapping is None:  # no part of this parameter lies in this rank's partition
+                fragment = upstream.zero_fragment(param)
+                if fragment is None:  # no part of this parameter lies in this rank's partition
                     continue
                 buffer = buffers.setdefault(key, torch.zeros_like(flat))
-                lp, hp = mapping.lp_fragment_address, mapping.hp_fragment_address
+                lp, hp = fragment
                 buffer.narrow(0, hp.start, hp.numel).copy_(value.flatten().narrow(0, lp.start, lp.numel))
         if buffers:
             zero.optimizer.state[flat] = {**scalars, **buffers}

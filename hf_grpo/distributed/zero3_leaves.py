@@ -21,6 +21,8 @@ import re
 
 import torch
 
+from ..runtime import upstream
+
 FIELD = "zero3_leaf_modules"
 SETTINGS = ("auto", "off")
 _CLASS_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*$")
@@ -58,7 +60,7 @@ def _no_split_classes(model: torch.nn.Module) -> set[str]:
     """The classes transformers keeps whole when it splits the model over devices: its decoder layers."""
     names: set[str] = set()
     for module in model.modules():  # a PEFT wrapper's base model is one of them
-        names.update(getattr(module, "_no_split_modules", None) or ())
+        names.update(upstream.no_split_modules(module))
     return names
 
 

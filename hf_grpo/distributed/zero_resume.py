@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 
-from ..memory.oom import max_over_ranks
+from ..runtime.collectives import max_over_ranks
 
 OPTIMIZER_PARTITION = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt")
 

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..runtime import upstream
 from . import filled_attention
 from .static_cache import base_model
 
@@ -107,7 +108,7 @@ def _prefill_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
 def is_sdpa(model: torch.nn.Module) -> bool:
     """Whether the model attends with transformers' sdpa: the only implementation this module reroutes."""
-    return getattr(base_model(model).config, "_attn_implementation_internal", None) == "sdpa"
+    return upstream.attention_internal(base_model(model).config) == "sdpa"
 
 
 @contextmanager
@@ -115,13 +116,13 @@ def _attention_routed(model: torch.nn.Module, name: str):
     """The model's attention is this module's registered function ``name`` while inside; the config is restored
     on exit, so ``model.generate`` and training see it unchanged."""
     config = base_model(model).config
-    original = config._attn_implementation_internal
+    original = upstream.attention_internal(config)
     _register_gqa_decode_attention()
-    config._attn_implementation_internal = name
+    upstream.set_attention_internal(config, name)
     try:
         yield
     finally:
-        config._attn_implementation_internal = original
+        upstream.set_attention_internal(config, original)
 
 
 @contextmanager

@@ -66,6 +66,11 @@ class GenerationBackend(ABC):
     def release(self, empty_cache: bool = True) -> None:
         """Free what the backend keeps between calls (caches, captured graphs); nothing by default."""
 
+    def for_memory_probe(self) -> GenerationBackend:
+        """The backend ``memory.autosize`` measures a generation chunk's memory with: this one, unless it would
+        spend minutes on work that takes no memory (the cuda_graph backend's compiles)."""
+        return self
+
 
 def ids_of_sample(cls_name: str):
     """A backend's ``generate``: its ``_sample``'s completions (``GenerationBackend.sample`` calls ``_sample``)."""

@@ -57,6 +57,9 @@ from collections.abc import Sequence
 import torch
 from transformers import GenerationConfig
 
+from ..runtime import upstream
+from ..runtime.graph_capture import weights_signature
+from ..runtime.regional_compile import CompiledLayers
 from .base import (
     Completions,
     GenerationBackend,
@@ -72,10 +75,9 @@ from .base import (
 )
 from .fused_projections import validate_parts
 from .hf import HFGenerateBackend
-from .regional_compile import CompiledLayers
 from .sampling import SamplingSettings, effective_generation_config, unsupported_generation_setting
 from .attention_routing import GQA_DECODE_ATTENTION
-from .static_cache import base_model, cache_len_ladder, last_logits, sliding_windows, weights_signature
+from .static_cache import base_model, cache_len_ladder, last_logits, sliding_windows
 from .static_decoder import StaticDecoder, take_next_tokens
 
 logger = logging.getLogger(__name__)
@@ -136,7 +138,7 @@ class CudaGraphBackend(GenerationBackend):
             seconds for the whole model), less when torch's compile cache
             (``TORCHINDUCTOR_CACHE_DIR``) holds it from an earlier run.
         compile_scope: what is compiled: "layers" (default: one decoder layer, whose compiled code
-            every layer runs, see ``regional_compile``; a few seconds to compile instead of tens)
+            every layer runs, see ``runtime.regional_compile``; a few seconds to compile instead of tens)
             or "model" (the whole one-token forward: one fusion more per layer boundary, and a
             compile that grows with the depth). A model without a recognisable list of decoder
             layers is compiled whole.
@@ -225,9 +227,9 @@ class CudaGraphBackend(GenerationBackend):
                 f"model type {model_type!r} is not in the cuda_graph backend's supported families "
                 f"({', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
             )
-        if not getattr(base, "_can_compile_fullgraph", False):
+        if not upstream.can_compile_fullgraph(base):
             return f"{type(base).__name__} does not support static-cache (fullgraph) decoding"
-        attn = getattr(config, "_attn_implementation", None) or "eager"
+        attn = upstream.attention_implementation(config) or "eager"
         if attn not in SUPPORTED_ATTENTION:
             return f"attention implementation {attn!r} is not supported (use 'sdpa' or 'eager')"
         rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
@@ -339,6 +341,13 @@ class CudaGraphBackend(GenerationBackend):
         if positions < 1:
             raise ValueError(f"reserve() needs a positive number of positions, got {positions}")
         self.reserved_len = max(self.reserved_len, positions)
+
+    def for_memory_probe(self) -> CudaGraphBackend:
+        """An eager backend with this one's cache size: compiling and capturing a decode step per probed size would
+        cost minutes, and the cache is what takes the memory (``memory.autosize``)."""
+        eager = CudaGraphBackend(use_cuda_graph=False, compile=False)
+        eager.reserved_len = self.reserved_len
+        return eager
 
     def cache_bytes(self) -> int:
         """Device memory held by the KV caches and static buffers of the kept decoders."""

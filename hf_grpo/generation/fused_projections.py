@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
+from ..runtime import upstream
+
 PARTS = ("qkv", "gate_up")
 _WEIGHT = {"qkv": "hf_grpo_qkv_weight", "gate_up": "hf_grpo_gate_up_weight"}
 _BIAS = {"qkv": "hf_grpo_qkv_bias", "gate_up": "hf_grpo_gate_up_bias"}
@@ -97,7 +99,8 @@ def _fused_attention_forward(cls: type, sliding: Callable) -> Callable:
         query, key = rope(query, key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx, kwargs=kwargs)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(upstream.attention_implementation(self.config),
+                                                           eager_attention)
         out, weights = attention(
             self, query, key, value, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,

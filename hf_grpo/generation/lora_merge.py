@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime import upstream
 from .base import is_zero3_param
 from .weight_sources import add_lora_deltas, gathered, live_base, skeleton, unsupported_reason, walk
 
@@ -45,7 +46,7 @@ class _Adapted:
 def whole_partition(param: torch.nn.Parameter, device: torch.device | None = None) -> torch.Tensor | None:
     """A ZeRO-3 parameter's partition viewed in the parameter's shape, where it holds the whole parameter (one
     process) on ``device`` (any device when None); else None."""
-    part = getattr(param, "ds_tensor", None)
+    part = upstream.zero3_partition(param)
     if part is None or part.numel() < param.ds_numel:
         return None
     if device is not None and (part.device.type, part.device.index or 0) != (device.type, device.index or 0):
@@ -130,7 +131,7 @@ class InPlaceLoraMerge:
         """Merge ``model``'s active adapters into its base weights in place; return the plain model that reads them."""
         self.restore()  # a rollout that raised before its restore must not merge twice
         for live, view in self._partitions:
-            if live.ds_tensor.data_ptr() != view.data_ptr():
+            if upstream.zero3_partition(live).data_ptr() != view.data_ptr():
                 raise RuntimeError(f"DeepSpeed moved a ZeRO-3 partition of shape {tuple(live.ds_shape)} after the "
                                    f"in-place view was built; build it again")
         merged: set[int] = set()

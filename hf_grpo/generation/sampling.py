@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 
+from ..runtime import upstream
+
 # Every field of transformers' GenerationConfig is in exactly one of the three groups below (a test checks it against
 # the installed transformers), so that a setting ``model.generate`` honours and this module does not implement sends
 # the call to ``model.generate`` instead of being dropped.
@@ -125,7 +127,7 @@ def effective_generation_config(model: torch.nn.Module, gc: GenerationConfig) ->
     from the model's own ``generation_config`` (a checkpoint's ``generation_config.json``), then from transformers'
     defaults. Without transformers' merge (a model that is not a ``GenerationMixin``, or has no generation config of
     its own), ``gc`` itself."""
-    prepare = getattr(model, "_prepare_generation_config", None)
+    prepare = upstream.generation_config_preparer(model)
     if prepare is None or getattr(model, "generation_config", None) is None:
         return gc
     return prepare(gc)[0]

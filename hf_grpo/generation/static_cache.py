@@ -68,23 +68,6 @@ def kv_heads(config) -> int:
     return getattr(text, "num_key_value_heads", None) or getattr(text, "num_attention_heads", 1) or 1
 
 
-def weights_signature(model: torch.nn.Module) -> tuple:
-    """What a captured graph depends on besides shapes: tensor addresses and forward-path flags.
-
-    * ``data_ptr`` of every parameter and buffer: a graph reads fixed addresses, so a moved
-      tensor (ZeRO-3 gather, replaced module/parameter, ``.to()``) needs a new capture.
-    * PEFT tuner flags (``merged``, ``disable_adapters``, active adapters) and ``training``:
-      they choose which Python branch the forward takes, which the graph has frozen.
-    """
-    ptrs = tuple(t.data_ptr() for t in model.parameters()) + tuple(b.data_ptr() for b in model.buffers())
-    flags = []
-    for module in model.modules():
-        if hasattr(module, "merged") and hasattr(module, "disable_adapters"):
-            adapters = repr(getattr(module, "active_adapters", None))
-            flags.append((bool(module.merged), bool(module.disable_adapters), adapters))
-    return ptrs, tuple(flags), model.training
-
-
 def last_logits(model, input_ids, attention_mask, position_ids, cache, cache_kw: str, logits_to_keep: bool,
                 float32: bool = True):
     """One forward against the static cache; the last position's logits [B, V], as float32 unless told not to."""

@@ -42,12 +42,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..runtime.graph_capture import capture_graph
+from ..runtime.regional_compile import CompiledLayers
 from . import filled_attention
 from .attention_routing import decode_attention, is_sdpa, prefill_keys
 from .base import model_device
 from .fused_projections import FusedProjections
-from .graph_capture import capture_graph
-from .regional_compile import CompiledLayers
 from .sampling import SamplingSettings, row_uniforms, select_tokens, select_tokens_from_copies
 from .static_cache import base_model, kv_heads, last_logits, static_cache
 
@@ -115,7 +115,7 @@ class StaticDecoder:
         sampling: the settings the captured step bakes in.
         compiled_forward: ``torch.compile(last_logits)`` to run the one-token forward with, or None (eager).
         compiled_layers: instead of ``compiled_forward``, one compiled decoder layer that every layer
-            runs while the step is compiled and captured (``regional_compile``); the rest stays eager.
+            runs while the step is compiled and captured (``runtime.regional_compile``); the rest stays eager.
         decode_attention: the packed-GQA variant used while the compiled forward is traced/captured; "filled"
             becomes "matmul" where ``filled_attention.serves`` says the kernel would not pay (few rows over a
             short cache, no Triton).

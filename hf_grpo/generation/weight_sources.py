@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
+from ..runtime import upstream
 from .base import is_zero3_param
 
 
@@ -149,9 +150,9 @@ def skeleton(base: torch.nn.Module) -> torch.nn.Module:
     config = copy.deepcopy(base.config)
     with torch.device("meta"):  # transformers skips weight init on meta; ties the embeddings as configured
         mirror = type(base)(config)
-    attn = getattr(base.config, "_attn_implementation", None)
+    attn = upstream.attention_implementation(base.config)
     if attn is not None:
-        mirror.config._attn_implementation = attn
+        upstream.set_attention_implementation(mirror.config, attn)
     return mirror
 
 

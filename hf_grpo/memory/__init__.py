@@ -6,7 +6,8 @@ of at most ``max_tokens_per_micro_batch`` tokens, ``stats`` measures time and pe
 the training set's longest prompt, ``flops`` counts the work a step must do and ``device_rates`` measures what the
 GPU can do (the efficiency figures).
 
-May import: ``hf_grpo.plan``, ``hf_grpo.run_state``, torch, accelerate, transformers. Takes the run's facts and
+May import: ``hf_grpo.plan``, ``hf_grpo.run_state``, ``hf_grpo.runtime``, torch, accelerate, transformers; not
+``hf_grpo.generation`` (a backend says what autosize probes with: ``for_memory_probe``). Takes the run's facts and
 sizes (``hf_grpo.run_state``), knobs, plain values and callables, never the trainer (so never ``hf_grpo.trainer``
 or ``hf_grpo.config``).
 """

@@ -36,15 +36,8 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..plan import AUTO, AUTO_DEFAULTS, AUTO_FIELDS, coerce_size, take_auto  # noqa: F401 (re-exported)
 from ..run_state import RunFacts, RunSizes
-from .oom import (
-    BACKOFF_FIELDS,
-    free_memory,
-    is_oom,
-    max_over_ranks,
-    min_over_ranks,
-    rng_state,
-    set_rng_state,
-)
+from ..runtime.collectives import max_over_ranks, min_over_ranks
+from .oom import BACKOFF_FIELDS, free_memory, is_oom, rng_state, set_rng_state
 from .saved_sizes import SIZES_FILE, log_reuse, plan_reuse, read_saved_sizes, save_sizes  # noqa: F401 (re-exported)
 
 logger = logging.getLogger("hf_grpo")
@@ -298,16 +291,8 @@ class Prober:
         backend.release(empty_cache=False)
 
     def _probe_backend(self):
-        # The run's backend, but for cuda_graph an eager one with the same cache size: compiling and capturing
-        # a decode step per probed size would cost minutes, and the cache is what takes the memory.
-        backend = self.target.backend()
-        if backend.name == "cuda_graph":
-            from ..generation.cuda_graph import CudaGraphBackend
-
-            eager = CudaGraphBackend(use_cuda_graph=False, compile=False)
-            eager.reserved_len = backend.reserved_len
-            return eager
-        return backend
+        # The run's backend, or what it measures with (cuda_graph: an eager one with the same cache size)
+        return self.target.backend().for_memory_probe()
 
 
 class SaveSizesCallback(TrainerCallback):

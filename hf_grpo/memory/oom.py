@@ -34,7 +34,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from ..runtime.collectives import max_over_ranks, rank
 
 logger = logging.getLogger("hf_grpo")
 
@@ -53,46 +54,11 @@ def is_oom(err: BaseException) -> bool:
     return isinstance(err, RuntimeError) and any(text in str(err).lower() for text in _OOM_TEXTS)
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _collective_device() -> torch.device:
-    # NCCL reduces CUDA tensors only; gloo (CPU runs) reduces CPU tensors.
-    if "nccl" in str(dist.get_backend()).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def max_over_ranks(value: int) -> int:
-    """The largest ``value`` over all ranks (``value`` itself when not distributed). Every rank must call it."""
-    return maxima_over_ranks([value])[0]
-
-
-def maxima_over_ranks(values: list[int]) -> list[int]:
-    """Each of ``values``' largest over all ranks, in one all-reduce (``values`` when not distributed). Every rank
-    must call it, with as many values."""
-    if not _distributed():
-        return [int(value) for value in values]
-    tensor = torch.tensor([int(value) for value in values], dtype=torch.long, device=_collective_device())
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
-
-
-def min_over_ranks(value: int) -> int:
-    """The smallest ``value`` over all ranks. Every rank must call it."""
-    return -max_over_ranks(-int(value))
-
-
 def free_memory() -> None:
     """Drop unreachable tensors and hand the allocator's cached blocks back, so a retry starts clean."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0
 
 
 class SizeKnob:
@@ -147,7 +113,7 @@ class SizeKnob:
             rows = max_over_ranks(full())  # the same on every rank, so the new size is too
             size = max(rows, 1)
         new = size // 2
-        where = f"on rank {_rank()}" if failed_here else f"on another rank (rank {_rank()} follows)"
+        where = f"on rank {rank()}" if failed_here else f"on another rank (rank {rank()} follows)"
         if new < floor:
             smallest = ("1, the smallest chunk" if floor == 1
                         else f"{size}, and half of it is below {floor}, the smallest that works")

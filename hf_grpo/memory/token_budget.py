@@ -104,7 +104,8 @@ import torch
 from accelerate.utils import DistributedType
 
 from ..run_state import RunFacts
-from .oom import min_over_ranks
+from ..runtime import upstream
+from ..runtime.collectives import min_over_ranks
 from .packing import (  # noqa: F401 (re-exported: the planning names are token_budget's too)
     FIELD,
     LOSS_TYPES,
@@ -208,7 +209,7 @@ def active_dropout(model: torch.nn.Module) -> str | None:
 
 def scoring_chunk_rows(model: torch.nn.Module, rows: int, width: int, budget: int | None) -> tuple[int, str]:
     """``scoring_rows`` for ``model`` (its attention and dropout read off it), and why the chunk is that size."""
-    attention = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    attention = upstream.attention_implementation(getattr(model, "config", None))
     dropout = active_dropout(model)
     chunk = scoring_rows(rows, width, budget, attention, dropout)
     if dropout:
@@ -259,7 +260,7 @@ def deferred_sync(accelerator, model) -> Iterator[None]:
     if not state.sync_gradients:  # not the step's last micro-batch: the Trainer already defers
         yield
         return
-    state._set_sync_gradients(False)  # DeepSpeed: no boundary, no engine.step (accelerate reads this flag)
+    upstream.set_sync_gradients(state, False)  # DeepSpeed: no boundary, no engine.step (accelerate reads this flag)
     try:
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
             yield  # the Trainer never uses no_sync under DeepSpeed either
@@ -267,7 +268,7 @@ def deferred_sync(accelerator, model) -> Iterator[None]:
             with accelerator.no_sync(model):
                 yield
     finally:
-        state._set_sync_gradients(True)
+        upstream.set_sync_gradients(state, True)
 
 
 @contextlib.contextmanager

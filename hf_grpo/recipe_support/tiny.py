@@ -13,6 +13,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from ..runtime import upstream
+
 PAD, EOS = "<pad>", "<eos>"
 DEFAULT_ALPHABET = string.ascii_lowercase + string.digits + " +-*/=()<>.,?:"
 
@@ -75,7 +77,7 @@ def build_tiny_model(
         }
     )
     if attn_implementation is not None:
-        config._attn_implementation = attn_implementation
+        upstream.set_attention_implementation(config, attn_implementation)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(dtype)
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -8,7 +8,7 @@ scoring) from CUDA graphs (``graph_buckets``) through ``cuda_graph_recorder``, `
 compiles one decoder layer for every layer, ``cudnn_attention`` keeps cuDNN's attention out of training, and
 ``rank_shapes`` gives a micro-batch one static shape on every rank.
 
-May import: ``hf_grpo.generation`` (the compiled-layer and weight-signature helpers the decoder shares),
-``hf_grpo.run_state``, ``hf_grpo.distributed`` (DDP around a replay), ``hf_grpo.memory`` (rank agreement helpers),
-torch, transformers. Never the trainer or the config class: they import from here.
+May import: ``hf_grpo.runtime`` (the compiled-layer, graph-capture and weight-signature helpers the decoder
+shares, rank collectives), ``hf_grpo.run_state``, ``hf_grpo.distributed`` (DDP around a replay), ``hf_grpo.memory``,
+torch, transformers; not ``hf_grpo.generation``. Never the trainer or the config class: they import from here.
 """

@@ -6,7 +6,7 @@ eager layers (norms, rotary embeddings, activations and residual adds a few kern
 activation checkpointing's recompute). Compiled, each layer is a handful of fused kernels and one call.
 
 * One compile serves every layer of a class (parameters are graph inputs, as in the decode step's
-  ``generation.regional_compile``), and ``dynamic=True`` makes one graph serve every micro-batch shape, so
+  ``runtime.regional_compile``), and ``dynamic=True`` makes one graph serve every micro-batch shape, so
   a run compiles a bounded number of times (``compiles`` counts the graphs; ``perf/train_compiles``).
 * Layers are routed through the compiled forward only inside ``route`` - the trainer's ``training_step``
   (scoring, forward and backward) - and lifted again around generation (``suspended``), whose decoders
@@ -41,7 +41,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ..generation.regional_compile import CompiledLayers, decoder_layers
+from ..runtime.regional_compile import CompiledLayers, decoder_layers
+from ..runtime import upstream
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def checkpointed_forward(layer: torch.nn.Module, compiled, recomputing, *args, *
         if any(kwargs.get(name) is not None for name in _CACHE_ARGUMENTS):
             return type(layer).forward(layer, *args, **kwargs)
         if recomputing is None:
-            return layer._gradient_checkpointing_func(functools.partial(compiled, layer, **kwargs), *args)
+            return upstream.checkpoint_function(layer)(functools.partial(compiled, layer, **kwargs), *args)
         return recomputing(layer, *args, **kwargs)
     return compiled(layer, *args, **kwargs)
 

@@ -43,8 +43,8 @@ from contextlib import ExitStack, contextmanager, nullcontext
 import torch
 
 from ..distributed import ddp_replay
-from ..generation.static_cache import weights_signature
 from ..run_state import RunDecisions, RunFacts, RunSizes
+from ..runtime.graph_capture import weights_signature
 from . import graph_inputs, padding_free, rank_shapes, shape_reuse
 from .cuda_graph_recorder import CudaGraphRecorder
 from .graph_buckets import Bucket, Replay, chunked_scoring

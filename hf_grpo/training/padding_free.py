@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..runtime import upstream
+
 # Registry entries whose math is plain causal softmax attention: the packed function computes the same. (Eager
 # attention is each model's own function, which may add soft-capping or sinks: those models stay padded.)
 ROUTED = ("sdpa", "flash_attention_2", "flash_attention_3")
@@ -174,7 +176,7 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
         return "the model has several sub-models (vision-language): its inputs are not plain token rows"
     if getattr(config, "is_encoder_decoder", False) or not getattr(config, "is_causal", True):
         return "the model does not attend causally (encoder-decoder or bidirectional)"
-    implementation = getattr(config, "_attn_implementation", None)
+    implementation = upstream.attention_implementation(config)
     if implementation not in ROUTED:
         return f"attn_implementation={implementation!r} is not one of {list(ROUTED)}"
     layer_types = set(getattr(config, "layer_types", None) or ())

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..memory.oom import maxima_over_ranks
+from ..runtime.collectives import maxima_over_ranks
 from . import graph_inputs
 
 

@@ -183,13 +183,13 @@ class RolloutLogprobs:
         return cls(args.old_logprobs_source, args.old_logprobs_tolerance, "tool calls" if tool_calls else None, law,
                    eps_low, eps_high)
 
-    def on_rollout(self, logprobs, training: bool, state, args, accelerator, metrics) -> None:
-        """A rollout was sampled: in training, the previous one's measurement reduced (appended to TRL's
-        ``metrics["train"]``), the old policy's log-probs for this one chosen, and logged when the choice changes."""
+    def on_rollout(self, logprobs, training: bool, state, args, accelerator, train_metrics) -> None:
+        """A rollout was sampled: in training, the previous one's measurement reduced (appended to TRL's training
+        metrics, ``train_metrics``), the old policy's log-probs for this one chosen, and logged when the choice changes."""
         if not training or self.unavailable is not None:
             return  # tool calls: a rollout is several calls, and not as many on every rank
         for key, value in self.flush(accelerator.gather, accelerator.device).items():
-            metrics["train"][key].append(value)
+            train_metrics[key].append(value)
         # TRL 1.16's condition for its old-policy pass (without vLLM)
         old_pass_runs = args.gradient_accumulation_steps % (args.steps_per_generation * args.num_iterations) != 0
         self.rollout_step = state.global_step if logprobs is not None else None

@@ -265,7 +265,7 @@ def test_varied_prompt_lengths_reuse_one_cache_that_only_grows(tokenizer, monkey
 
 def test_deepspeed_hooks_are_lifted_while_capturing_and_put_back_in_order():
     """ZeRO-1/2 engines hook the wrapped module with a host sync; a capture must not run it, others stay."""
-    from hf_grpo.generation.graph_capture import deepspeed_hooks_lifted
+    from hf_grpo.runtime.graph_capture import deepspeed_hooks_lifted
 
     calls = []
 
@@ -462,6 +462,22 @@ def test_a_reserved_length_sizes_one_cache_for_the_whole_run(tokenizer, monkeypa
     assert made == [96]  # one cache (68 positions -> rung 96) from the first call on
     with pytest.raises(ValueError, match="positive"):
         backend.reserve(0)
+
+
+def test_the_memory_probe_of_a_cuda_graph_backend_is_eager_with_the_same_cache(tokenizer, monkeypatch):
+    """memory.autosize measures generation with ``for_memory_probe()``: no compile or capture per probed size, the
+    cache sized as the run's will be; other backends measure with themselves."""
+    backend = CudaGraphBackend()  # as the trainer opens it
+    backend.reserve(300 + 8)
+    probe = backend.for_memory_probe()
+    assert (probe.use_cuda_graph, probe.compile, probe.reserved_len) == (False, False, 308)
+    made = _record_cache_lengths(monkeypatch)
+    gc = GenerationConfig(max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    probe.generate(build_tiny_model(tokenizer).eval(), [[3, 4, 5]], generation_config=gc, chunk_size=1,
+                   pad_token_id=PAD, eos_token_ids=[EOS])
+    assert made == [cache_len_ladder(308, backend.min_cache_len)] and probe.num_compiles == 0  # the run's cache
+    hf = HFGenerateBackend()
+    assert hf.for_memory_probe() is hf
 
 
 # ---------------------------------------------------------------------------------------- GPU

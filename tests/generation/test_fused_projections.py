@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from hf_grpo.generation.cuda_graph import CudaGraphBackend
 from hf_grpo.generation.fused_projections import FusedProjections
-from hf_grpo.generation.regional_compile import CompiledLayers
+from hf_grpo.runtime.regional_compile import CompiledLayers
 from hf_grpo.generation.sampling import SamplingSettings
 from hf_grpo.generation.static_decoder import StaticDecoder
 from hf_grpo.recipe_support.tiny import build_char_tokenizer

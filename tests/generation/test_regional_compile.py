@@ -14,7 +14,7 @@ import torch
 from transformers import GenerationConfig
 
 from hf_grpo.generation.cuda_graph import CudaGraphBackend
-from hf_grpo.generation.regional_compile import CompiledLayers, decoder_layers
+from hf_grpo.runtime.regional_compile import CompiledLayers, decoder_layers
 from hf_grpo.generation.sampling import SamplingSettings
 from hf_grpo.generation.attention_routing import decode_attention
 from hf_grpo.generation.static_decoder import StaticDecoder, take_next_tokens

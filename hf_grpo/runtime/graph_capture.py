@@ -1,7 +1,9 @@
-"""CUDA-graph capture shared by the decoders that replay a captured step: the cuda_graph backend's
-``StaticDecoder`` and the diffusion sampler's block cache (``hf_grpo.diffusion.block_cache``).
+"""CUDA-graph capture shared by the decoders that replay a captured step (the cuda_graph backend's
+``StaticDecoder``, the diffusion sampler's block cache ``hf_grpo.diffusion.block_cache``) and by the training
+graphs (``hf_grpo.training.graphs``): the capture itself, and what a captured graph depends on besides shapes
+(``weights_signature``).
 
-May import: torch only (no backend, no model class): both decoders hand in the step to capture.
+May import: torch only (no backend, no model class): the callers hand in the step to capture.
 """
 
 from __future__ import annotations
@@ -71,3 +73,20 @@ def capture_graph(step: Callable[[], object], model: torch.nn.Module, device: to
     with deepspeed_hooks_lifted(model), torch.cuda.graph(graph, stream=stream):
         output = step()
     return graph, output
+
+
+def weights_signature(model: torch.nn.Module) -> tuple:
+    """What a captured graph depends on besides shapes: tensor addresses and forward-path flags.
+
+    * ``data_ptr`` of every parameter and buffer: a graph reads fixed addresses, so a moved
+      tensor (ZeRO-3 gather, replaced module/parameter, ``.to()``) needs a new capture.
+    * PEFT tuner flags (``merged``, ``disable_adapters``, active adapters) and ``training``:
+      they choose which Python branch the forward takes, which the graph has frozen.
+    """
+    ptrs = tuple(t.data_ptr() for t in model.parameters()) + tuple(b.data_ptr() for b in model.buffers())
+    flags = []
+    for module in model.modules():
+        if hasattr(module, "merged") and hasattr(module, "disable_adapters"):
+            adapters = repr(getattr(module, "active_adapters", None))
+            flags.append((bool(module.merged), bool(module.disable_adapters), adapters))
+    return ptrs, tuple(flags), model.training
