@@ -33,6 +33,24 @@ def cache_len_ladder(need: int, minimum: int = 256) -> int:
         rung *= 2
 
 
+# A reserved cache is rounded up to a multiple of this many positions (whole blocks for the decode attention).
+RESERVED_ALIGN = 256
+
+
+def cache_positions(need: int, reserved: int, minimum: int = 256) -> int:
+    """The static cache's length for a call that needs ``need`` positions, in a run that reserved ``reserved`` (its
+    longest prompt + ``max_completion_length``, ``CudaGraphBackend.reserve``; 0 when unknown).
+
+    Unreserved, the cache climbs ``cache_len_ladder``'s rungs (a bounded number of compiles). A reserved length is
+    the run's one cache, so it is sized to the rows: the ladder's rung or the reserved length rounded up to
+    ``RESERVED_ALIGN``, whichever is shorter. At long completions a rung wastes up to a third of the cache (8 x
+    (1k + 64k) positions of a 7B model: 45 GB on rung 98,304 against 30.5 GB for 66,560).
+    """
+    if need > reserved:
+        return cache_len_ladder(need, minimum)
+    return min(cache_len_ladder(reserved, minimum), max(minimum, -(-reserved // RESERVED_ALIGN) * RESERVED_ALIGN))
+
+
 def sliding_windows(config) -> list[int | None]:
     """Each decoder layer's sliding window as its static cache layer will have it (None: full attention).
 

@@ -464,6 +464,27 @@ def test_a_reserved_length_sizes_one_cache_for_the_whole_run(tokenizer, monkeypa
         backend.reserve(0)
 
 
+def test_a_long_reserved_length_is_sized_to_the_rows_not_a_rung_and_decodes_the_same_tokens(tokenizer, monkeypatch):
+    # 1,100 positions (the longest prompt + max_completion_length) would sit on rung 1,536: a third of the cache
+    # never filled. The reserved cache is 1,280 (1,100 rounded up to 256), and the tokens are those of the cache
+    # an unreserved backend sizes for the call alone.
+    model = build_tiny_model(tokenizer).eval()
+    made = _record_cache_lengths(monkeypatch)
+    gc = GenerationConfig(max_new_tokens=12, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    prompts = _prompts(tokenizer, 3, seed=5)
+    reserved = CudaGraphBackend(use_cuda_graph=False, min_cache_len=32)
+    reserved.reserve(1100)
+    got = reserved.generate(model, prompts, generation_config=gc, chunk_size=3, pad_token_id=PAD, eos_token_ids=[EOS])
+    unreserved = CudaGraphBackend(use_cuda_graph=False, min_cache_len=32)  # the call's own rung: 32 positions
+    expected = unreserved.generate(model, prompts, generation_config=gc, chunk_size=3, pad_token_id=PAD,
+                                 eos_token_ids=[EOS])
+    assert made == [1280, 32]
+    assert got == expected
+    assert cuda_graph.cache_positions(60, 1100, 32) == 1280  # a shorter call in the run uses the run's cache
+    assert cuda_graph.cache_positions(1200, 1100, 32) == 1536  # past the reservation: the ladder, as unreserved
+    assert cuda_graph.cache_positions(60, 68, 32) == 96  # short runs keep their rung (96 is below 256)
+
+
 # ---------------------------------------------------------------------------------------- GPU
 
 
