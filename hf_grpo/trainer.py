@@ -20,7 +20,8 @@ Every override of TRL's and transformers' methods is here, written against trl 1
   ``checks.checkpoint_save``), ``_prepare_for_training`` (a checkpoint without ZeRO state, ``plain_to_zero``),
   ``_init_training_state`` (no epoch for a finished run, ``checks.resume``).
 - ``train``: holds the output directory (``checks.output_lock``), refuses what ``checks.resume`` refuses and a
-  token budget the longest prompt cannot fit, then settles "auto" sizes (``memory.autosize``).
+  token budget the longest prompt cannot fit, then settles "auto" sizes (``memory.autosize``); at train begin, before
+  the first rollout, a ``max_completion_length`` the device's memory cannot fit (``memory.context_fit``).
 
 ``__init__`` sets up the process first (``hf_grpo.prepare_process``) and checks the inputs (``checks.inputs``; the
 tokenizer and prompts once loaded, ``checks.prompts``), gives a policy built in code a copy for TRL to load the
@@ -52,7 +53,7 @@ from .distributed import plain_to_zero, prepare_process, zero3_leaves
 from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, open_backend
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
-from .memory import autosize, prompt_lengths, token_budget, train_backoff
+from .memory import autosize, context_fit, prompt_lengths, token_budget, train_backoff
 from .memory.device_rates import device_rates
 from .memory.flops import WorkCounter
 from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff, min_over_ranks
@@ -291,16 +292,10 @@ class GRPOTrainer(trl.GRPOTrainer):
                 backend = self._generation_backend(unwrapped_model)
                 counts_before = backend_counts(backend)
                 completion_ids = generate_with_backoff(  # backend.generate, chunk halved on every rank after an OOM
-                    backend,
-                    unwrapped_model,
-                    prompt_ids,
-                    self._oom_knobs["per_device_generation_batch_size"],
-                    self.accelerator.device,
-                    generation_config=self.generation_config,
-                    pad_token_id=self._tokenizer.pad_token_id,
-                    eos_token_ids=self.eos_token_ids,
-                    pad_to_multiple_of=self.pad_to_multiple_of,
-                )
+                    backend, unwrapped_model, prompt_ids, self._oom_knobs["per_device_generation_batch_size"],
+                    self.accelerator.device, generation_config=self.generation_config,
+                    pad_token_id=self._tokenizer.pad_token_id, eos_token_ids=self.eos_token_ids,
+                    pad_to_multiple_of=self.pad_to_multiple_of)
             finally:
                 if mirror is not None:  # LoRA merged in place: the base weights back before anything else reads them
                     mirror.restore()
@@ -401,8 +396,12 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._generation_mirror()  # decided on every rank before the plan is printed
         self.perf.rates = device_rates(self.accelerator.device) if self.work.counts else None  # GPU only
         if world_process_zero:
-            plan = self.batch_plan()
-            logger.info("hf-grpo batch plan (world size %d):\n%s", plan.world_size, plan)
+            logger.info("hf-grpo batch plan (world size %d):\n%s", self.accelerator.num_processes, self.batch_plan())
+        # the longest completion these sizes fit, logged; a max_completion_length past it refused (context_fit)
+        context_fit.check_run(self.model, self.sizes, self.facts, prompt=self._longest_prompt() or getattr(
+            self, "max_prompt_length", None) or 512, packed=decisions.eager_rows.packed or decisions.graphs_replay,
+            reference=self.ref_model is not None, backend=self.args.generation_backend,
+            device=self.accelerator.device, main=world_process_zero)
 
     def _compiled_training_layers(self, planned_steps: int) -> training_compile.CompiledTrainingLayers | None:
         """The compiled decoder layers of the scoring and training forwards (``compile_training``), or None."""

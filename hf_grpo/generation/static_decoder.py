@@ -58,6 +58,26 @@ logger = logging.getLogger(__name__)
 PREFILL_SCORE_BYTES = 256 * 2**20
 
 
+def prefill_pieces(prompt_len: int, score_bytes: int, cache_len: int, sliced: bool) -> list[tuple[int, int]]:
+    """The ``(start, end)`` prompt positions of each prefill forward: each piece a multiple of 16 positions (but the
+    last), at least 16, as long as its scores against its keys (the positions up to its end when ``sliced``, else
+    the whole ``cache_len``) fit ``PREFILL_SCORE_BYTES``; ``score_bytes`` is one query's scores against one key over
+    the rows and heads (rows x heads x 4)."""
+
+    def fits(start: int, piece: int) -> bool:
+        keys = min(start + piece, prompt_len) if sliced else cache_len
+        return score_bytes * piece * keys <= PREFILL_SCORE_BYTES
+
+    pieces, start = [], 0
+    while start < prompt_len:
+        piece = 16
+        while start + piece < prompt_len and fits(start, piece + 16):
+            piece += 16
+        pieces.append((start, min(start + piece, prompt_len)))
+        start += piece
+    return pieces
+
+
 @dataclass(frozen=True)
 class DecodeBuffers:
     """The static buffers the decode step's tail reads and writes (a ``StaticDecoder``'s, same names)."""
@@ -300,24 +320,9 @@ class StaticDecoder:
         self._advance(logits)
 
     def prefill_pieces(self, model, prompt_len: int, sliced: bool) -> list[tuple[int, int]]:
-        """The ``(start, end)`` prompt positions of each prefill forward: each piece a multiple of 16 positions
-        (but the last), at least 16, as long as its scores against its keys (the positions up to its end when
-        ``sliced``, else the whole cache) fit ``PREFILL_SCORE_BYTES``."""
+        """The ``(start, end)`` prompt positions of each prefill forward (``prefill_pieces`` of this decoder)."""
         heads = getattr(base_model(model).config, "num_attention_heads", 1) or 1
-        per_score = self.batch * heads * 4
-
-        def fits(start: int, piece: int) -> bool:
-            keys = min(start + piece, prompt_len) if sliced else self.cache_len
-            return per_score * piece * keys <= PREFILL_SCORE_BYTES
-
-        pieces, start = [], 0
-        while start < prompt_len:
-            piece = 16
-            while start + piece < prompt_len and fits(start, piece + 16):
-                piece += 16
-            pieces.append((start, min(start + piece, prompt_len)))
-            start += piece
-        return pieces
+        return prefill_pieces(prompt_len, self.batch * heads * 4, self.cache_len, sliced)
 
     def _advance(self, logits: torch.Tensor, compiled: Callable | None = None) -> None:
         """Logits [B, V] -> next token, written into the static buffers (``take_next_tokens``).
