@@ -135,3 +135,32 @@ def test_train_begin_refuses_a_completion_the_device_cannot_fit_and_logs_the_lim
     # on CPU with no figure given, nothing is estimated
     monkeypatch.delenv(cf.SKIP_VARIABLE)
     assert cf.check_run(model, sizes, facts, main=True, **run) is None
+
+
+def test_the_trainer_refuses_at_train_begin_before_any_rollout(tmp_path, monkeypatch):
+    # The estimate needs a GPU's memory; here the check is handed a device of 1 GiB + 20 MiB, as a CUDA run would
+    # read it, to show the trainer's own model, sizes and facts reach it before the first rollout.
+    from datasets import Dataset
+
+    from hf_grpo import GRPOConfig, GRPOTrainer
+    from hf_grpo.generation import HFGenerateBackend
+
+    tokenizer = build_char_tokenizer()
+    check = cf.check_run
+    monkeypatch.setattr(cf, "check_run", lambda *a, **k: check(*a, **{**k, "device_bytes": cf.CONTEXT_BYTES + 20 * 2**20}))
+    rollouts = []
+
+    class Recording(HFGenerateBackend):
+        def generate(self, model, prompt_ids, **kwargs):
+            rollouts.append(len(prompt_ids))
+            return super().generate(model, prompt_ids, **kwargs)
+
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, bf16=False, max_steps=1,
+                      per_device_train_batch_size=4, num_generations=4, max_completion_length=2048,
+                      save_strategy="no", disable_tqdm=True, activation_checkpointing=True)
+    trainer = GRPOTrainer(model=build_tiny_model(tokenizer), reward_funcs=lambda completions, **k: [0.0] * len(
+        completions), args=args, train_dataset=Dataset.from_dict({"prompt": ["ab>"] * 8}), processing_class=tokenizer)
+    trainer.decisions.backend = Recording()
+    with pytest.raises(ValueError, match=r"max_completion_length=2,048 does not fit on this device"):
+        trainer.train()
+    assert rollouts == []
