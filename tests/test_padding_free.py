@@ -120,7 +120,8 @@ def test_reasoning_length_rows_pack_as_padded():
 
 
 # The smallest model that has every part of a decoder (1 layer, 2 query heads sharing 1 KV head): the attention over
-# a long row costs T^2. Both scorings of a 16k row take about 10 s on an idle 2-core CPU, of a 64k row about 4 min.
+# a long row costs T^2. Both scorings of a 16k row took 104 s, of a 64k row 24 min, on a 2-core machine shared with
+# other work (load 4-6).
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 
 
