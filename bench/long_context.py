@@ -13,6 +13,9 @@ recorded as ``"fits": null, "why": "time"``).
     python bench/long_context.py --shape 7b --lora_r 16 --num_generations 8 --lengths 8192,16384,20480,32768 \\
         --out bench/results/raw/long_context.jsonl
 
+``--double_from 16384`` climbs 16k, 32k, 64k, ... instead, until a length does not fit (``--up_to`` caps it). The
+last line also carries ``estimated_longest``: what ``hf_grpo.memory.context_fit`` says the device fits (GPU only).
+
 CPU smoke run (tiny model, two short lengths): ``python bench/long_context.py --device cpu --shape tiny
 --num_generations 2 --lengths 8,16 --steps 1``.
 """
@@ -116,6 +119,37 @@ def decode_floor(record: dict, args, bandwidth: float) -> dict:
             "decode_step_ms": round(step_ms, 3), "decode_step_over_floor": round(step_ms / floor_ms, 3)}
 
 
+def ladder(start: int, up_to: int) -> list[int]:
+    """``start``, twice it, ... while at most ``up_to``."""
+    if start < 1:
+        raise ValueError(f"--double_from must be positive, got {start}")
+    lengths = []
+    while start <= up_to:
+        lengths.append(start)
+        start *= 2
+    return lengths
+
+
+def estimated_longest(args, device_bytes: int | None = None) -> int | None:
+    """What ``hf_grpo.memory.context_fit`` says this shape fits on the device (None on CPU): the measured ladder's
+    longest beside the estimate's. The runs' own settings: one row a pass, checkpointing, the longest prompt."""
+    from hf_grpo.memory import context_fit
+    from hf_grpo.recipe_support.tiny import SHAPES
+
+    if SHAPES[args.shape]["vocab_size"] is None:  # the tiny shape's vocabulary is its tokenizer's
+        return None
+    if device_bytes is None:
+        if args.device != "cuda":
+            return None
+        import torch
+
+        device_bytes = torch.cuda.get_device_properties(0).total_memory
+    dims = context_fit.ModelDims.from_config({**SHAPES[args.shape], "model_type": "qwen2"})
+    shape = context_fit.RunShape(prompt=args.max_prompt, generation_rows=args.num_generations, lora_rank=args.lora_r,
+                                 checkpointing=args.device == "cuda")
+    return context_fit.longest_completion(dims, shape, device_bytes)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="7b", help="a shape of hf_grpo.recipe_support.tiny.SHAPES")
@@ -123,6 +157,10 @@ def main(argv=None) -> int:
     parser.add_argument("--lora_r", type=int, default=16, help="LoRA rank (0: full fine-tuning)")
     parser.add_argument("--num_generations", type=int, default=8)
     parser.add_argument("--lengths", default="8192,16384,20480,32768", help="comma-separated, rising")
+    parser.add_argument("--double_from", type=int, default=None,
+                        help="instead of --lengths: this length, then twice it, ... up to --up_to (the climb stops "
+                        "at the first that does not fit)")
+    parser.add_argument("--up_to", type=int, default=1 << 20, help="the longest length --double_from tries")
     parser.add_argument("--min_prompt", type=int, default=192)
     parser.add_argument("--max_prompt", type=int, default=320)
     parser.add_argument("--steps", type=int, default=1, help="steps a length runs (2 or more: a later step)")
@@ -130,7 +168,7 @@ def main(argv=None) -> int:
     parser.add_argument("--trl", action="store_true", help="also run TRL's trainer at each length that fitted")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    lengths = [int(n) for n in args.lengths.split(",")]
+    lengths = ladder(args.double_from, args.up_to) if args.double_from else [int(n) for n in args.lengths.split(",")]
     if lengths != sorted(lengths) or any(n < 1 for n in lengths):
         parser.error(f"--lengths must be positive and rising, got {args.lengths!r}")
     if args.num_generations < 2:
@@ -154,7 +192,8 @@ def main(argv=None) -> int:
             print(json.dumps({k: v for k, v in trl_record.items() if k != "run"}), flush=True)
     summary = with_provenance({"bench": "long_context", "summary": True, "shape": args.shape, "lora_r": args.lora_r,
                                "num_generations": args.num_generations, "longest_fitting": longest,
-                               "lengths_tried": [r["completion_len"] for r in records if r["impl"] == "hf_grpo"]})
+                               "lengths_tried": [r["completion_len"] for r in records if r["impl"] == "hf_grpo"],
+                               "estimated_longest": estimated_longest(args)})
     records.append(summary)
     print(json.dumps(summary), flush=True)
     if args.out:

@@ -21,21 +21,19 @@ transformers it reads go through ``hf_grpo.runtime.upstream``). Each is thin and
   state, before rank 0 marks a checkpoint complete), ``_save_checkpoint`` (a failed save named,
   ``checks.checkpoint_save``), ``_prepare_for_training`` (a checkpoint without ZeRO state, ``plain_to_zero``),
   ``_init_training_state`` (no epoch for a finished run, ``checks.resume``).
-- ``train``: holds the output directory (``checks.output_lock``), refuses what ``checks.resume`` refuses and a
-  token budget the longest prompt cannot fit, then settles "auto" sizes (``memory.autosize``).
+- ``train``: holds the output directory (``checks.output_lock``), refuses what ``checks.resume`` refuses, a token
+  budget the longest prompt cannot fit and (at train begin) a completion length memory cannot fit
+  (``memory.context_fit``), and settles "auto" sizes (``memory.autosize``).
 
-``__init__`` sets up the process first (``hf_grpo.prepare_process``) and checks the inputs (``checks.inputs``; the
-tokenizer and prompts once loaded, ``checks.prompts``), gives a policy built in code a copy for TRL to load the
-reference from (``reference_copy``), adds the writers of ``metrics.jsonl`` and ``performance.json`` (``run_files``)
-and builds what the helpers read instead of the trainer (``hf_grpo.run_state``): ``facts``, ``sizes`` (the one place
-the sizes live during a run; the config is not written) and ``decisions``. An out-of-memory chunk is halved on every
-rank and retried (``memory.oom``); on a GPU each pass's work is counted (``memory.flops``).
+``__init__`` sets up the process (``prepare_process``), checks the inputs (``checks.inputs``, ``checks.prompts``),
+copies a policy built in code for TRL's reference (``reference_copy``), adds the run's files (``run_files``) and builds
+what helpers read instead of the trainer (``run_state``: ``facts``, ``sizes``, the one place sizes live, and
+``decisions``). An out-of-memory chunk is halved on every rank (``memory.oom``); on a GPU work is counted (``flops``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
@@ -53,7 +51,7 @@ from .distributed import plain_to_zero, prepare_process, zero3_leaves
 from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, open_backend
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
-from .memory import autosize, prompt_lengths, token_budget, train_backoff
+from .memory import autosize, context_fit, prompt_lengths, token_budget, train_backoff
 from .memory.device_rates import device_rates
 from .memory.flops import WorkCounter
 from .memory.oom import BACKOFF_FIELDS, SizeKnob, generate_with_backoff
@@ -141,13 +139,11 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def batch_plan(self):
         """The batch plan with this run's real world size (and ZeRO-3's generation mirror, once decided)."""
-        plan = BatchPlan.from_fields({**vars(self.args), **self.sizes.plan_fields()}, self.accelerator.num_processes)
-        if self.decisions.mirror is not None:
-            plan = dataclasses.replace(plan, **self.decisions.mirror.plan_fields())
-        if self.zero3_leaf_marking.count:
-            plan = dataclasses.replace(plan, leaf_module_classes=self.zero3_leaf_marking.classes,
-                                       leaf_module_count=self.zero3_leaf_marking.count)
-        return plan
+        mirror = getattr(self.decisions.mirror, "plan_fields", dict)()  # (none decided: no fields)
+        fields = {**vars(self.args), **self.sizes.plan_fields(), **mirror}
+        if (leaves := self.zero3_leaf_marking).count:
+            fields.update(leaf_module_classes=leaves.classes, leaf_module_count=leaves.count)
+        return BatchPlan.from_fields(fields, self.accelerator.num_processes)
 
     def get_performance_stats(self) -> dict[str, Any]:
         """Peak memory, seconds per optimizer step by phase, tokens/s, decoder compiles and captures, the memory the
@@ -372,10 +368,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         differ from ``args``, TRL and transformers get a copy carrying them (``RunSizes.published``)."""
         generate = dict(generation_config=self.generation_config, pad_token_id=upstream.tokenizer(self).pad_token_id,
                         eos_token_ids=self.eos_token_ids)
+        score = functools.partial(self._get_per_token_logps_and_entropies, self.model, compute_entropy=True)
         target = lambda: autosize.ProbeTarget(  # the probes run the trainer's own scoring and backend
-            self.model, self.accelerator.device, self._longest_prompt() or getattr(self, "max_prompt_length", None)
-            or 512, self.max_completion_length, lambda ids, mask, keep: self._get_per_token_logps_and_entropies(
-                self.model, ids, mask, keep, compute_entropy=True),
+            self.model, self.accelerator.device, self._prompt_width(), self.max_completion_length, score,
             lambda: self._generation_backend(self.model), generate, self.optimizer is not None,
             tuple(self._oom_knobs.values()))
         chosen = autosize.resolve_auto_sizes(self.sizes, self.facts, self.args.auto_memory_fraction, target,
@@ -392,7 +387,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         explicit = "pad_to_multiple_of" in getattr(self.args, "_explicit_fields", frozenset())  # lengths aligned
         self.pad_to_multiple_of = training_compile.pad_multiple(decisions.train_layers, self.pad_to_multiple_of,
                                                                 explicit)
-        # eager micro-batches packed or padded (padding_free=None), now that the sizes are settled; logged below
         decisions.eager_rows = eager_packing.for_run(self.args.padding_free, self.model, self.facts,
                                                      decisions.chunked_head, self.sizes.per_device_train_batch_size,
                                                      self._longest_prompt)
@@ -401,8 +395,11 @@ class GRPOTrainer(trl.GRPOTrainer):
         self._generation_mirror()  # decided on every rank before the plan is printed
         self.perf.rates = device_rates(self.accelerator.device) if self.work.counts else None  # GPU only
         if world_process_zero:
-            plan = self.batch_plan()
-            logger.info("hf-grpo batch plan (world size %d):\n%s", plan.world_size, plan)
+            logger.info("hf-grpo batch plan (world size %d):\n%s", self.accelerator.num_processes, self.batch_plan())
+        # the longest completion these sizes fit, logged; a max_completion_length past it refused (context_fit)
+        context_fit.check_run(self.model, self.sizes, self.facts, prompt=self._prompt_width(), main=world_process_zero,
+                              packed=decisions.eager_rows.packed or decisions.graphs_replay, reference=self.ref_model
+                              is not None, backend=self.args.generation_backend, device=self.accelerator.device)
 
     def _compiled_training_layers(self, planned_steps: int) -> training_compile.CompiledTrainingLayers | None:
         """The compiled decoder layers of the scoring and training forwards (``compile_training``), or None."""
@@ -425,6 +422,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             self._longest_prompt_tokens = None if self.environment_factories is not None else (
                 prompt_lengths.longest_prompt(self.train_dataset, self._tokenize_prompts, quiet=quiet))
         return self._longest_prompt_tokens
+
+    def _prompt_width(self) -> int:  # caches and probes: the longest prompt where known
+        return self._longest_prompt() or getattr(self, "max_prompt_length", None) or 512
 
     def _longest_row(self, inputs) -> int:
         """The longest row the run can meet (the longest prompt, else this micro-batch's, + max_completion_length)."""

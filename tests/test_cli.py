@@ -156,3 +156,34 @@ def test_a_whitespace_env_value_adds_no_note_to_the_translated_plan():
                      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", env={"DIFFU_BATCH_SIZE": " "})
     assert result.returncode == 0, result.stderr
     assert "DIFFU_BATCH_SIZE" not in result.stdout
+
+
+LONG_7B = ("plan", "--per_device_train_batch_size", "1", "--steps_per_generation", "8", "--gradient_accumulation_steps",
+           "8", "--num_generations", "8", "--activation_checkpointing", "true", "--model_config", "7b",
+           "--longest_prompt", "1024", "--lora_r", "16", "--device_memory_gib", "79.19")
+
+
+def test_plan_with_a_model_config_says_the_longest_completion_that_fits_and_refuses_a_longer_one(tmp_path):
+    from hf_grpo.memory import context_fit
+    from hf_grpo.recipe_support.tiny import SHAPES
+
+    dims = context_fit.ModelDims.from_config({**SHAPES["7b"], "model_type": "qwen2"})
+    shape = context_fit.RunShape(prompt=1024, generation_rows=8, lora_rank=16)
+    longest = context_fit.longest_completion(dims, shape, int(79.19 * 2**30))
+    result = run_cli(*LONG_7B, "--max_completion_length", "65536")
+    assert result.returncode == 0, result.stderr
+    assert f"the longest completion these sizes fit on 79.19 GiB is {longest:,} tokens" in result.stdout
+    assert "at max_completion_length=65,536 the peak is" in result.stdout
+    result = run_cli(*LONG_7B, "--max_completion_length", str(longest + 1))
+    assert result.returncode == 1
+    assert "rollout: 1 prompt x 8 generations" in result.stdout  # the plan is printed, then the refusal
+    assert f"lower max_completion_length to {longest:,} or less" in result.stderr
+    # a config.json read as the model's dimensions
+    config = tmp_path / "config.json"
+    config.write_text('{"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, '
+                      '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}')
+    result = run_cli("plan", "--model_config", str(tmp_path), "--device_memory_gib", "2")
+    assert result.returncode == 0, result.stderr
+    assert "memory: the longest completion" in result.stdout
+    result = run_cli("plan", "--model_config", str(tmp_path / "missing.json"), "--device_memory_gib", "2")
+    assert result.returncode == 1 and "not a readable config.json" in result.stderr

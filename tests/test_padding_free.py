@@ -7,6 +7,7 @@ over the real tokens alone.
 """
 
 import copy
+import math
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from hf_grpo.training import padding_free
 from hf_grpo.logprob_head import install_chunked_lm_head
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
-from tolerances import backward_terms, reordered
+from tolerances import FP32_EPS, backward_terms, reordered
 
 PROMPT_LENGTHS = (3, 7, 5, 2)
 COMPLETION_LENGTHS = (4, 1, 6, 3)
@@ -62,7 +63,7 @@ def score(model, batch):
 
 
 def assert_packed_scores_as_padded(family: str, checkpointing: bool, make_batch, tokens: int,
-                                   grad_norm_rtol: float | None = None, **overrides):
+                                   grad_norm_rtol: float | None = None, chunk_rows: int = 3, **overrides):
     """``make_batch(vocab)`` scored packed and padded on copies of one tiny model (fp32, CPU): log-probs, entropies,
     the loss equal to 1e-5, every gradient to the rounding of its sums in another order (``tolerances.reordered``;
     with ``grad_norm_rtol``, to that relative norm: sums over many thousand tokens), and the packed backbone ran over
@@ -72,7 +73,7 @@ def assert_packed_scores_as_padded(family: str, checkpointing: bool, make_batch,
         padded.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         padded.train()
     packed = copy.deepcopy(padded)
-    head = dict(temperature=0.7, chunk_rows=3, return_entropy=True)
+    head = dict(temperature=0.7, chunk_rows=chunk_rows, return_entropy=True)
     assert install_chunked_lm_head(padded, padding_free_rows=False, **head)
     assert install_chunked_lm_head(packed, padding_free_rows=True, **head)
     batch = make_batch(padded.config.vocab_size)
@@ -116,6 +117,29 @@ def test_reasoning_length_rows_pack_as_padded():
     # (gradients: measured at most 2e-5 apart in relative norm, fp32 sums over 17k tokens in another order)
     assert_packed_scores_as_padded("qwen2", True, long_batch, sum(prompts) + sum(completions), grad_norm_rtol=1e-4,
                                    max_position_embeddings=16384)
+
+
+# The smallest model that has every part of a decoder (1 layer, 2 query heads sharing 1 KV head): the attention over
+# a long row costs T^2. Both scorings of a 16k row took 104 s, of a 64k row 24 min, on a 2-core machine shared with
+# other work (load 4-6).
+SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.mark.parametrize("completion", [15_360, pytest.param(64_512, marks=pytest.mark.long_context)],
+                         ids=["16k", "64k"])
+def test_one_long_row_packed_scores_as_padded(completion):
+    # A reasoning-length row (a 1,024-token prompt and its completion), alone in its micro-batch as a long-context
+    # run trains it, through the chunked head at the run's 1,024 rows a chunk and activation checkpointing. The
+    # row has no padding: a padded row beside it would make the padded path build a T x T mask (4 GiB at 64k).
+    prompt = 1024
+    tokens = prompt + completion
+    vocab = len(build_char_tokenizer())
+    # gradients: fp32 sums of about n terms in another order differ in relative norm by about sqrt(n) eps (random
+    # signs; tests/tolerances.py); 10x that (measured at 17k tokens: 2e-5 against this bound's 1.6e-4)
+    terms = vocab + SMALL["num_hidden_layers"] * (SMALL["hidden_size"] + SMALL["intermediate_size"]) + tokens
+    assert_packed_scores_as_padded("qwen2", True, lambda v: padded_batch(v, 2, (prompt,), (completion,)), tokens,
+                                   grad_norm_rtol=10 * math.sqrt(terms) * FP32_EPS, chunk_rows=1024,
+                                   max_position_embeddings=tokens, **SMALL)
 
 
 def test_fp32_weights_under_bf16_autocast_pack_as_sdpa_would():

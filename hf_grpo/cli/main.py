@@ -101,8 +101,19 @@ def _int_or_none(text: str) -> int | str | None:
     return None if text.lower() in ("none", "null") else int(text)
 
 
+def _true_or_false(text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"true or false, got {text!r}")
+    return text.lower() == "true"
+
+
 def build_plan(argv: Sequence[str]) -> BatchPlan:
     """Parse ``hf-grpo plan`` arguments into a validated BatchPlan (raises ValueError)."""
+    return _parse_plan(argv)[0]
+
+
+def _parse_plan(argv: Sequence[str]) -> tuple[BatchPlan, argparse.Namespace, dict]:
+    """The validated plan, the parsed flags and the YAML's keys (``{}`` without ``--config``)."""
     defaults = batch_field_defaults()
     parser = argparse.ArgumentParser(
         prog="hf-grpo plan",
@@ -120,9 +131,22 @@ def build_plan(argv: Sequence[str]) -> BatchPlan:
         if name in ("preset", "bf16") or "checkpointing" in name:
             continue
         parser.add_argument(f"--{name}", type=_int_or_none, default=None, help=f"default: {defaults[name]}")
+    fit = parser.add_argument_group("memory", "with --model_config: the longest completion the sizes fit on a "
+                                    "device (hf_grpo.memory.context_fit)")
+    fit.add_argument("--model_config", help="the model's config.json (or its directory), or a shape of "
+                     "hf_grpo.recipe_support.tiny.SHAPES (e.g. 7b)")
+    fit.add_argument("--device_memory_gib", type=float, help="the device's memory (default: this machine's GPU)")
+    fit.add_argument("--max_completion_length", type=int, help="default: the YAML's, else GRPOConfig's")
+    fit.add_argument("--longest_prompt", type=int, default=None, help="tokens (default: the YAML's "
+                     "max_prompt_length, else 512)")
+    fit.add_argument("--lora_r", type=int, default=None, help="LoRA rank, 0 for full fine-tuning (default: the "
+                     "YAML's lora_r where use_peft is true, else 0)")
+    fit.add_argument("--activation_checkpointing", type=_true_or_false, default=None,
+                     help="true or false (default: the YAML's or the preset's, else false)")
     args = parser.parse_args(argv)
 
     values = dict(defaults)
+    loaded = {}
     if args.config:
         loaded = load_yaml(args.config, "a recipe YAML of hf_grpo.GRPOConfig fields")
         if not isinstance(loaded, dict):
@@ -135,7 +159,54 @@ def build_plan(argv: Sequence[str]) -> BatchPlan:
     if args.num_processes < 1:
         raise ValueError(f"--num_processes must be >= 1, got {args.num_processes}")
     resolved = resolve_batch_fields(values, explicit, args.num_processes)
-    return BatchPlan.from_fields(resolved, args.num_processes)
+    return BatchPlan.from_fields(resolved, args.num_processes), args, {**loaded, **resolved}
+
+
+def plan_text(argv: Sequence[str]) -> tuple[str, str | None]:
+    """``hf-grpo plan``'s output: the batch plan, and with ``--model_config`` the longest completion that fits; and
+    the error the trainer would raise at train begin where the run cannot fit, else None."""
+    plan, args, values = _parse_plan(argv)
+    if not args.model_config:
+        return str(plan), None
+    text, refusal = fit_text(plan, args, values)
+    return f"{plan}\n{text}", refusal
+
+
+def fit_text(plan: BatchPlan, args: argparse.Namespace, values: dict) -> tuple[str, str | None]:
+    """The memory estimate's paragraph for the plan's sizes (``context_fit.summary``), and the refusal a run it
+    says cannot fit gets at train begin (``context_fit.refusal``), else None."""
+    from ..memory import context_fit
+    from ..recipe_support.tiny import SHAPES
+
+    config = ({**SHAPES[args.model_config], "model_type": "qwen2"} if args.model_config in SHAPES
+              else context_fit.read_model_config(args.model_config))
+    if config.get("vocab_size") is None:
+        raise ValueError(f"--model_config {args.model_config}: the shape has no vocabulary size; give a config.json")
+    dims = context_fit.ModelDims.from_config(config)
+    device = args.device_memory_gib
+    if device is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ValueError("--model_config needs --device_memory_gib (no GPU on this machine to read it from)")
+        device = torch.cuda.get_device_properties(0).total_memory / 2**30
+    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    completion = args.max_completion_length or values.get("max_completion_length") or defaults["max_completion_length"]
+    lora = args.lora_r if args.lora_r is not None else (values.get("lora_r", 16) if values.get("use_peft") else 0)
+    beta = values.get("beta", defaults["beta"])
+    shape = context_fit.RunShape(
+        prompt=args.longest_prompt or values.get("max_prompt_length") or 512,
+        generation_rows=plan.per_device_generation_batch_size, train_rows=plan.per_device_train_batch_size,
+        tensor_rows=plan.tensor_batch_size, token_budget=plan.max_tokens_per_micro_batch, lora_rank=lora,
+        checkpointing=bool(values.get("activation_checkpointing")), reference_copy=not lora and beta != 0,
+        packed=values.get("padding_free") is not False,
+        backend="hf" if values.get("generation_backend") == "hf" else "cuda_graph")
+    for name, value in (("--max_completion_length", completion), ("--longest_prompt", shape.prompt),
+                        ("--lora_r", lora), ("--device_memory_gib", device)):
+        if value < (0 if name in ("--lora_r", "--longest_prompt") else 1e-9):
+            raise ValueError(f"{name} must be positive, got {value}")
+    text, fits = context_fit.summary(dims, shape, int(device * 2**30), int(completion))
+    return text, None if fits else context_fit.refusal(dims, shape, int(device * 2**30), int(completion))
 
 
 def translate_plan(argv: Sequence[str]) -> str:
@@ -179,8 +250,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: hf-grpo plan [--config FILE.yaml] [--num_processes N] [--<batch field> VALUE ...]")
+        print("                    [--model_config CONFIG.json|SHAPE --device_memory_gib GIB ...]")
         print("       hf-grpo plan --from {skyrl,verl,openrlhf,trlx,d1} [--num_processes N] KEY=VALUE ...")
         print("  plan   print the batch plan of a config and check it against the batch-size contract;")
+        print("         with --model_config, the longest completion its sizes fit on the device;")
         print("         with --from, first translate another framework's batch settings into hf-grpo flags")
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
@@ -188,10 +261,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hf-grpo: unknown command {command!r}; the commands are: plan", file=sys.stderr)
         return 2
     try:
-        plan = translate_plan(rest) if any(a == "--from" or a.startswith("--from=") for a in rest) else build_plan(rest)
+        translating = any(a == "--from" or a.startswith("--from=") for a in rest)
+        plan, refusal = (translate_plan(rest), None) if translating else plan_text(rest)
     except (ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     print(plan)
+    if refusal is not None:  # the plan is valid, but the trainer would refuse it at train begin
+        print(f"error: {refusal}", file=sys.stderr)
+        return 1
     return 0
 

@@ -20,7 +20,9 @@ Keeping decoders, so that compiles and captures are paid a bounded number of tim
   longest padded prompt plus new tokens fits the cache in hand reuses it and its graph, and
   one that does not moves up to the smallest rung that fits. ``reserve(n)`` (the trainer
   calls it with the dataset's longest prompt plus ``max_completion_length``) sizes the first
-  cache for the whole run: one compile per run. On real data every rollout has another prompt
+  cache for the whole run: one compile per run, and a cache of n positions rounded up to 256
+  where that is shorter than a rung (``cache_positions``: at long completions a rung would
+  waste up to a third of the memory). On real data every rollout has another prompt
   length; keyed by the exact length, each would compile and capture anew (20-30 s each).
   Positions past a chunk's own length are masked by causality, so a larger cache changes no
   token. A last chunk with fewer prompts is filled up to ``chunk_size`` with copies of its
@@ -77,7 +79,8 @@ from .fused_projections import validate_parts
 from .hf import HFGenerateBackend
 from .sampling import SamplingSettings, effective_generation_config, unsupported_generation_setting
 from .attention_routing import GQA_DECODE_ATTENTION
-from .static_cache import base_model, cache_len_ladder, last_logits, sliding_windows
+from ..memory.decode_sizes import cache_len_ladder, cache_positions
+from .static_cache import base_model, last_logits, sliding_windows
 from .static_decoder import StaticDecoder, take_next_tokens
 
 logger = logging.getLogger(__name__)
@@ -372,7 +375,7 @@ class CudaGraphBackend(GenerationBackend):
             del self._entries[key]
             decoder = None
         if decoder is None:
-            cache_len = cache_len_ladder(max(need, self.reserved_len), self.min_cache_len)
+            cache_len = cache_positions(need, self.reserved_len, self.min_cache_len)
             decoder = StaticDecoder(
                 model,
                 batch=batch,

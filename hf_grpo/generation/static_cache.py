@@ -17,22 +17,6 @@ def base_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def cache_len_ladder(need: int, minimum: int = 256) -> int:
-    """The smallest rung of ``minimum x {1, 1.5} x 2^k`` that holds ``need`` positions.
-
-    Rungs 1.5x or 4/3x apart bound the compiles of a run to about 2 log2(longest / minimum) while
-    wasting at most a third of the cache on attention over masked positions.
-    """
-    if need < 1 or minimum < 1:
-        raise ValueError(f"cache lengths must be positive, got need={need}, minimum={minimum}")
-    rung = minimum
-    while True:
-        for candidate in (rung, rung * 3 // 2):
-            if need <= candidate:
-                return candidate
-        rung *= 2
-
-
 def sliding_windows(config) -> list[int | None]:
     """Each decoder layer's sliding window as its static cache layer will have it (None: full attention).
 

@@ -3,8 +3,8 @@
 A ``StaticDecoder`` decodes chunks of ``batch`` left-padded prompts against a
 ``transformers.StaticCache`` of ``cache_len`` positions:
 
-* The prefill runs the prompts eagerly, in pieces sized so that one piece's attention scores
-  stay near ``PREFILL_SCORE_BYTES`` whatever the prompt length; a piece attends to the cache positions
+* The prefill runs the prompts eagerly, in pieces sized so that one piece's attention scores stay near
+  ``memory.decode_sizes.PREFILL_SCORE_BYTES`` whatever the prompt length; a piece attends to the cache positions
   up to its end only (``prefill_keys``). Position ids are
   ``cumsum(mask) - 1`` (pads at 0) and the 2D attention mask is the prompt's mask followed by ones, which is what
   ``model.generate`` feeds the model, so greedy decoding gives the same tokens as
@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memory.decode_sizes import prefill_pieces
 from ..runtime.graph_capture import capture_graph
 from ..runtime.regional_compile import CompiledLayers
 from . import filled_attention
@@ -52,10 +53,6 @@ from .sampling import SamplingSettings, row_uniforms, select_tokens, select_toke
 from .static_cache import base_model, kv_heads, last_logits, static_cache
 
 logger = logging.getLogger(__name__)
-
-
-# Attention-score bytes one prefill forward may allocate (see StaticDecoder.prefill_pieces).
-PREFILL_SCORE_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -311,24 +308,9 @@ class StaticDecoder:
         self._advance(logits)
 
     def prefill_pieces(self, model, prompt_len: int, sliced: bool) -> list[tuple[int, int]]:
-        """The ``(start, end)`` prompt positions of each prefill forward: each piece a multiple of 16 positions
-        (but the last), at least 16, as long as its scores against its keys (the positions up to its end when
-        ``sliced``, else the whole cache) fit ``PREFILL_SCORE_BYTES``."""
+        """The ``(start, end)`` prompt positions of each prefill forward (``prefill_pieces`` of this decoder)."""
         heads = getattr(base_model(model).config, "num_attention_heads", 1) or 1
-        per_score = self.batch * heads * 4
-
-        def fits(start: int, piece: int) -> bool:
-            keys = min(start + piece, prompt_len) if sliced else self.cache_len
-            return per_score * piece * keys <= PREFILL_SCORE_BYTES
-
-        pieces, start = [], 0
-        while start < prompt_len:
-            piece = 16
-            while start + piece < prompt_len and fits(start, piece + 16):
-                piece += 16
-            pieces.append((start, min(start + piece, prompt_len)))
-            start += piece
-        return pieces
+        return prefill_pieces(prompt_len, self.batch * heads * 4, self.cache_len, sliced)
 
     def _advance(self, logits: torch.Tensor, compiled: Callable | None = None) -> None:
         """Logits [B, V] -> next token, written into the static buffers (``take_next_tokens``).

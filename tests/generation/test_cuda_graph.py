@@ -20,6 +20,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from hf_grpo.generation import HFGenerateBackend, resolve_backend
 from hf_grpo.generation import cuda_graph, filled_attention, sampling
 from hf_grpo.generation.cuda_graph import CudaGraphBackend, cache_len_ladder
+from hf_grpo.memory import decode_sizes
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -293,7 +294,7 @@ def test_prefill_in_pieces_gives_the_tokens_of_a_whole_prefill(tokenizer, monkey
     from hf_grpo.generation import static_decoder
 
     model = build_tiny_model(tokenizer).eval()
-    monkeypatch.setattr(static_decoder, "PREFILL_SCORE_BYTES", 1)  # the smallest piece: 16 positions
+    monkeypatch.setattr(decode_sizes, "PREFILL_SCORE_BYTES", 1)  # the smallest piece: 16 positions
     calls = []
     forward = static_decoder.last_logits
     monkeypatch.setattr(static_decoder, "last_logits", lambda m, ids, *a: calls.append(ids.size(1)) or forward(m, ids, *a))
@@ -342,7 +343,7 @@ def test_prefill_pieces_attend_to_the_positions_up_to_their_end_only(tokenizer, 
     assert all(q == 1 for q, _ in seen[layers:])  # then one-token steps
 
     seen.clear()
-    monkeypatch.setattr(static_decoder, "PREFILL_SCORE_BYTES", 1)  # 16 positions a piece
+    monkeypatch.setattr(decode_sizes, "PREFILL_SCORE_BYTES", 1)  # 16 positions a piece
     assert CudaGraphBackend(use_cuda_graph=False, min_cache_len=256).generate(model, prompts, **call) == expected
     pieces = [(16, 16), (16, 32), (16, 48), (2, 50)]
     assert seen[: 4 * layers] == [piece for piece in pieces for _ in range(layers)]
@@ -356,7 +357,7 @@ def test_an_eager_attention_prefill_keeps_pieces_sized_for_the_whole_cache(token
     heads = model.config.num_attention_heads
     # Room for 48 positions against 48 keys, not against the 256-position cache: the sliced plan would take one
     # 48-position piece, the whole-cache plan takes 16-position pieces.
-    monkeypatch.setattr(static_decoder, "PREFILL_SCORE_BYTES", 4 * heads * 48 * 48)
+    monkeypatch.setattr(decode_sizes, "PREFILL_SCORE_BYTES", 4 * heads * 48 * 48)
     calls = []
     forward = static_decoder.last_logits
 
@@ -478,6 +479,27 @@ def test_the_memory_probe_of_a_cuda_graph_backend_is_eager_with_the_same_cache(t
     assert made == [cache_len_ladder(308, backend.min_cache_len)] and probe.num_compiles == 0  # the run's cache
     hf = HFGenerateBackend()
     assert hf.for_memory_probe() is hf
+
+
+def test_a_long_reserved_length_is_sized_to_the_rows_not_a_rung_and_decodes_the_same_tokens(tokenizer, monkeypatch):
+    # 1,100 positions (the longest prompt + max_completion_length) would sit on rung 1,536: a third of the cache
+    # never filled. The reserved cache is 1,280 (1,100 rounded up to 256), and the tokens are those of the cache
+    # an unreserved backend sizes for the call alone.
+    model = build_tiny_model(tokenizer).eval()
+    made = _record_cache_lengths(monkeypatch)
+    gc = GenerationConfig(max_new_tokens=12, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    prompts = _prompts(tokenizer, 3, seed=5)
+    reserved = CudaGraphBackend(use_cuda_graph=False, min_cache_len=32)
+    reserved.reserve(1100)
+    got = reserved.generate(model, prompts, generation_config=gc, chunk_size=3, pad_token_id=PAD, eos_token_ids=[EOS])
+    unreserved = CudaGraphBackend(use_cuda_graph=False, min_cache_len=32)  # the call's own rung: 32 positions
+    expected = unreserved.generate(model, prompts, generation_config=gc, chunk_size=3, pad_token_id=PAD,
+                                 eos_token_ids=[EOS])
+    assert made == [1280, 32]
+    assert got == expected
+    assert cuda_graph.cache_positions(60, 1100, 32) == 1280  # a shorter call in the run uses the run's cache
+    assert cuda_graph.cache_positions(1200, 1100, 32) == 1536  # past the reservation: the ladder, as unreserved
+    assert cuda_graph.cache_positions(60, 68, 32) == 96  # short runs keep their rung (96 is below 256)
 
 
 # ---------------------------------------------------------------------------------------- GPU
