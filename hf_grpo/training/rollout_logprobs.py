@@ -130,9 +130,9 @@ class Mismatch:
                 "sampling/sampling_logp_difference/max": self.max}
 
 
-def token_diffs(sampler: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """trainer - sampler at the real tokens (1-D, float32, detached)."""
-    return (trainer.detach().float() - sampler.float())[mask.bool()]
+def token_diffs(sampler: torch.Tensor, scored: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """scored - sampler at the real tokens (1-D, float32, detached); ``scored``: the trainer's forward's."""
+    return (scored.detach().float() - sampler.float())[mask.bool()]
 
 
 def reduce(diffs: Sequence[torch.Tensor], eps_low: float, eps_high: float, gather: Callable, device) -> Mismatch | None:
@@ -232,8 +232,8 @@ class RolloutLogprobs:
                                f"{SOURCE_FIELD}='recompute'")
         return padded(logprobs, width, device)
 
-    def measure(self, sampler: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor) -> None:
-        self._pending.append(token_diffs(sampler, trainer, mask))
+    def measure(self, sampler: torch.Tensor, scored: torch.Tensor, mask: torch.Tensor) -> None:
+        self._pending.append(token_diffs(sampler, scored, mask))
 
     def scored(self, compute: Callable[[], tuple], policy: bool, no_grad: bool, input_ids: torch.Tensor, args: tuple,
                kwargs: dict, global_step: int) -> tuple:
