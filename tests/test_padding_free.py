@@ -125,8 +125,8 @@ def test_reasoning_length_rows_pack_as_padded():
 SMALL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
 
 
-@pytest.mark.parametrize("completion", [15_360, pytest.param(64_512, marks=pytest.mark.long_context)],
-                         ids=["16k", "64k"])
+@pytest.mark.parametrize("completion", [3_072, pytest.param(15_360, marks=pytest.mark.long_context),
+                                        pytest.param(64_512, marks=pytest.mark.long_context)], ids=["4k", "16k", "64k"])
 def test_one_long_row_packed_scores_as_padded(completion):
     # A reasoning-length row (a 1,024-token prompt and its completion), alone in its micro-batch as a long-context
     # run trains it, through the chunked head at the run's 1,024 rows a chunk and activation checkpointing. The
