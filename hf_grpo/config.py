@@ -142,9 +142,10 @@ class GRPOConfig(RolloutLogprobFields, trl.GRPOConfig):  # RolloutLogprobFields:
             to a few lengths an octave, positions kept), on one CUDA process, under DeepSpeed ZeRO-1/2 or DDP, the
             reductions running after the replay; not under ZeRO-3, FSDP or a token budget; for dense models with
             sdpa or eager attention;
-            ``"auto"``: so where the run allows it and activation checkpointing is on (without it the graphs' pool
-            would keep a micro-batch's activations through the rollout), going on eagerly with a warning if a
-            capture fails; ``"off"``: eager launches.
+            ``"auto"``: so where the run allows it, activation checkpointing is on (without it the graphs' pool
+            would keep a micro-batch's activations through the rollout) and the host is the bound (eager where one
+            layer's forward over a micro-batch passes 5e12 FLOPs: a 7B model at 8 rows of 3k tokens), going on
+            eagerly with a warning if a capture fails; ``"off"``: eager launches.
             The graphs' memory pool and the parameters' gradients stay allocated between steps (through the
             rollout; see ``docs/performance.md``).
     """
@@ -270,10 +271,9 @@ class GRPOConfig(RolloutLogprobFields, trl.GRPOConfig):  # RolloutLogprobFields:
         metadata={
             "help": "off, auto or on. 'on' replays each training micro-batch's forward and backward from CUDA graphs "
             "captured per shape bucket, rows packed unless padding_free=False (one CUDA process, DeepSpeed "
-            "ZeRO-1/2, DDP; not ZeRO-3, FSDP or a token budget; dense models, sdpa or eager "
-            "attention); 'auto' does so "
-            "where the run allows and activation checkpointing is on, eagerly after a failed capture. See "
-            "hf_grpo.training.graphs."
+            "ZeRO-1/2, DDP; not ZeRO-3, FSDP or a token budget; dense models, sdpa or eager attention); 'auto' "
+            "does so where the run allows, activation checkpointing is on and the host is the bound, eagerly after "
+            "a failed capture. See hf_grpo.training.graphs."
         },
     )
     overwrite_output_dir: bool = field(

@@ -12,7 +12,7 @@ import torch
 from hf_grpo.logprob_head import install_chunked_lm_head
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 from hf_grpo.run_state import RunFacts, RunSizes
-from hf_grpo.training import graph_buckets, graph_inputs
+from hf_grpo.training import eager_packing, graph_buckets, graph_inputs
 from hf_grpo.training import graphs as training_graphs
 
 from project_files import load_bench
@@ -304,6 +304,29 @@ def test_auto_leaves_runs_without_activation_checkpointing_eager(tmp_path, monke
     assert graphs.warmup_passes == training_graphs.WARMUP_PASSES["eager"]
     # the Trainer's own compile may compile again for a new shape
     assert choose(checkpointed, torch_compile=True)[0].warmup_passes == training_graphs.WARMUP_PASSES["compiled"]
+
+
+def test_auto_leaves_micro_batches_bound_by_the_gpu_eager_and_on_replays_them(tmp_path, monkeypatch, caplog):
+    # A 7B layer (233M parameters) over 8 rows of 1024 + 2048 tokens: 1.1e13 FLOPs, GPU-bound; a replay there saves
+    # no host time while each new packed shape costs a capture (measured: docs/performance.md). 1.5B at 1024 + 512
+    # (47M a layer, 1.2e12) is host-bound and keeps its graphs, as a 3B model (77M) at those lengths does.
+    monkeypatch.setattr(training_graphs, "unavailable_reason", lambda *a: None)  # as on one GPU
+    trainer = tiny_cpu_trainer(tmp_path, activation_checkpointing=True)
+    weigh = lambda params, tokens: eager_packing.choose(layer_parameters=params, micro_batch_tokens=tokens,  # noqa
+                                                        device_type="cuda")
+    trainer.decisions.eager_rows = weigh(233_000_000, 8 * (1024 + 2048))
+    graphs, reason = choose(trainer)
+    assert graphs is None and reason.startswith("bound by the GPU (1.1e+13 FLOPs a layer a micro-batch >= 5.0e+12)")
+    with caplog.at_level("INFO", logger="hf_grpo"):
+        assert start(trainer) is None
+    assert "training micro-batches: eager launches (bound by the GPU" in caplog.text
+    assert "rows packed (padding_free=None: bound by the GPU" in caplog.text  # the eager rows' own layout, said too
+    assert isinstance(choose(trainer, training_cuda_graphs="on")[0], training_graphs.TrainingGraphs)
+    for params in (47_000_000, 77_000_000):  # 1.5B and 3B at 1024 + 512: the host is the bound
+        trainer.decisions.eager_rows = weigh(params, 8 * (1024 + 512))
+        assert isinstance(choose(trainer)[0], training_graphs.TrainingGraphs)
+    trainer.decisions.eager_rows = eager_packing.Choice(True, "padding_free=True")  # not weighed: replayed
+    assert isinstance(choose(trainer)[0], training_graphs.TrainingGraphs)
 
 
 def test_auto_replays_under_zero_1_and_2_handing_gradients_over_and_leaves_zero3_and_ddp_eager(tmp_path, monkeypatch):

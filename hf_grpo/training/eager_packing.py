@@ -40,6 +40,7 @@ PACK_FROM_LAYER_FLOPS = 1.5e12
 class Choice:
     packed: bool
     reason: str
+    layer_flops: float | None = None  # one decoder layer's forward over a padded micro-batch, where it was weighed
 
     def __str__(self) -> str:
         return f"rows {'packed' if self.packed else 'padded'} ({self.reason})"
@@ -57,9 +58,9 @@ def choose(*, layer_parameters: int, micro_batch_tokens: int, device_type: str) 
     flops = 2 * layer_parameters * micro_batch_tokens
     if flops >= PACK_FROM_LAYER_FLOPS:
         return Choice(True, f"padding_free=None: bound by the GPU, {flops:.1e} FLOPs a layer a micro-batch >= "
-                      f"{PACK_FROM_LAYER_FLOPS:.1e}")
+                      f"{PACK_FROM_LAYER_FLOPS:.1e}", flops)
     return Choice(False, f"padding_free=None: bound by the host, {flops:.1e} FLOPs a layer a micro-batch < "
-                  f"{PACK_FROM_LAYER_FLOPS:.1e}; padding_free=True packs anyway")
+                  f"{PACK_FROM_LAYER_FLOPS:.1e}; padding_free=True packs anyway", flops)
 
 
 def layer_parameters(model: torch.nn.Module) -> int:
