@@ -397,7 +397,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         if world_process_zero:
             logger.info("hf-grpo batch plan (world size %d):\n%s", self.accelerator.num_processes, self.batch_plan())
         # the longest completion these sizes fit, logged; a max_completion_length past it refused (context_fit)
-        context_fit.check_run(self.model, self.sizes, self.facts, prompt=self._prompt_width(), main=world_process_zero,
+        context_fit.check_run(self.model, self.sizes, self.facts, prompt=self._prompt_width, main=world_process_zero,
                               packed=decisions.eager_rows.packed or decisions.graphs_replay, reference=self.ref_model
                               is not None, backend=self.args.generation_backend, device=self.accelerator.device)
 

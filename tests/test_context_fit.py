@@ -120,7 +120,7 @@ def test_train_begin_refuses_a_completion_the_device_cannot_fit_and_logs_the_lim
     sizes = RunSizes(per_device_train_batch_size=2, gradient_accumulation_steps=1, steps_per_generation=2,
                      per_device_generation_batch_size=4, tensor_batch_size=64, max_tokens_per_micro_batch=None)
     facts = RunFacts(activation_checkpointing=True, max_completion_length=4096)
-    run = dict(prompt=32, packed=True, reference=False, backend="cuda_graph", device=torch.device("cpu"))
+    run = dict(prompt=lambda: 32, packed=True, reference=False, backend="cuda_graph", device=torch.device("cpu"))
     with pytest.raises(ValueError, match=r"max_completion_length=4,096 does not fit on this device.*"
                                          r"lower max_completion_length to [0-9,]+ or less"):
         cf.check_run(model, sizes, facts, main=True, device_bytes=cf.CONTEXT_BYTES + 20 * 2**20, **run)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -392,12 +392,13 @@ def run_inputs(model, sizes, facts, *, prompt: int, packed: bool, reference: boo
     return dims, shape
 
 
-def check_run(model, sizes, facts, *, prompt: int, packed: bool, reference: bool, backend: str, device,
-              main: bool, device_bytes: int | None = None) -> None:
+def check_run(model, sizes, facts, *, prompt: Callable[[], int], packed: bool, reference: bool, backend: str,
+              device, main: bool, device_bytes: int | None = None) -> None:
     """At train begin, before the first rollout: log the longest completion the run's sizes fit, and refuse one
     whose ``max_completion_length`` cannot fit (``refusal``). On one GPU or under DDP; ``device_bytes`` defaults
     to the device's memory (its per-process cap where one is set). Not estimated on CPU, under DeepSpeed or FSDP
-    (they partition what the terms count whole), or with ``HF_GRPO_FIT_CHECK=off``."""
+    (they partition what the terms count whole), or with ``HF_GRPO_FIT_CHECK=off``. ``prompt`` gives the longest
+    prompt, asked only where the check runs (it may scan the training set)."""
     enabled = check_enabled()
     if device_bytes is None:
         if facts.device_type != "cuda" or facts.engine is not None or not enabled:
@@ -405,7 +406,7 @@ def check_run(model, sizes, facts, *, prompt: int, packed: bool, reference: bool
         from .autosize import memory_cap_bytes
 
         device_bytes = memory_cap_bytes(device, 1.0)
-    dims, shape = run_inputs(model, sizes, facts, prompt=prompt, packed=packed, reference=reference,
+    dims, shape = run_inputs(model, sizes, facts, prompt=prompt(), packed=packed, reference=reference,
                              backend=backend)
     text, fits = summary(dims, shape, device_bytes, facts.max_completion_length)
     if main:
