@@ -34,6 +34,12 @@ from ..run_state import RunFacts
 
 # FLOPs of one decoder layer's forward over one micro-batch from which eager micro-batches are packed (see above)
 PACK_FROM_LAYER_FLOPS = 1.5e12
+# ... and from which training_cuda_graphs="auto" leaves them eager (training.graphs): the GPU is the bound, a replay
+# saves no host time, while each new packed shape costs a capture or a replay in a longer captured one. Measured on
+# one H100 (docs/performance.md, "The GPU-bound step"): 7B with LoRA, 8 rows of up to 1024 + 2048 tokens (1.2e13),
+# the training half 10.1 s eager against 12.5 s replayed; 1.5B with LoRA at 1024 + 512 (1.2e12) gains from the
+# graphs, and stays below.
+REPLAY_BELOW_LAYER_FLOPS = 5e12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +67,16 @@ def choose(*, layer_parameters: int, micro_batch_tokens: int, device_type: str) 
                       f"{PACK_FROM_LAYER_FLOPS:.1e}", flops)
     return Choice(False, f"padding_free=None: bound by the host, {flops:.1e} FLOPs a layer a micro-batch < "
                   f"{PACK_FROM_LAYER_FLOPS:.1e}; padding_free=True packs anyway", flops)
+
+
+def gpu_bound_reason(choice: Choice | None) -> str | None:
+    """Why micro-batches weighed as ``choice`` are not worth replaying from CUDA graphs, or None (not weighed, or
+    below ``REPLAY_BELOW_LAYER_FLOPS``)."""
+    flops = getattr(choice, "layer_flops", None)
+    if flops is None or flops < REPLAY_BELOW_LAYER_FLOPS:
+        return None
+    return (f"bound by the GPU ({flops:.1e} FLOPs a layer a micro-batch >= {REPLAY_BELOW_LAYER_FLOPS:.1e}): a "
+            "replay saves no host time there, and new shapes cost captures")
 
 
 def layer_parameters(model: torch.nn.Module) -> int:

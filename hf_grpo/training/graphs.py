@@ -45,7 +45,7 @@ import torch
 from ..distributed import ddp_replay
 from ..run_state import RunDecisions, RunFacts, RunSizes
 from ..runtime.graph_capture import weights_signature
-from . import graph_inputs, padding_free, rank_shapes, shape_reuse
+from . import eager_packing, graph_inputs, padding_free, rank_shapes, shape_reuse
 from .cuda_graph_recorder import CudaGraphRecorder
 from .graph_buckets import Bucket, Replay, chunked_scoring
 from .parameter_aliases import ParameterAliases
@@ -58,12 +58,6 @@ SETTINGS = ("auto", "on", "off")
 # kernels and sets up cuBLAS for the stream. Eager layers need no more for another shape (a later pass cost 0.25 s
 # and 0.6 GiB of peak); compiled layers may compile or tune again for a new shape, impossible inside a capture.
 WARMUP_PASSES = {"eager": (1, 0), "compiled": (2, 1)}
-# "auto" replays micro-batches below this many FLOPs of one decoder layer's forward over one (padded) micro-batch,
-# the measure eager_packing weighs. Above it the GPU is the bound: a replay saves no host time, while each new
-# packed shape costs a capture or a replay in a longer captured one. Measured on one H100 (docs/performance.md,
-# "The GPU-bound step"): 7B with LoRA, 8 rows of up to 1024 + 2048 tokens (1.2e13), the training half 10.1 s eager
-# against 12.5 s replayed; 1.5B with LoRA at 1024 + 512 (1.2e12) gains from the graphs, and stays below.
-REPLAY_BELOW_LAYER_FLOPS = 5e12
 # Captured shapes kept per table (training, scoring), the least recently used dropped beyond: packed rows meet ~30
 # shapes at prompts of 32-384 tokens, ~100 at 64-1024 (95% of micro-batches in the 64 most used); each is small.
 MAX_BUCKETS = 64
@@ -113,11 +107,8 @@ def choose(settings, model: torch.nn.Module, facts: RunFacts, sizes: RunSizes, d
         if setting == "on":
             logger.warning("training_cuda_graphs='on' is not applied: %s", reason)
         return None, reason
-    flops = getattr(decisions.eager_rows, "layer_flops", None)
-    if setting == "auto" and flops is not None and flops >= REPLAY_BELOW_LAYER_FLOPS:
-        return None, (f"bound by the GPU ({flops:.1e} FLOPs a layer a micro-batch >= {REPLAY_BELOW_LAYER_FLOPS:.1e}): "
-                      "a replay saves no host time there, and new shapes cost captures (training_cuda_graphs='on' "
-                      "replays anyway)")
+    if setting == "auto" and (bound := eager_packing.gpu_bound_reason(decisions.eager_rows)) is not None:
+        return None, bound + " (training_cuda_graphs='on' replays anyway)"
     if setting == "auto" and not facts.activation_checkpointing:
         # Checkpointed, the pool keeps little more than the layers' inputs; without, it would keep a whole
         # micro-batch's activations through the rollout, which eager training hands back to it.
