@@ -87,8 +87,9 @@ def test_auto_sizes_and_an_out_of_memory_change_the_run_sizes_never_the_config(t
 
 
 def test_only_the_trainer_modules_read_the_trainers_private_state():
-    """TRL's private attributes change between releases: their reads stay where the overrides are pinned."""
-    allowed = {PACKAGE / "trainer.py", PACKAGE / "diffusion" / "trainer.py"}
+    """TRL's private attributes change between releases: their reads stay where the overrides are pinned, and in
+    the one module that names other libraries' private names (``runtime/upstream.py``, checked to exist)."""
+    allowed = {PACKAGE / "trainer.py", PACKAGE / "diffusion" / "trainer.py", PACKAGE / "runtime" / "upstream.py"}
     found = []
     for path in sorted(set(PACKAGE.rglob("*.py")) - allowed):
         for node in ast.walk(ast.parse(path.read_text())):
