@@ -34,11 +34,11 @@ from dataclasses import dataclass
 import torch
 
 from ..ops import chunked_logprobs
+from ..runtime.collectives import max_over_ranks
 from .model import (
     HeadBypass,
     accepts_kwarg,
     equal_length_groups,
-    max_over_ranks,
     pack_rows,
     padding_kwargs,
     slot_columns,
@@ -199,7 +199,7 @@ def masked_logprobs(
     pieces = _row_pieces(lengths, row_chunk, spec.attends_to_padding)
     # grouped by length, ranks hold different numbers of pieces: agree on the largest BEFORE any forward (where
     # forwards are collective, a rank must not wait in this all-reduce while another waits in a forward)
-    idle = max_over_ranks(len(pieces), prompt_ids.device) - len(pieces) if spec.attends_to_padding else 0
+    idle = max_over_ranks(len(pieces)) - len(pieces) if spec.attends_to_padding else 0
     for rows_here in pieces:
         index = rows_here if isinstance(rows_here, slice) else torch.tensor(rows_here, device=prompt_ids.device)
         logp, entropy = _estimate_rows(

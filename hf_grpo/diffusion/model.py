@@ -156,21 +156,6 @@ def attends_to_padding(model: torch.nn.Module, style: str, mask_token_id: int, p
     return bool(((states[0] - states[1]).abs().max() / scale) > 1e-3)
 
 
-def max_over_ranks(count: int, device) -> int:
-    """The largest ``count`` over the processes of a torch.distributed run (``count`` itself outside one).
-
-    Grouping rows by length gives each rank its own number of forwards; where forwards are collective
-    (ZeRO-3 gathers each layer, DDP broadcasts buffers) every rank must run the same number.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return count
-    value = torch.tensor([count], dtype=torch.long, device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return int(value.item())
-
-
 def equal_length_groups(lengths: list[int], max_rows: int | None) -> list[list[int]]:
     """Row indices grouped by equal ``lengths`` (first-seen order), each group split into pieces of ``max_rows``."""
     groups: dict[int, list[int]] = {}

@@ -57,6 +57,7 @@ import torch
 from transformers import GenerationConfig
 
 from ..generation.base import GenerationBackend, cut_after_eos, is_zero3_partitioned, iter_chunks, model_device
+from ..runtime.collectives import max_over_ranks
 from . import dream_sampler
 from .block_cache import BlockKVCache, cache_kwarg, check_block_cache, recomputed_columns
 from .draws import HEAD_POSITIONS, commit_topk, sample_tokens, transfer_schedule  # noqa: F401 (re-exported)
@@ -67,7 +68,6 @@ from .model import (
     equal_length_groups,
     full_forward,
     left_pad_tensors,
-    max_over_ranks,
     model_family,
     pack_rows,
     padding_kwargs,
@@ -329,7 +329,7 @@ class DiffusionSampler(GenerationBackend):
         if self.attends_to_padding and is_zero3_partitioned(model) and prompt_ids:
             # ZeRO-3 forwards are collective: as many chunks as the busiest rank (the extra ones resample prompt 0,
             # and their completions are dropped)
-            chunks += [[0]] * (max_over_ranks(real, device) - real)
+            chunks += [[0]] * (max_over_ranks(real) - real)
         for index, rows in enumerate(chunks):
             keep = index < real
             ids, mask, padded = left_pad_tensors([list(prompt_ids[row]) for row in rows], pad_token_id, device)

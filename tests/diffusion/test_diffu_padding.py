@@ -163,7 +163,7 @@ def test_every_rank_runs_as_many_forwards_as_the_busiest(monkeypatch):
     model.zero_grad()
     forwards = []
     model.register_forward_hook(lambda *args: forwards.append(1))
-    monkeypatch.setattr(logprobs, "max_over_ranks", lambda count, device: count + 2)  # a busier rank exists
+    monkeypatch.setattr(logprobs, "max_over_ranks", lambda count: count + 2)  # a busier rank exists
     padded_logp = estimate(model, rows, 2, True)
     padded_logp.sum().backward()
     assert len(forwards) == 4 + 2  # groups of lengths 6, 2, 1, 3 (one row each at most 2), then 2 idle forwards
@@ -172,7 +172,7 @@ def test_every_rank_runs_as_many_forwards_as_the_busiest(monkeypatch):
 
     alone = sample(model, list(range(len(PROMPTS))), 3, True)
     monkeypatch.setattr(sampler, "is_zero3_partitioned", lambda model: True)
-    monkeypatch.setattr(sampler, "max_over_ranks", lambda count, device: count + 1)
+    monkeypatch.setattr(sampler, "max_over_ranks", lambda count: count + 1)
     forwards.clear()
     assert sample(model, list(range(len(PROMPTS))), 3, True) == alone
     assert len(forwards) == (4 + 1) * 8  # lengths 3, 2, 6, 1: 4 chunks, then 1 idle chunk; 8 steps each
