@@ -6,7 +6,7 @@ import pathlib
 import sys
 
 import pytest
-from launching import note_running_test
+from tests.launching import note_running_test
 
 from hf_grpo.config import ENV_OVERRIDES
 
@@ -65,7 +65,7 @@ def zero2_quickstart_run(tmp_path_factory):
     a checkpoint every 2, all kept): the uninterrupted run a killed-and-resumed one must equal (test_fault_resume),
     and a checkpoint of 2 ZeRO partitions that a 1-process resume must refuse (test_zero_resume). Launched by the
     first test that asks for it: each of those is marked ``launch``."""
-    from test_launch import ZERO2_QUICKSTART, launch
+    from tests.distributed.test_launch import ZERO2_QUICKSTART, launch
 
     output_dir = tmp_path_factory.mktemp("zero2_quickstart") / "out"
     launch("zero2", "recipes/quickstart.py", *ZERO2_QUICKSTART, "--output_dir", output_dir)

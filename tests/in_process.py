@@ -2,9 +2,9 @@
 code, stdout and stderr as a subprocess would give them.
 
 A subprocess pays ~5-10 s of Python start-up and imports per command on a 2-core machine; in-process the
-imports are paid once. ``tests/test_cli.py::test_console_script_is_installed`` still runs the installed
+imports are paid once. ``tests/cli/test_cli.py::test_console_script_is_installed`` still runs the installed
 console script itself, and the README's ``accelerate launch recipes/quickstart.py`` is launched as written
-(``tests/test_readme_commands.py``).
+(``tests/project/test_readme_commands.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Mapping, Sequence
 from contextlib import contextmanager, redirect_stderr, redirect_stdout
 
-from project_files import load_recipe
+from tests.project_files import load_recipe
 
 
 def run_hf_grpo(argv: Sequence[str], env: Mapping[str, str] | None = None,

@@ -18,7 +18,7 @@ import pathlib
 import subprocess
 import sys
 
-from side_by_side import run_to_end
+from tests.side_by_side import run_to_end
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -9,8 +9,8 @@ import warnings
 import pytest
 import yaml
 from datasets import Dataset
-from deprecations import PACKAGE, future_warnings_from_hf_grpo
-from test_trainer import TOKENIZER, make_trainer, train_one_step
+from tests.deprecations import PACKAGE, future_warnings_from_hf_grpo
+from tests.test_trainer import TOKENIZER, make_trainer, train_one_step
 
 from hf_grpo import GRPOConfig, create_memory_optimized_config
 from hf_grpo.checkpointing import paused

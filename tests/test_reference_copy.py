@@ -5,7 +5,7 @@ import tempfile
 import torch
 
 from hf_grpo.recipe_support.tiny import build_tiny_model
-from test_trainer import TOKENIZER, make_trainer
+from tests.test_trainer import TOKENIZER, make_trainer
 
 
 def test_in_code_model_trains_with_a_reference_of_its_initial_weights(tmp_path, monkeypatch):

@@ -2,7 +2,7 @@
 
 import json
 
-from test_trainer import TOKENIZER, count_a_reward, make_trainer, prompt_dataset
+from tests.test_trainer import TOKENIZER, count_a_reward, make_trainer, prompt_dataset
 
 from hf_grpo import GRPOConfig, GRPOTrainer
 from hf_grpo.recipe_support.tiny import build_tiny_model

@@ -7,7 +7,7 @@ import logging
 import re
 
 import pytest
-from test_trainer import make_trainer
+from tests.test_trainer import make_trainer
 
 from hf_grpo.run_files import read_metrics
 

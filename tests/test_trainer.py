@@ -192,7 +192,7 @@ def test_reward_function_with_wrong_count_is_named(tmp_path):
 
 def test_reward_none_for_a_whole_group_scores_zero_advantage_not_nan(tmp_path):
     # TRL's documented handling: None means "no opinion"; rows where every function abstains get advantage 0
-    # (a rollout where every row is unscored is an error: tests/test_unscored_rewards.py).
+    # (a rollout where every row is unscored is an error: tests/checks/test_unscored_rewards.py).
     def first_group_unscored(completions, **kw):
         return [None if i < 4 else text.count("a") / 4 for i, text in enumerate(completions)]
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig
-from float64_rows import TOKENIZER, model, prompts  # noqa: F401 (model: a fixture)
+from tests.diffusion.float64_rows import TOKENIZER, model, prompts  # noqa: F401 (model: a fixture)
 
 from hf_grpo.diffusion import dream_sampler, sampler as sampler_module
 from hf_grpo.diffusion import draws as draws_module

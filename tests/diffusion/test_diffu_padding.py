@@ -7,7 +7,7 @@ import pathlib
 import pytest
 import torch
 from datasets import Dataset
-from project_files import load_file
+from tests.project_files import load_file
 
 from hf_grpo.diffusion import DiffuGRPOConfig, DiffuGRPOTrainer
 from hf_grpo.diffusion.logprobs import EstimatorSpec, masked_logprobs, rollout_mask_seeds

@@ -10,8 +10,8 @@ import string
 
 import pytest
 import torch
-from project_files import load_file, load_recipe
-from launching import accelerate_command, run_launch
+from tests.project_files import load_file, load_recipe
+from tests.launching import accelerate_command, run_launch
 from transformers import GenerationConfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ same steps. float64 model, so no near-tie decides anything.
 
 import pytest
 import torch
-from project_files import load_bench
-from float64_rows import TOKENIZER, model, prompts  # noqa: F401 (model: a fixture)
+from tests.project_files import load_bench
+from tests.diffusion.float64_rows import TOKENIZER, model, prompts  # noqa: F401 (model: a fixture)
 
 from hf_grpo.diffusion import sampler as sampler_module
 import hf_grpo.diffusion.draws as draws_module

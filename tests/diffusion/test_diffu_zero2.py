@@ -19,8 +19,8 @@ import pathlib
 import pytest
 import torch
 
-from launching import accelerate_command, run_launch
-from side_by_side import free_port
+from tests.launching import accelerate_command, run_launch
+from tests.side_by_side import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 

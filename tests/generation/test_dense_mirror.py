@@ -19,7 +19,7 @@ import pathlib
 
 import pytest
 import torch
-from launching import accelerate_command, run_launch
+from tests.launching import accelerate_command, run_launch
 from transformers import GenerationConfig, Qwen2ForCausalLM
 
 from hf_grpo.generation import dense_mirror

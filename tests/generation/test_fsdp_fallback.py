@@ -4,8 +4,8 @@ torch.Tensor and DTensor", "b must be 2D"). "auto" generates with the "hf" backe
 
 import pytest
 import torch
-from launching import gloo_group
-from side_by_side import free_port
+from tests.launching import gloo_group
+from tests.side_by_side import free_port
 
 from hf_grpo.generation import HFGenerateBackend, resolve_backend
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model

@@ -18,7 +18,7 @@ from hf_grpo.runtime.regional_compile import CompiledLayers
 from hf_grpo.generation.sampling import SamplingSettings
 from hf_grpo.generation.static_decoder import StaticDecoder
 from hf_grpo.recipe_support.tiny import build_char_tokenizer
-from test_regional_compile import (  # the same prompts, decoders and graph counter
+from tests.generation.test_regional_compile import (  # the same prompts, decoders and graph counter
     CountingBackend,
     _batch,
     _decode,

@@ -11,7 +11,7 @@ from hf_grpo.generation import HFGenerateBackend
 from hf_grpo.generation.cuda_graph import CudaGraphBackend
 from hf_grpo.generation.sampling import SamplingSettings, effective_generation_config, process_logits_
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
-from tolerances import FP32_EPS
+from tests.tolerances import FP32_EPS
 
 TOKENIZER = build_char_tokenizer()
 PROMPTS = [TOKENIZER(text)["input_ids"] for text in ("ab>", "c>", "defg>", "h>", "ij>", "klmno>")]

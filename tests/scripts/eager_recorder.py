@@ -1,4 +1,4 @@
-"""A stand-in for ``hf_grpo.training.cuda_graph_recorder.CudaGraphRecorder`` on a CPU (tests/test_training_graphs.py,
+"""A stand-in for ``hf_grpo.training.cuda_graph_recorder.CudaGraphRecorder`` on a CPU (tests/training/test_training_graphs.py,
 and the launched scripts next to this file that replay training micro-batches under DeepSpeed)."""
 
 import contextlib
@@ -9,7 +9,7 @@ import torch
 class EagerRecorder:
     """``training_graphs.CudaGraphRecorder``'s interface on a CPU: a "replay" runs the recorded function again and
     writes its outputs where the recorded ones live, as a graph's replay does. What the CPU cannot check (the
-    capture itself) the GPU tests of tests/test_training_graphs.py do; everything around it runs here."""
+    capture itself) the GPU tests of tests/training/test_training_graphs.py do; everything around it runs here."""
 
     def new_pool(self):
         return None
