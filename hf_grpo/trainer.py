@@ -1,7 +1,7 @@
 """GRPOTrainer: TRL's trainer with chunked generation, chunked log-probs and performance stats.
 
 Every override of TRL's and transformers' methods is here, written against trl 1.16.0 (pyproject pins
-``trl>=1.16,<1.17``; ``tests/test_trl_signatures.py`` pins their signatures; the other private names of TRL and
+``trl>=1.16,<1.17``; ``tests/runtime/test_trl_signatures.py`` pins their signatures; the other private names of TRL and
 transformers it reads go through ``hf_grpo.runtime.upstream``). Each is thin and calls the original:
 
 - ``_generate_single_turn``: the plain (text-only, no vLLM) path is served by a ``hf_grpo.generation`` backend,

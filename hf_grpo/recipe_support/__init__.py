@@ -9,5 +9,5 @@ the diffusion recipes), ``reporting`` draws the reward plot (the trainer writes
 ``metrics.jsonl``: ``hf_grpo.run_files``).
 
 May import anything in ``hf_grpo`` (this is the top of the stack); nothing in ``hf_grpo`` but the command line
-imports it (``tests/test_layering.py`` checks that no feature package does).
+imports it (``tests/project/test_layering.py`` checks that no feature package does).
 """

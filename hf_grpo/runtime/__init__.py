@@ -1,5 +1,5 @@
 """The floor under the feature packages: what every one of them may import, and that imports none of them
-(``tests/test_layering.py`` checks it).
+(``tests/project/test_layering.py`` checks it).
 
 - ``collectives``: the small all-reduces every rank calls alike (``max_over_ranks``, ``min_over_ranks``).
 - ``graph_capture``: CUDA-graph capture and the weights a captured graph depends on, for decoding and training.

@@ -2,13 +2,13 @@
 
 None of these names is part of its library's public API, and any release may rename or drop one. Each is read here,
 behind a small function that says the version it was read from, and nowhere else in ``hf_grpo``
-(``tests/test_upstream.py`` enforces it with an ``ast`` scan of the package). ``NAMES`` lists them all, with where
+(``tests/runtime/test_upstream.py`` enforces it with an ``ast`` scan of the package). ``NAMES`` lists them all, with where
 each lives; the same test builds a real trainer, model and DeepSpeed engine and checks that every one still exists,
 so that raising a pin fails there, naming the name, and not deep inside a training step.
 
 The trainers' overrides of TRL's and transformers' private methods stay in ``hf_grpo/trainer.py`` and
 ``hf_grpo/diffusion/trainer.py`` (an override is the point of a subclass); ``OVERRIDDEN`` lists them, and
-``tests/test_trl_signatures.py`` pins their signatures.
+``tests/runtime/test_trl_signatures.py`` pins their signatures.
 
 torch's own private names (``torch._dynamo``, ``Module._parameters``, DDP's ``_pre_forward``) are outside this
 module: torch is pinned by the wheels it ships with, not by a range the trainer subclasses.
@@ -29,7 +29,7 @@ class Name(NamedTuple):
     """One private name: the library version it was read from, the object that carries it, the name."""
 
     version: str
-    owner: str  # what tests/test_upstream.py checks it on
+    owner: str  # what tests/runtime/test_upstream.py checks it on
     name: str
 
 
@@ -78,7 +78,7 @@ NAMES: tuple[Name, ...] = (
 UNPREFIXED = tuple(n.name for n in NAMES if not n.name.startswith("_") or n.name.startswith("__"))
 
 # The private methods of trl.GRPOTrainer and transformers' Trainer that hf-grpo's trainers override (and call
-# through ``super()``); their signatures are pinned in tests/test_trl_signatures.py.
+# through ``super()``); their signatures are pinned in tests/runtime/test_trl_signatures.py.
 OVERRIDDEN = (
     "_calculate_rewards",  # GRPOTrainer
     "_compute_loss",  # DiffuGRPOTrainer

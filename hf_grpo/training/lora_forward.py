@@ -11,7 +11,7 @@ fused forward took the replayed backward from 0.75 to 0.62 s a step and the forw
 
 The values are the same sums in another rounding order: PEFT rounds the up-projection and its scaled value to the
 compute dtype before the add, ``addmm`` adds in the multiply's float32 accumulator and rounds once. In float32 the
-two agree to rounding (``tests/test_lora_forward.py``).
+two agree to rounding (``tests/training/test_lora_forward.py``).
 
 Layers keep PEFT's own forward where it does more than this: DoRA or another variant, a bias on the adapter,
 ``fan_in_fan_out`` weights, several active adapters, adapters disabled or merged, mixed-batch ``adapter_names``,
