@@ -4,6 +4,7 @@ left as given."""
 
 import math
 
+import pytest
 import torch
 from transformers import TrainerCallback
 
@@ -43,3 +44,34 @@ def test_estimator_chunk_follows_a_halving_during_training(tmp_path, monkeypatch
     halved = chunks.index("halved")
     assert set(chunks[:halved]) == {6} and set(chunks[halved + 1:]) == {3}
     assert trainer.sizes.tensor_batch_size == 3
+
+
+def test_trl_loss_hands_its_model_argument_only_to_the_scoring_call():
+    """The mask seeds of a loss pass travel with its model (``SeededModel``) through TRL's ``_compute_loss``: sound
+    only while TRL's loss reads that argument nowhere but as the model of ``_get_per_token_logps_and_entropies``."""
+    import ast
+    import inspect
+    import textwrap
+
+    import trl
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(trl.GRPOTrainer._compute_loss)))
+    scoring = [node for node in ast.walk(tree) if isinstance(node, ast.Call)
+               and getattr(node.func, "attr", None) == "_get_per_token_logps_and_entropies"]
+    handed = {id(call.args[0]) for call in scoring if call.args}
+    reads = [node for node in ast.walk(tree) if isinstance(node, ast.Name) and node.id == "model"]
+    assert len(scoring) == 1 and reads and all(id(node) in handed for node in reads)
+
+
+def test_scoring_without_seeds_is_a_placeholder_in_the_rollout_and_refused_elsewhere(tmp_path):
+    """Without a loss pass's seeds, TRL's no-grad old/reference passes (chunked by batch_size) get zeros, as the
+    rollout estimates those log-probs for every seed afterwards; a scoring call with gradients is refused."""
+    trainer = make_trainer(tmp_path)
+    ids = torch.randint(3, 20, (2, 7))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        logps, entropies, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4, batch_size=2)
+    assert logps.shape == (2, 4) and not logps.any() and entropies is None
+    with pytest.raises(RuntimeError, match=r"mask seed per row.*called outside _compute_loss"):
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4, compute_entropy=True)
+
