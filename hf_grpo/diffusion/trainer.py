@@ -40,6 +40,8 @@ policy built in code (no path to load a reference from) gets a deep copy as its 
 given by name is loaded here (as TRL would) so that a remote-code model without ``GenerationMixin`` gets the
 ``generation_config`` TRL reads; activation checkpointing is turned off, with a warning, for a model that
 does not implement it (LLaDA's remote code); fields written through ``config.optimization`` are re-checked.
+Where the run differs from the config (no checkpointing; ``beta`` 0 for TRL's constructor where the reference is
+built here), TRL and transformers get a shallow copy of it (``_run_config``): the user's object is never written.
 
 Not done yet (GPU speed work): a block-prefix KV cache for the sampler (every step recomputes the prompt and
 the finished blocks) and CUDA-graph capture of its fixed-shape step.
@@ -133,25 +135,15 @@ class DiffuGRPOTrainer(GRPOTrainer):
             kwargs.pop("quantization_config", None)
         if getattr(model, "generation_config", None) is None:  # remote-code models without GenerationMixin
             model.generation_config = GenerationConfig(eos_token_id=getattr(model.config, "eos_token_id", None))
-        if args.activation_checkpointing and not _supports_checkpointing(model):
-            logger.warning("activation_checkpointing=True but %s does not support it; training without it",
-                           type(base_module(model)).__name__)
-            checkpointing.set_checkpointing(args, False)
         self._padding_probed = False
         self._rollout_start_step = 0
         self._eval_rollouts = 0
         # (micro-step, iteration k, seed of the first row): the last few loss passes, for tests and debugging
         self.mask_seed_trace: collections.deque = collections.deque(maxlen=4096)
         frozen = self._in_code_reference(model, args, kwargs.get("peft_config"))
-        beta = args.beta
-        if frozen is not None:
-            args.beta = 0.0  # TRL would try to load the reference from the (empty) path of an in-code model
-        try:
-            super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
-        finally:
-            args.beta = beta
-        if frozen is not None:
-            self.beta = beta
+        super().__init__(model=model, reward_funcs=reward_funcs, args=self._run_config(args, model, frozen), **kwargs)
+        if frozen is not None:  # TRL was told beta 0 (no reference to load): the run's beta and reference, here
+            self.args.beta = self.beta = args.beta
             self.ref_model = self._prepare_reference(frozen)
 
         self.mask_token_id = resolve_mask_token_id(args.mask_token_id, self.model, self.processing_class)
@@ -173,6 +165,23 @@ class DiffuGRPOTrainer(GRPOTrainer):
         )
         self.memory = MemoryTracker(self.accelerator.device, args)
         self.add_callback(_DiffusionPlanCallback(self))
+
+    @staticmethod
+    def _run_config(args: DiffuGRPOConfig, model, frozen) -> DiffuGRPOConfig:
+        """The config TRL and transformers are built with (``self.args`` after): the user's, or where this run
+        differs from it a shallow copy (as ``RunSizes.published`` makes), so the user's object is never written."""
+        unsupported = args.activation_checkpointing and not _supports_checkpointing(model)
+        if unsupported:
+            logger.warning("activation_checkpointing=True but %s does not support it; training without it",
+                           type(base_module(model)).__name__)
+        if not unsupported and frozen is None:
+            return args
+        run = copy.copy(args)
+        if unsupported:
+            checkpointing.set_checkpointing(run, False)  # what transformers' training loop and TRL read
+        if frozen is not None:
+            run.beta = 0.0  # TRL would load the reference from the (empty) path of an in-code model; set after init
+        return run
 
     @staticmethod
     def _load(name: str, args: DiffuGRPOConfig, quantization_config=None):

@@ -2,15 +2,21 @@
 (halved mid-run after an out-of-memory), the mask seeds with the loss pass they belong to, and the user's config
 left as given."""
 
+import dataclasses
 import math
 
 import pytest
 import torch
+from datasets import Dataset
 from transformers import TrainerCallback
 
+from hf_grpo.diffusion import DiffuGRPOConfig, DiffuGRPOTrainer
 from hf_grpo.diffusion import logprobs as logprobs_module
+from hf_grpo.recipe_support.diffusion_tiny import build_tiny_diffusion_model
 
-from test_diffu_trainer import halve_tensor_batch_size, make_trainer, train
+from test_diffu_trainer import (
+    PROMPTS, TOKENIZER, FixedBackend, count_a_reward, halve_tensor_batch_size, make_trainer, train,
+)
 
 
 class _HalveAfterFirstStep(TrainerCallback):
@@ -75,3 +81,48 @@ def test_scoring_without_seeds_is_a_placeholder_in_the_rollout_and_refused_elsew
     with pytest.raises(RuntimeError, match=r"mask seed per row.*called outside _compute_loss"):
         trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4, compute_entropy=True)
 
+
+
+def trainer_values(tmp_path) -> dict:
+    """make_trainer's settings (test_diffu_trainer), for a test that keeps the config it builds."""
+    return dict(
+        output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=1, per_device_train_batch_size=8,
+        num_generations=4, max_completion_length=8, block_length=4, diffusion_steps=4, learning_rate=0.1,
+        optim="sgd", lr_scheduler_type="constant", logging_steps=1, save_strategy="no", seed=3, disable_tqdm=True,
+        activation_checkpointing=False, p_mask_prompt=0.3, beta=0.0,
+    )
+
+
+def config_fields(config) -> dict:
+    return {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
+
+
+class WatchedConfig(DiffuGRPOConfig):
+    """A config that records every field written on it (not on a copy of it) once ``watch`` is set."""
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get("watch") is self:
+            self.__dict__["writes"].append(name)
+        super().__setattr__(name, value)
+
+
+def test_the_users_config_is_left_as_given(tmp_path, monkeypatch):
+    """An in-code policy with beta > 0 gets its reference built here (TRL would load one from its empty path), and
+    a model without activation checkpointing trains without it: both are the trainer's own settings, the config the
+    user built is not written (before, after construction, after a step)."""
+    import hf_grpo.diffusion.trainer as diffusion_trainer
+
+    monkeypatch.setattr(diffusion_trainer, "_supports_checkpointing", lambda model: False)  # as LLaDA's remote code
+    config = WatchedConfig(**{**trainer_values(tmp_path), "beta": 0.04, "activation_checkpointing": True})
+    before = config_fields(config)
+    vars(config).update(watch=config, writes=[])  # a field set for the time of a call and put back shows here
+    trainer = DiffuGRPOTrainer(
+        model=build_tiny_diffusion_model(TOKENIZER, seed=0), reward_funcs=count_a_reward, args=config,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=TOKENIZER)
+    assert config_fields(config) == before and config.writes == []
+    assert trainer.ref_model is not None and trainer.beta == trainer.args.beta == 0.04
+    assert trainer.args.activation_checkpointing is False and trainer.args.gradient_checkpointing is False
+    trainer.decisions.backend = FixedBackend()
+    losses, _ = train(trainer)
+    assert losses and "kl" in trainer.state.log_history[0] and not trainer.model.is_activation_checkpointing
+    assert config_fields(config) == before and config.writes == []
