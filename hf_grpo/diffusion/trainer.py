@@ -18,10 +18,11 @@ TRL computes GRPO's advantages, clipped ratio, KL (k3) and logging; this subclas
 - ``_compute_loss``: picks iteration ``k`` = the rollout pass this micro-batch belongs to
   (``(micro-step - first micro-step of the rollout) // steps_per_generation``: it counts rollout passes,
   not micro-batches, so every one of the mu seeds is used under gradient accumulation), selects
-  ``[:, k]`` of the stored old/ref log-probs and hands the row seeds of iteration k to
-  ``_get_per_token_logps_and_entropies``; the rest is TRL's loss.
+  ``[:, k]`` of the stored old/ref log-probs and hands the row seeds of iteration k, with the model
+  (``SeededModel``, as TRL's loss's ``model``), to ``_get_per_token_logps_and_entropies``; the rest is TRL's loss.
 - ``_get_per_token_logps_and_entropies``: the masked-diffusion estimate (``hf_grpo.diffusion.logprobs``)
-  instead of the causal one, through ``chunked_logprobs`` with ``tensor_batch_size`` token rows, read from the
+  instead of the causal one, under the seeds that came with the model (TRL's no-grad passes in its rollout come
+  without: placeholders), through ``chunked_logprobs`` with ``tensor_batch_size`` token rows, read from the
   run's sizes (``self.sizes``) at every call, as the sampler reads it at every rollout.
 - ``_generate_single_turn`` and ``training_step``: only wrapped for per-phase memory figures.
 
@@ -39,6 +40,8 @@ policy built in code (no path to load a reference from) gets a deep copy as its 
 given by name is loaded here (as TRL would) so that a remote-code model without ``GenerationMixin`` gets the
 ``generation_config`` TRL reads; activation checkpointing is turned off, with a warning, for a model that
 does not implement it (LLaDA's remote code); fields written through ``config.optimization`` are re-checked.
+Where the run differs from the config (no checkpointing; ``beta`` 0 for TRL's constructor where the reference is
+built here), TRL and transformers get a shallow copy of it (``_run_config``): the user's object is never written.
 
 Not done yet (GPU speed work): a block-prefix KV cache for the sampler (every step recomputes the prompt and
 the finished blocks) and CUDA-graph capture of its fixed-shape step.
@@ -102,6 +105,16 @@ def _loads_as_causal_lm(config) -> bool:
     return upstream.loads_as_causal_lm(config)
 
 
+@dataclasses.dataclass(frozen=True)
+class SeededModel:
+    """The model of one loss pass with the mask seeds of its rows (``[B]``, CPU): what ``_compute_loss`` hands TRL's
+    loss as its ``model``, which TRL passes on, as it is, to ``_get_per_token_logps_and_entropies`` (trl 1.16.0; its
+    ``_compute_loss`` reads ``model`` nowhere else: tests/diffusion/test_diffu_trainer_inputs.py checks it)."""
+
+    model: torch.nn.Module
+    seeds: torch.Tensor
+
+
 class DiffuGRPOTrainer(GRPOTrainer):
     """GRPO for masked-diffusion LMs; use it as ``hf_grpo.GRPOTrainer`` with ``args=DiffuGRPOConfig(...)``."""
 
@@ -122,27 +135,15 @@ class DiffuGRPOTrainer(GRPOTrainer):
             kwargs.pop("quantization_config", None)
         if getattr(model, "generation_config", None) is None:  # remote-code models without GenerationMixin
             model.generation_config = GenerationConfig(eos_token_id=getattr(model.config, "eos_token_id", None))
-        if args.activation_checkpointing and not _supports_checkpointing(model):
-            logger.warning("activation_checkpointing=True but %s does not support it; training without it",
-                           type(base_module(model)).__name__)
-            checkpointing.set_checkpointing(args, False)
-        self._defer_logprobs = False
         self._padding_probed = False
-        self._active_seeds: torch.Tensor | None = None
         self._rollout_start_step = 0
         self._eval_rollouts = 0
         # (micro-step, iteration k, seed of the first row): the last few loss passes, for tests and debugging
         self.mask_seed_trace: collections.deque = collections.deque(maxlen=4096)
         frozen = self._in_code_reference(model, args, kwargs.get("peft_config"))
-        beta = args.beta
-        if frozen is not None:
-            args.beta = 0.0  # TRL would try to load the reference from the (empty) path of an in-code model
-        try:
-            super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
-        finally:
-            args.beta = beta
-        if frozen is not None:
-            self.beta = beta
+        super().__init__(model=model, reward_funcs=reward_funcs, args=self._run_config(args, model, frozen), **kwargs)
+        if frozen is not None:  # TRL was told beta 0 (no reference to load): the run's beta and reference, here
+            self.args.beta = self.beta = args.beta
             self.ref_model = self._prepare_reference(frozen)
 
         self.mask_token_id = resolve_mask_token_id(args.mask_token_id, self.model, self.processing_class)
@@ -164,6 +165,23 @@ class DiffuGRPOTrainer(GRPOTrainer):
         )
         self.memory = MemoryTracker(self.accelerator.device, args)
         self.add_callback(_DiffusionPlanCallback(self))
+
+    @staticmethod
+    def _run_config(args: DiffuGRPOConfig, model, frozen) -> DiffuGRPOConfig:
+        """The config TRL and transformers are built with (``self.args`` after): the user's, or where this run
+        differs from it a shallow copy (as ``RunSizes.published`` makes), so the user's object is never written."""
+        unsupported = args.activation_checkpointing and not _supports_checkpointing(model)
+        if unsupported:
+            logger.warning("activation_checkpointing=True but %s does not support it; training without it",
+                           type(base_module(model)).__name__)
+        if not unsupported and frozen is None:
+            return args
+        run = copy.copy(args)
+        if unsupported:
+            checkpointing.set_checkpointing(run, False)  # what transformers' training loop and TRL read
+        if frozen is not None:
+            run.beta = 0.0  # TRL would load the reference from the (empty) path of an in-code model; set after init
+        return run
 
     @staticmethod
     def _load(name: str, args: DiffuGRPOConfig, quantization_config=None):
@@ -300,11 +318,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
     # ---- rollout -----------------------------------------------------------------------------------
     def _generate_and_score_completions(self, inputs):
         training = self.model.training
-        self._defer_logprobs = True  # TRL's causal old/ref passes become placeholders (see the override below)
-        try:
-            output = super()._generate_and_score_completions(inputs)
-        finally:
-            self._defer_logprobs = False
+        output = super()._generate_and_score_completions(inputs)  # its causal old/ref passes: placeholders (below)
         output.pop("old_per_token_logps", None)
         output.pop("ref_per_token_logps", None)
         rows = output["prompt_ids"].size(0)
@@ -378,19 +392,16 @@ class DiffuGRPOTrainer(GRPOTrainer):
             inputs["old_per_token_logps"] = old[:, k]
         if ref is not None:
             inputs["ref_per_token_logps"] = ref[:, k]
-        self._active_seeds = seeds[:, k]
         if self.model.training:
             self.mask_seed_trace.append((upstream.micro_step(self), k, int(seeds[0, k]) if len(seeds) else None))
-        try:
-            return super()._compute_loss(model, inputs)
-        finally:
-            self._active_seeds = None
+        return super()._compute_loss(SeededModel(model, seeds[:, k]), inputs)  # the seeds go with the model
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **kwargs):
-        if self._defer_logprobs:  # inside TRL's rollout scoring: computed for all seeds afterwards
-            return input_ids.new_zeros((input_ids.size(0), logits_to_keep), dtype=torch.float32), None, None
-        if self._active_seeds is None:
+        if not isinstance(model, SeededModel):  # no loss pass: no seeds
+            if batch_size is not None and not torch.is_grad_enabled():
+                # TRL's causal old/reference passes inside its rollout: placeholders, estimated for all seeds after it
+                return input_ids.new_zeros((input_ids.size(0), logits_to_keep), dtype=torch.float32), None, None
             raise RuntimeError("DiffuGRPOTrainer scores completions with a mask seed per row; "
                                "_get_per_token_logps_and_entropies was called outside _compute_loss")
         if any(value is not None for value in kwargs.values()):
@@ -399,7 +410,7 @@ class DiffuGRPOTrainer(GRPOTrainer):
         C = logits_to_keep
         batch = {"prompt_ids": input_ids[:, :-C], "prompt_mask": attention_mask[:, :-C],
                  "completion_ids": input_ids[:, -C:], "completion_mask": attention_mask[:, -C:]}
-        logps, entropies = self._estimate(model, batch, self._active_seeds, batch_size, compute_entropy)
+        logps, entropies = self._estimate(model.model, batch, model.seeds, batch_size, compute_entropy)
         return logps, entropies, None
 
 

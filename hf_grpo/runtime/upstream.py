@@ -81,7 +81,7 @@ UNPREFIXED = tuple(n.name for n in NAMES if not n.name.startswith("_") or n.name
 # through ``super()``); their signatures are pinned in tests/runtime/test_trl_signatures.py.
 OVERRIDDEN = (
     "_calculate_rewards",  # GRPOTrainer
-    "_compute_loss",  # DiffuGRPOTrainer
+    "_compute_loss",  # DiffuGRPOTrainer (hands TRL's its model with the pass's mask seeds; see its SeededModel)
     "_generate_and_score_completions",  # both
     "_generate_single_turn",  # both
     "_get_per_token_logps_and_entropies",  # both
