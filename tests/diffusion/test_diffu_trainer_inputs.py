@@ -14,7 +14,7 @@ from hf_grpo.diffusion import DiffuGRPOConfig, DiffuGRPOTrainer
 from hf_grpo.diffusion import logprobs as logprobs_module
 from hf_grpo.recipe_support.diffusion_tiny import build_tiny_diffusion_model
 
-from test_diffu_trainer import (
+from tests.diffusion.test_diffu_trainer import (
     PROMPTS, TOKENIZER, FixedBackend, count_a_reward, halve_tensor_batch_size, make_trainer, train,
 )
 
