@@ -105,8 +105,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             lambda: self.model.zero_grad(set_to_none=True), lambda: upstream.metrics(self, "train"), self._longest_row)
         policy = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
         self.work = WorkCounter(policy, recompute=self.facts.activation_checkpointing)  # (memory.flops)
-        # eager micro-batches packed or padded: the user's padding_free, else chosen at train begin, once the
-        # sizes are settled (eager_packing; padded until then, as the "auto" sizes' probes run)
+        # packed or padded: the user's padding_free, else chosen once the sizes are settled (eager_packing)
         self.decisions.eager_rows = eager_packing.Choice(False, "chosen at train begin")
         packed_rows = ((lambda: self.decisions.eager_rows.packed) if self.args.padding_free is None
                        else self.args.padding_free)
@@ -368,9 +367,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         differ from ``args``, TRL and transformers get a copy carrying them (``RunSizes.published``)."""
         generate = dict(generation_config=self.generation_config, pad_token_id=upstream.tokenizer(self).pad_token_id,
                         eos_token_ids=self.eos_token_ids)
-        score = functools.partial(self._get_per_token_logps_and_entropies, self.model, compute_entropy=True)
         target = lambda: autosize.ProbeTarget(  # the probes run the trainer's own scoring and backend
-            self.model, self.accelerator.device, self._prompt_width(), self.max_completion_length, score,
+            self.model, self.accelerator.device, self._prompt_width(), self.max_completion_length, self._probe_score(),
             lambda: self._generation_backend(self.model), generate, self.optimizer is not None,
             tuple(self._oom_knobs.values()))
         chosen = autosize.resolve_auto_sizes(self.sizes, self.facts, self.args.auto_memory_fraction, target,
@@ -407,6 +405,9 @@ class GRPOTrainer(trl.GRPOTrainer):
                                               self.accelerator.device, self.facts.sharding, planned_steps,
                                               self.accelerator.is_main_process)
 
+    def _probe_score(self):  # the autosize probes' training forward: ``score(input_ids, mask, logits_to_keep)``
+        return functools.partial(self._get_per_token_logps_and_entropies, self.model, compute_entropy=True)
+
     def _scored_models(self) -> list[torch.nn.Module]:
         """The policy, and the reference model where there is one: the models whose forwards score tokens."""
         return [self.model] + ([] if self.ref_model is None else [self.accelerator.unwrap_model(self.ref_model)])
@@ -415,8 +416,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     _init_training_state = resume.no_epoch_if_finished(trl.GRPOTrainer._init_training_state)
 
     def _longest_prompt(self) -> int | None:
-        """The training set's longest prompt in TRL's tokens, scanned once; None when unknown (with environments:
-        each rollout's reset() observation joins the prompt, tokenized against that batch's environments only)."""
+        """The training set's longest prompt in TRL's tokens, scanned once; None with environments (unknown)."""
         if "_longest_prompt_tokens" not in self.__dict__:
             quiet = self.args.disable_tqdm or not self.accelerator.is_main_process
             self._longest_prompt_tokens = None if self.environment_factories is not None else (

@@ -366,6 +366,14 @@ class DiffuGRPOTrainer(GRPOTrainer):
         ]
         return torch.stack(per_seed, dim=1)
 
+    def _probe_score(self):
+        """The autosize probes' training forward, with a mask seed for each row: any seeds cost the same memory."""
+        def score(input_ids, attention_mask, logits_to_keep):
+            seeded = SeededModel(self.model, torch.zeros(input_ids.size(0), dtype=torch.long))
+            return self._get_per_token_logps_and_entropies(seeded, input_ids, attention_mask, logits_to_keep,
+                                                           compute_entropy=True)
+        return score
+
     def _estimate(self, model, batch, seeds, row_chunk, entropy: bool):
         self._probe_padding(model)
         spec = dataclasses.replace(self.estimator, tensor_batch_size=self.sizes.tensor_batch_size)

@@ -126,3 +126,18 @@ def test_the_users_config_is_left_as_given(tmp_path, monkeypatch):
     losses, _ = train(trainer)
     assert losses and "kl" in trainer.state.log_history[0] and not trainer.model.is_activation_checkpointing
     assert config_fields(config) == before and config.writes == []
+
+
+def test_the_autosize_probes_score_with_mask_seeds(tmp_path):
+    """tensor_batch_size="auto" (or an "auto" micro-batch) on a GPU probes sizes with the trainer's own training
+    forward (hf_grpo.memory.autosize): called as the probes call it, with gradients and no loss pass around it, the
+    diffusion trainer's scorer estimates and backpropagates instead of refusing a call without mask seeds."""
+    trainer = make_trainer(tmp_path)
+    score = trainer._probe_score()
+    C = trainer.args.max_completion_length
+    input_ids = torch.randint(0, len(TOKENIZER), (3, 6 + C))
+    trainer.model.train()
+    logps, entropies, _ = score(input_ids, torch.ones_like(input_ids), C)
+    assert logps.shape == (3, C) and entropies.shape == (3, C) and torch.isfinite(logps).all()
+    (logps.sum() + entropies.sum()).backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in trainer.model.parameters())
