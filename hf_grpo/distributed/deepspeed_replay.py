@@ -5,7 +5,8 @@ Since DeepSpeed 0.18.5 the engine's forward puts hooks on its outputs that start
 the gradient hooks to expect, the accumulation boundary, the division by the accumulation steps of a direct
 ``tensor.backward()``); ``engine.backward`` relies on them. Before, ``engine.backward`` did all of it itself, and
 there is nothing to announce. (DeepSpeed 0.19.8 reaches the same gradients without them, tested on a CPU in
-``tests/distributed/test_packed_launch.py``: they keep what else its forward starts, e.g. its timers, as an eager pass does.)
+``tests/distributed/test_packed_launch.py``: they keep what else its forward starts, e.g. its timers, as an eager
+pass does.)
 """
 
 from __future__ import annotations

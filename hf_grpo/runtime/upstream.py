@@ -2,9 +2,9 @@
 
 None of these names is part of its library's public API, and any release may rename or drop one. Each is read here,
 behind a small function that says the version it was read from, and nowhere else in ``hf_grpo``
-(``tests/runtime/test_upstream.py`` enforces it with an ``ast`` scan of the package). ``NAMES`` lists them all, with where
-each lives; the same test builds a real trainer, model and DeepSpeed engine and checks that every one still exists,
-so that raising a pin fails there, naming the name, and not deep inside a training step.
+(``tests/runtime/test_upstream.py`` enforces it with an ``ast`` scan of the package). ``NAMES`` lists them all, with
+where each lives; the same test builds a real trainer, model and DeepSpeed engine and checks that every one still
+exists, so that raising a pin fails there, naming the name, and not deep inside a training step.
 
 The trainers' overrides of TRL's and transformers' private methods stay in ``hf_grpo/trainer.py`` and
 ``hf_grpo/diffusion/trainer.py`` (an override is the point of a subclass); ``OVERRIDDEN`` lists them, and

@@ -1,7 +1,7 @@
 """A checkpoint whose save was interrupted is never resumed from, recommended, or kept by rotation in place of a
 complete one (hf_grpo.checks.checkpoints). The kill itself, during a 2-process ZeRO-2 save, is in
-tests/checks/test_fault_resume.py; here the directory it leaves (checkpoint-N without trainer_state.json) is made by hand
-next to checkpoints a run saved."""
+tests/checks/test_fault_resume.py; here the directory it leaves (checkpoint-N without trainer_state.json) is made by
+hand next to checkpoints a run saved."""
 
 import logging
 import shutil

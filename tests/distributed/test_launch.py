@@ -37,10 +37,10 @@ ZERO2_QUICKSTART_STEPS = 6
 ZERO2_QUICKSTART = [*QUICK, "--save_steps", "2", "--save_total_limit", "10", "--max_steps", str(ZERO2_QUICKSTART_STEPS)]
 
 
-# multi_gpu, zero2 and zero3 (and zero3_offload) are launched by tests/recipes/test_real_runs.py with the gsm8k recipe, which
-# asserts the same there (the world-size-2 plan, two logged steps, performance.json of both ranks), and the two-node
-# runs of tests/distributed/test_multi_node.py and tests/project/test_readme_commands.py launch the quickstart under multi_node_zero2:
-# a launch per config, not one per config and recipe. Here, the configs launched nowhere else.
+# multi_gpu, zero2 and zero3 (and zero3_offload) are launched by tests/recipes/test_real_runs.py with the gsm8k recipe,
+# which asserts the same there (the world-size-2 plan, two logged steps, performance.json of both ranks), and the
+# two-node runs of tests/distributed/test_multi_node.py and tests/project/test_readme_commands.py launch the quickstart
+# under multi_node_zero2: a launch per config, not one per config and recipe. Here, the configs launched nowhere else.
 @pytest.mark.parametrize(
     "config, extra",
     [("zero1", []),

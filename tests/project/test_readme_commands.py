@@ -485,7 +485,8 @@ MULTI_NODE_CONFIG = ("accelerate launch --config_file accelerate_configs/multi_n
                      "--machine_rank $NODE_RANK --main_process_ip $MAIN_IP --main_process_port 29500 recipes/quickstart.py")
 
 # bench/README.md: GPU benchmarks. Their --tiny CPU smoke runs are tests of their own (memory/test_token_budget.py,
-# memory/test_train_backoff.py, diffusion/test_diffu_sampler_exact.py); here, that each command is one its script accepts.
+# memory/test_train_backoff.py, diffusion/test_diffu_sampler_exact.py); here, that each command is one its script
+# accepts.
 GPU_BENCHMARK = NotRun("a GPU benchmark (needs CUDA, minutes)", a_gpu_benchmark_as_its_script_reads_it)
 
 REGISTRY: dict[str, dict[str, Run | NotRun]] = {
@@ -625,7 +626,8 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
         '--out bench/results/raw/cold_start.jsonl':
             GPU_BENCHMARK,
         'python bench/graph_shapes.py --steps 500 --out bench/results/raw/graph_shapes.jsonl':
-            NotRun("a CPU simulation of 500 steps (about a minute); training/test_training_graphs.py runs it for 6 steps",
+            NotRun("a CPU simulation of 500 steps (about a minute); training/test_training_graphs.py runs it for "
+                   "6 steps",
                    a_gpu_benchmark_as_its_script_reads_it),
         'python bench/rollout.py --repeats 2 --out bench/results/raw/rollout.json':
             GPU_BENCHMARK,

@@ -1,6 +1,7 @@
 """The README's library snippet ("Use it in your code"), run as a user runs it: saved to a script and started with
 ``accelerate launch --config_file accelerate_configs/zero2.yaml`` (the shipped config as is: bf16, DeepSpeed), here
-on a CPU with two processes. tests/project/test_readme_commands.py runs the documented shell commands; this is its Python.
+on a CPU with two processes. tests/project/test_readme_commands.py runs the documented shell commands; this is its
+Python.
 """
 
 import json

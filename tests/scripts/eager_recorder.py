@@ -1,5 +1,6 @@
-"""A stand-in for ``hf_grpo.training.cuda_graph_recorder.CudaGraphRecorder`` on a CPU (tests/training/test_training_graphs.py,
-and the launched scripts next to this file that replay training micro-batches under DeepSpeed)."""
+"""A stand-in for ``hf_grpo.training.cuda_graph_recorder.CudaGraphRecorder`` on a CPU
+(tests/training/test_training_graphs.py, and the launched scripts next to this file that replay training micro-batches
+under DeepSpeed)."""
 
 import contextlib
 
