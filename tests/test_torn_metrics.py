@@ -1,6 +1,6 @@
 """A metrics.jsonl whose last write was cut short (a kill mid-write, a full disk) blocks no later run: the torn line
 is set aside to metrics.jsonl.torn, kept, with a warning naming the file; a bad line anywhere else is an error naming
-the file and the line (hf_grpo.jsonl_rows)."""
+the file and the line (hf_grpo.run_files)."""
 
 import json
 import logging
