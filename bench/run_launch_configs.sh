@@ -31,7 +31,9 @@
 # it did not finish in 255 s (its generate gathers every layer at each token): give it a call of its own.
 # Records (one JSON line a run, rank 0's figures at the top level and every rank's under per_rank, with provenance)
 # are appended to $RESULTS/launch_configs.jsonl; a run that fails or passes its limit appends a line saying so, with
-# whether its training began and the steps it finished (read from its output: a lower bound on a slow baseline).
+# whether its training began and the steps it finished (read from its output: a lower bound on a slow baseline);
+# one whose record was written before the limit came (during its shutdown) keeps that record alone. The summary
+# gives each run's first step beside its later ones: a slow baseline may finish only its first in the call's time.
 # Under DeepSpeed the optimizer step runs inside accelerator.backward: the phases charge it to "backward".
 set -u
 export PYTHONUNBUFFERED=1
@@ -89,6 +91,7 @@ for config in $CONFIGS; do
     label="$config x$NUM_PROCESSES, $impl"
     echo "=== $label: $flags"
     start=$(date +%s)
+    records_before=$( [ -f "$JSONL" ] && wc -l < "$JSONL" || echo 0 )
     # shellcheck disable=SC2086
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout -k 10 "$RUN_TIMEOUT" $PY -m accelerate.commands.launch \
         --config_file "accelerate_configs/$config.yaml" --num_processes "$NUM_PROCESSES" \
@@ -98,7 +101,11 @@ for config in $CONFIGS; do
         > "$RESULTS/launch_configs_run.log" 2>&1
     rc=$?
     echo "=== $label: exit $rc after $(( $(date +%s) - start )) s"
-    if [ "$rc" -ne 0 ]; then
+    records_after=$( [ -f "$JSONL" ] && wc -l < "$JSONL" || echo 0 )
+    if [ "$rc" -ne 0 ] && [ "$records_after" -gt "$records_before" ]; then
+      # its training ended (--max_seconds) and its record is written; the limit stopped only its exit
+      echo "=== $label: its record was written before exit $rc (the limit came during its shutdown)"
+    elif [ "$rc" -ne 0 ]; then
       tail -n 25 "$RESULTS/launch_configs_run.log"
       # the run left no record: say so in the results, with where it came from
       $PY - "$JSONL" "$config" "$impl" "$NUM_PROCESSES" "$rc" "$RUN_TIMEOUT" "$RESULTS/launch_configs_run.log" <<'EOF'
@@ -124,9 +131,11 @@ done
 
 $PY - "$JSONL" <<'EOF'
 import json, statistics, sys
+nan = float("nan")
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 # the step's floor (hf_grpo's perf figures on a GPU: the work counted, over the measured matmul rate and bandwidth)
-print(f"\n{'config':28} {'impl':8} {'rows':8} {'steps':>5} {'later step s':>12} {'training half s':>15} "
+# step 1 beside the later steps: a slow baseline may finish only its first step in the call's time
+print(f"\n{'config':28} {'impl':8} {'rows':8} {'steps':>5} {'step 1 s':>8} {'later step s':>12} {'training half s':>15} "
       f"{'floor s':>7} {'matmul %':>8} {'decode bw %':>11}  peak GiB by rank")
 for r in rows:
     config = (r.get("launch") or {}).get("config") or "-"
@@ -140,15 +149,19 @@ for r in rows:
     later = r["step_s"][1:]
     if r["impl"] == "trl" and r.get("backend") == "trl_continuous_batching":
         r["impl"] = "trl_cb"
-    half = ((r.get("phases") or {}).get("median_with_rollout") or {}).get("training_half")
+    phases = r.get("phases") or {}
+    half = (phases.get("median_with_rollout") or {}).get("training_half")
+    first_half = half is None and bool(phases.get("per_step"))
+    if first_half:  # one step only: its own training half, said so on the line
+        half = phases["per_step"][0].get("training_half")
     peaks = [rank.get("peak_mem_gib") for rank in r.get("per_rank", [])]
     layout = "-" if r["impl"].startswith("trl") else (r.get("eager_rows") or "-").split(" (")[0].replace("rows ", "")
     perf = r.get("perf") or {}
     fraction = lambda key: 100 * perf[key] if key in perf else float("nan")  # noqa: E731
-    print(f"{config:28} {r['impl']:8} {layout:8} {r['steps_done']:5} "
+    print(f"{config:28} {r['impl']:8} {layout:8} {r['steps_done']:5} {r['step_s'][0] if r['step_s'] else nan:8.2f} "
           f"{statistics.median(later) if later else float('nan'):12.3f} {half if half is not None else float('nan'):15.3f}"
           f" {perf.get('step_floor_s', float('nan')):7.2f} {fraction('train_matmul_fraction'):8.1f}"
-          f" {fraction('decode_bandwidth_fraction'):11.1f}  {peaks}")
+          f" {fraction('decode_bandwidth_fraction'):11.1f}  {peaks}" + ("  (training half: step 1's)" if first_half else ""))
 # Scaling: completions a second per GPU (each rank generates and trains its own, completions_per_step of them a
 # step) over the later steps, against the fewest processes each config and impl ran with.
 per_gpu = {}
