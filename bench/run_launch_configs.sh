@@ -135,8 +135,8 @@ nan = float("nan")
 rows = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
 # the step's floor (hf_grpo's perf figures on a GPU: the work counted, over the measured matmul rate and bandwidth)
 # step 1 beside the later steps: a slow baseline may finish only its first step in the call's time
-print(f"\n{'config':28} {'impl':8} {'rows':8} {'steps':>5} {'step 1 s':>8} {'later step s':>12} {'training half s':>15} "
-      f"{'floor s':>7} {'matmul %':>8} {'decode bw %':>11}  peak GiB by rank")
+print(f"\n{'config':28} {'impl':8} {'rows':8} {'steps':>5} {'step 1 s':>8} {'later step s':>12} "
+      f"{'training half s':>15} {'floor s':>7} {'matmul %':>8} {'decode bw %':>11}  peak GiB by rank")
 for r in rows:
     config = (r.get("launch") or {}).get("config") or "-"
     if r.get("failed"):
@@ -158,10 +158,12 @@ for r in rows:
     layout = "-" if r["impl"].startswith("trl") else (r.get("eager_rows") or "-").split(" (")[0].replace("rows ", "")
     perf = r.get("perf") or {}
     fraction = lambda key: 100 * perf[key] if key in perf else float("nan")  # noqa: E731
-    print(f"{config:28} {r['impl']:8} {layout:8} {r['steps_done']:5} {r['step_s'][0] if r['step_s'] else nan:8.2f} "
-          f"{statistics.median(later) if later else float('nan'):12.3f} {half if half is not None else float('nan'):15.3f}"
+    first = r["step_s"][0] if r["step_s"] else nan
+    print(f"{config:28} {r['impl']:8} {layout:8} {r['steps_done']:5} {first:8.2f} "
+          f"{statistics.median(later) if later else nan:12.3f} {half if half is not None else nan:15.3f}"
           f" {perf.get('step_floor_s', float('nan')):7.2f} {fraction('train_matmul_fraction'):8.1f}"
-          f" {fraction('decode_bandwidth_fraction'):11.1f}  {peaks}" + ("  (training half: step 1's)" if first_half else ""))
+          f" {fraction('decode_bandwidth_fraction'):11.1f}  {peaks}"
+          + ("  (training half: step 1's)" if first_half else ""))
 # Scaling: completions a second per GPU (each rank generates and trains its own, completions_per_step of them a
 # step) over the later steps, against the fewest processes each config and impl ran with.
 per_gpu = {}
