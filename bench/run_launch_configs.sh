@@ -24,7 +24,9 @@
 # MAX_SECONDS (a run stops training after the step that passes this many seconds, default RUN_TIMEOUT - STARTUP,
 # so that a slow run still writes its record; such a record says stopped_early), EXTRA (more grpo_realistic.py
 # flags), LAUNCH_EXTRA (more `accelerate launch` flags, e.g. `--main_process_port 29600` beside another launch on
-# the host), RESULTS (default $OUT if set, else bench/results/raw), PYTHON (python3).
+# the host), RESULTS (default $OUT if set, else bench/results/raw), PYTHON (python3). RUN_TIMEOUT_<impl> and
+# STEPS_<impl> set one impl's limit and steps, e.g. RUN_TIMEOUT_trl=300 STEPS_trl=2 beside RUN_TIMEOUT_hf_grpo=170:
+# a baseline bound by the host gets the call's time, the fast run its steps (its MAX_SECONDS follows its limit).
 # Four runs in 540 s leave a 1.5B TRL run about a minute of training (a few steps): for all 6 steps give each run
 # its own call, e.g. CONFIGS=zero2 IMPLS=trl bash bench/run_launch_configs.sh. Measured on H200s: TRL's 6 steps
 # under multi_gpu.yaml with two processes took 263 s (RUN_TIMEOUT=320 STARTUP=120 leaves room); under zero3.yaml
@@ -74,6 +76,7 @@ else
   esac
   LAUNCH_FLAGS=""
 fi
+MAX_SECONDS_GIVEN=${MAX_SECONDS:-}
 MAX_SECONDS=${MAX_SECONDS:-$(( RUN_TIMEOUT > STARTUP + 10 ? RUN_TIMEOUT - STARTUP : 10 ))}
 echo "$runs runs, each under $RUN_TIMEOUT s (training stops after the step past $MAX_SECONDS s); results: $JSONL"
 
@@ -89,18 +92,21 @@ for config in $CONFIGS; do
       *) echo "unknown impl $impl (from: trl trl_cb hf_grpo hf_grpo_padded hf_grpo_packed)"; continue ;;
     esac
     label="$config x$NUM_PROCESSES, $impl"
+    limit_var="RUN_TIMEOUT_$impl" steps_var="STEPS_$impl"
+    run_timeout=${!limit_var:-$RUN_TIMEOUT} run_steps=${!steps_var:-$STEPS}
+    run_max_seconds=${MAX_SECONDS_GIVEN:-$(( run_timeout > STARTUP + 10 ? run_timeout - STARTUP : 10 ))}
     echo "=== $label: $flags"
     start=$(date +%s)
     records_before=$( [ -f "$JSONL" ] && wc -l < "$JSONL" || echo 0 )
     # shellcheck disable=SC2086
-    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout -k 10 "$RUN_TIMEOUT" $PY -m accelerate.commands.launch \
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout -k 10 "$run_timeout" $PY -m accelerate.commands.launch \
         --config_file "accelerate_configs/$config.yaml" --num_processes "$NUM_PROCESSES" \
         $LAUNCH_FLAGS ${LAUNCH_EXTRA:-} \
-        bench/grpo_realistic.py $flags $SHAPE_FLAGS --max_steps "$STEPS" --max_seconds "$MAX_SECONDS" --phases \
+        bench/grpo_realistic.py $flags $SHAPE_FLAGS --max_steps "$run_steps" --max_seconds "$run_max_seconds" --phases \
         --launch_config "accelerate_configs/$config.yaml" --label "$label" --out "$JSONL" ${EXTRA:-} \
         > "$RESULTS/launch_configs_run.log" 2>&1
     rc=$?
-    echo "=== $label: exit $rc after $(( $(date +%s) - start )) s"
+    echo "=== $label: exit $rc after $(( $(date +%s) - start )) s (limit $run_timeout s, $run_steps steps)"
     records_after=$( [ -f "$JSONL" ] && wc -l < "$JSONL" || echo 0 )
     if [ "$rc" -ne 0 ] && [ "$records_after" -gt "$records_before" ]; then
       # its training ended (--max_seconds) and its record is written; the limit stopped only its exit
@@ -108,7 +114,7 @@ for config in $CONFIGS; do
     elif [ "$rc" -ne 0 ]; then
       tail -n 25 "$RESULTS/launch_configs_run.log"
       # the run left no record: say so in the results, with where it came from
-      $PY - "$JSONL" "$config" "$impl" "$NUM_PROCESSES" "$rc" "$RUN_TIMEOUT" "$RESULTS/launch_configs_run.log" <<'EOF'
+      $PY - "$JSONL" "$config" "$impl" "$NUM_PROCESSES" "$rc" "$run_timeout" "$RESULTS/launch_configs_run.log" <<'EOF'
 import json, sys
 sys.path.insert(0, "bench")
 from provenance import with_provenance
