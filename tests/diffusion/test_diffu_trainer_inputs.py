@@ -82,7 +82,6 @@ def test_scoring_without_seeds_is_a_placeholder_in_the_rollout_and_refused_elsew
         trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4, compute_entropy=True)
 
 
-
 def trainer_values(tmp_path) -> dict:
     """make_trainer's settings (test_diffu_trainer), for a test that keeps the config it builds."""
     return dict(
