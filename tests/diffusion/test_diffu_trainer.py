@@ -39,7 +39,8 @@ def checkpoint(tmp_path_factory):
     return save_tiny_diffusion_checkpoint(tmp_path_factory.mktemp("tiny_diffusion"))
 
 
-def make_trainer(tmp_path, model=None, fixed=True, peft_config=None, **overrides):
+def trainer_values(tmp_path, **overrides) -> dict:
+    """make_trainer's DiffuGRPOConfig fields, for a test that builds the config itself."""
     values = dict(
         output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=1, per_device_train_batch_size=8,
         num_generations=4, max_completion_length=8, block_length=4, diffusion_steps=4, learning_rate=0.1,
@@ -47,9 +48,13 @@ def make_trainer(tmp_path, model=None, fixed=True, peft_config=None, **overrides
         activation_checkpointing=False, p_mask_prompt=0.3, beta=0.0,
     )
     values.update(overrides)
+    return values
+
+
+def make_trainer(tmp_path, model=None, fixed=True, peft_config=None, **overrides):
     trainer = DiffuGRPOTrainer(
         model=model if model is not None else build_tiny_diffusion_model(TOKENIZER, seed=0),
-        reward_funcs=count_a_reward, args=DiffuGRPOConfig(**values),
+        reward_funcs=count_a_reward, args=DiffuGRPOConfig(**trainer_values(tmp_path, **overrides)),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=TOKENIZER,
         peft_config=peft_config,
     )
@@ -252,9 +257,8 @@ def halve_tensor_batch_size(trainer):
     trainer._oom_knobs["tensor_batch_size"].run(attempt)
 
 
-def test_estimator_chunk_follows_the_runs_sizes(tmp_path, monkeypatch):
-    """The estimator's token rows per log-softmax come from the run's sizes (halved after an out-of-memory, or
-    settled at train start), not from the config's tensor_batch_size."""
+def record_estimator_chunks(monkeypatch) -> list:
+    """The token rows of every log-softmax chunk the estimator runs, in order (a list the test may add marks to)."""
     from hf_grpo.diffusion import logprobs as logprobs_module
 
     chunks = []
@@ -265,6 +269,13 @@ def test_estimator_chunk_follows_the_runs_sizes(tmp_path, monkeypatch):
         return original(*args, chunk_rows=chunk_rows, **kwargs)
 
     monkeypatch.setattr(logprobs_module, "chunked_logprobs", spy)
+    return chunks
+
+
+def test_estimator_chunk_follows_the_runs_sizes(tmp_path, monkeypatch):
+    """The estimator's token rows per log-softmax come from the run's sizes (halved after an out-of-memory, or
+    settled at train start), not from the config's tensor_batch_size."""
+    chunks = record_estimator_chunks(monkeypatch)
     trainer = make_trainer(tmp_path, tensor_batch_size=6, num_iterations=2, beta=0.04)
     halve_tensor_batch_size(trainer)
     assert trainer.sizes.tensor_batch_size == 3 and trainer.args.tensor_batch_size == 6

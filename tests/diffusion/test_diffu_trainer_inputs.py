@@ -11,11 +11,11 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from hf_grpo.diffusion import DiffuGRPOConfig, DiffuGRPOTrainer
-from hf_grpo.diffusion import logprobs as logprobs_module
 from hf_grpo.recipe_support.diffusion_tiny import build_tiny_diffusion_model
 
 from tests.diffusion.test_diffu_trainer import (
-    PROMPTS, TOKENIZER, FixedBackend, count_a_reward, halve_tensor_batch_size, make_trainer, train,
+    PROMPTS, TOKENIZER, FixedBackend, count_a_reward, halve_tensor_batch_size, make_trainer, record_estimator_chunks,
+    train, trainer_values,
 )
 
 
@@ -35,14 +35,7 @@ class _HalveAfterFirstStep(TrainerCallback):
 def test_estimator_chunk_follows_a_halving_during_training(tmp_path, monkeypatch):
     """The estimator reads tensor_batch_size from the run's sizes at every call: after a mid-run halving, every
     later chunk (old, reference and loss log-probs) is the halved size; the config's copy is not consulted."""
-    chunks = []
-    original = logprobs_module.chunked_logprobs
-
-    def spy(*args, chunk_rows, **kwargs):
-        chunks.append(chunk_rows)
-        return original(*args, chunk_rows=chunk_rows, **kwargs)
-
-    monkeypatch.setattr(logprobs_module, "chunked_logprobs", spy)
+    chunks = record_estimator_chunks(monkeypatch)
     trainer = make_trainer(tmp_path, tensor_batch_size=6, num_iterations=2, beta=0.04, max_steps=2)
     trainer.add_callback(_HalveAfterFirstStep(trainer, chunks))
     losses, _ = train(trainer)
@@ -80,16 +73,6 @@ def test_scoring_without_seeds_is_a_placeholder_in_the_rollout_and_refused_elsew
     assert logps.shape == (2, 4) and not logps.any() and entropies is None
     with pytest.raises(RuntimeError, match=r"mask seed per row.*called outside _compute_loss"):
         trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 4, compute_entropy=True)
-
-
-def trainer_values(tmp_path) -> dict:
-    """make_trainer's settings (test_diffu_trainer), for a test that keeps the config it builds."""
-    return dict(
-        output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, max_steps=1, per_device_train_batch_size=8,
-        num_generations=4, max_completion_length=8, block_length=4, diffusion_steps=4, learning_rate=0.1,
-        optim="sgd", lr_scheduler_type="constant", logging_steps=1, save_strategy="no", seed=3, disable_tqdm=True,
-        activation_checkpointing=False, p_mask_prompt=0.3, beta=0.0,
-    )
 
 
 def config_fields(config) -> dict:
