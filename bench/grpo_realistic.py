@@ -170,21 +170,43 @@ class StepProfiler(TrainerCallback):
     """``torch.profiler`` over one optimizer step (``--profile_step``): a table of the ops that took the most
     device and host time, and the Chrome trace (gzipped), written to ``--profile_dir``."""
 
-    def __init__(self, step: int, directory: str, label: str):
+    def __init__(self, step: int, directory: str, label: str, after_generation: bool = False):
         self.step, self.directory, self.label = step, directory, label
+        self.after_generation = after_generation
+        self.armed = False
         self.profiler = None
+
+    def watch_generation(self, trainer) -> None:
+        """Start the profile when the step's rollout returns (``--profile_after_generation``): a long rollout's
+        million replayed kernels would swamp the trace of the training half."""
+        generate = trainer._generate_single_turn
+
+        def generate_then_profile(*args, **kwargs):
+            result = generate(*args, **kwargs)
+            if self.armed and self.profiler is None:
+                cuda_sync("cuda" if torch.cuda.is_available() else "cpu")
+                self._start()
+            return result
+
+        trainer._generate_single_turn = generate_then_profile
+
+    def _start(self) -> None:
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.profiler.__enter__()
 
     def on_step_begin(self, args, state, control, **kwargs):
         if state.global_step + 1 == self.step:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profiler = torch.profiler.profile(activities=activities)
-            self.profiler.__enter__()
+            self.armed = True
+            if not self.after_generation:
+                self._start()
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.profiler is None:
             return
+        self.armed = False
         cuda_sync("cuda" if torch.cuda.is_available() else "cpu")
         self.profiler.__exit__(None, None, None)
         os.makedirs(self.directory, exist_ok=True)
@@ -363,6 +385,8 @@ def parse_args(argv=None):
                         "or on / off for both (for TRL through torch.backends.cuda.enable_cudnn_sdp)")
     parser.add_argument("--num_iterations", type=int, default=1,
                         help="passes over each rollout (2: every other optimizer step trains without generating)")
+    parser.add_argument("--old_logprobs_source", choices=["default", "auto", "sampler", "recompute"],
+                        default="default", help="hf_grpo only: which log-probs stand for the old policy's")
     parser.add_argument("--lora_r", type=int, default=0, help="LoRA rank (peft; 0: full fine-tuning)")
     parser.add_argument("--padding_free", choices=["default", "on", "off"], default="default",
                         help="hf_grpo only: score rows packed (on) or padded (off); default: the config's default")
@@ -402,6 +426,8 @@ def parse_args(argv=None):
     parser.add_argument("--out", default=None, help="append the JSON record to this file")
     parser.add_argument("--profile_step", type=int, default=None,
                         help="profile this optimizer step (1-based) with torch.profiler: a table and a trace")
+    parser.add_argument("--profile_after_generation", action="store_true",
+                        help="with --profile_step: profile the step from the end of its rollout (the training half)")
     parser.add_argument("--profile_dir", default=os.environ.get("OUT", "bench/results/raw"),
                         help="where --profile_step writes (default $OUT)")
     args = parser.parse_args(argv)
@@ -500,6 +526,8 @@ def main(argv=None) -> int:
 
             # as on several processes, where no rank holds its partitions whole
             dense_mirror.partitions_whole = lambda model, device: False
+        if args.old_logprobs_source != "default":
+            common["old_logprobs_source"] = args.old_logprobs_source
         if args.lora_fused_forward != "default":
             common["lora_fused_forward"] = args.lora_fused_forward == "on"
         if args.shape_reuse_capture_cost is not None:
@@ -522,7 +550,8 @@ def main(argv=None) -> int:
     if args.profile_step is not None:
         label = (("trl_cb" if args.trl_continuous_batching else "trl") if args.impl == "trl"
                  else f"{args.impl}_{args.backend}")
-        callbacks.append(StepProfiler(args.profile_step, args.profile_dir, args.label or label))
+        profiler = StepProfiler(args.profile_step, args.profile_dir, args.label or label, args.profile_after_generation)
+        callbacks.append(profiler)
     peft_config = None
     if args.lora_r:
         from peft import LoraConfig
@@ -563,6 +592,8 @@ def main(argv=None) -> int:
         return out
 
     trainer._generate_single_turn = timed_generate
+    if args.profile_step is not None and args.profile_after_generation:
+        profiler.watch_generation(trainer)
     phases = None
     if args.phases:
         from phase_timer import PhaseTimer  # bench/phase_timer.py
@@ -639,6 +670,11 @@ def main(argv=None) -> int:
         completion_len_mean_overall=round(total_tokens / total_completions, 1) if total_completions else None,
         loss=[round(entry["loss"], 5) for entry in steps if "loss" in entry],
         kl=[round(entry["kl"], 6) for entry in steps if "kl" in entry],
+        # sampler against trainer, per token, on each step that measured it (hf_grpo's rollout_logprobs/*)
+        rollout_logprobs={name: [entry[f"rollout_logprobs/{name}"] for entry in trainer.state.log_history
+                                 if f"rollout_logprobs/{name}" in entry]
+                          for name in ("abs_diff_mean", "abs_diff_p99", "abs_diff_max", "outside_clip_share")},
+        old_logprobs_source=getattr(config, "old_logprobs_source", None),
         eos=calibration,
         build_s=round(build_s, 2),
     )
