@@ -81,6 +81,7 @@ import math
 import os
 import platform
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -210,7 +211,8 @@ class StepProfiler(TrainerCallback):
         cuda_sync("cuda" if torch.cuda.is_available() else "cpu")
         self.profiler.__exit__(None, None, None)
         os.makedirs(self.directory, exist_ok=True)
-        stem = os.path.join(self.directory, f"profile_{self.label}_step{self.step}")
+        label = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.label)  # a launch label ("zero2 x1, hf_grpo") as a file name
+        stem = os.path.join(self.directory, f"profile_{label}_step{self.step}")
         averages = self.profiler.key_averages()
         with open(stem + ".txt", "w") as handle:
             for key in ("self_cuda_time_total", "self_cpu_time_total", "cpu_time_total"):
