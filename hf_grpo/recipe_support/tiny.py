@@ -37,10 +37,11 @@ def build_char_tokenizer(alphabet: str = DEFAULT_ALPHABET) -> PreTrainedTokenize
 SHAPES = {
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=None, tie_word_embeddings=False),
+    # Qwen2.5-0.5B's and -1.5B's dimensions, with their 32k positions (reasoning-length completions fit)
     "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768),
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768),
     # Qwen2.5-7B's dimensions (its 152064-row embedding cut to the benchmarks' 151936-token vocabulary, so every
     # sampled id decodes); positions enough for 32k-token completions after a prompt
     "7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -68,8 +69,8 @@ def build_tiny_model(
     dims["vocab_size"] = dims["vocab_size"] or len(tokenizer)
     config = Qwen2Config(
         **{
+            "max_position_embeddings": 4096,  # unless the shape gives its own
             **dims,
-            "max_position_embeddings": 4096,
             "pad_token_id": tokenizer.pad_token_id,
             "eos_token_id": tokenizer.eos_token_id,
             "bos_token_id": tokenizer.eos_token_id,

@@ -18,3 +18,17 @@ def test_saved_checkpoint_reloads_with_a_matching_tokenizer_and_chat_template(tm
                                            add_generation_prompt=True)
     assert prompt == "2+2> "
     assert (tokenizer.pad_token_id, tokenizer.eos_token_id) == (0, 1)
+
+
+def test_benchmark_shapes_keep_their_own_positions():
+    """The benchmark shapes have the positions of the models they stand in for (reasoning-length completions
+    fit); the CPU test shape keeps 4096. Built on the meta device: no weights are made."""
+    import torch
+
+    from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
+
+    tokenizer = build_char_tokenizer()
+    with torch.device("meta"):
+        positions = {shape: build_tiny_model(tokenizer, shape=shape).config.max_position_embeddings
+                     for shape in ("tiny", "0.5b", "1.5b", "7b")}
+    assert positions == {"tiny": 4096, "0.5b": 32768, "1.5b": 32768, "7b": 40960}
