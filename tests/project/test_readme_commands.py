@@ -603,6 +603,8 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
             GPU_BENCHMARK,
         'python bench/grpo_realistic.py --impl hf_grpo --backend cuda_graph --profile_step 5':
             GPU_BENCHMARK,
+        "python bench/grpo_realistic.py --impl hf_grpo --eos_prob 0 --shape 1.5b --max_completion_length 4096 "
+        "--max_steps 1": GPU_BENCHMARK,
         "for impl in trl hf_grpo; do TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) python bench/grpo_realistic.py --impl $impl "
         "--shape 1.5b --lora_r 16 --min_prompt 64 --max_prompt 1024 --max_completion_length 512 --max_steps 6 "
         "--per_device_generation_batch_size 32 --phases --max_seconds 240 --label \"1.5B LoRA r16, $impl\" "
