@@ -66,8 +66,8 @@ for run in $IMPLS; do
     sampler_logprobs) flags="--impl hf_grpo --backend cuda_graph --old_logprobs_source sampler" ;;
     no_shape_reuse) flags="--impl hf_grpo --backend cuda_graph --shape_reuse_capture_cost 0" ;;
     hf_small)   flags="--impl hf_grpo --backend hf --tensor_batch_size 256 --per_device_generation_batch_size 8" ;;
-    *) echo "unknown run $run (from: trl trl_cb trl_nocudnn hf cuda_graph padded_graphs eager_training sampler_logprobs" \
-            "no_shape_reuse hf_small)"; continue ;;
+    *) echo "unknown run $run (from: trl trl_cb trl_nocudnn hf cuda_graph padded_graphs eager_training" \
+            "sampler_logprobs no_shape_reuse hf_small)"; continue ;;
   esac
   echo "=== $run: $flags --shape $SHAPE --max_steps $STEPS"
   start=$(date +%s)
