@@ -1,8 +1,9 @@
 """The tiny checkpoint stands in for a hub download: it must reload as one would."""
 
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from hf_grpo.recipe_support.tiny import save_tiny_checkpoint
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model, save_tiny_checkpoint
 
 
 def test_saved_checkpoint_reloads_with_a_matching_tokenizer_and_chat_template(tmp_path):
@@ -23,10 +24,6 @@ def test_saved_checkpoint_reloads_with_a_matching_tokenizer_and_chat_template(tm
 def test_benchmark_shapes_keep_their_own_positions():
     """The benchmark shapes have the positions of the models they stand in for (reasoning-length completions
     fit); the CPU test shape keeps 4096. Built on the meta device: no weights are made."""
-    import torch
-
-    from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
-
     tokenizer = build_char_tokenizer()
     with torch.device("meta"):
         positions = {shape: build_tiny_model(tokenizer, shape=shape).config.max_position_embeddings
