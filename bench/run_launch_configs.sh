@@ -76,9 +76,10 @@ else
   esac
   LAUNCH_FLAGS=""
 fi
-MAX_SECONDS_GIVEN=${MAX_SECONDS:-}
-MAX_SECONDS=${MAX_SECONDS:-$(( RUN_TIMEOUT > STARTUP + 10 ? RUN_TIMEOUT - STARTUP : 10 ))}
-echo "$runs runs, each under $RUN_TIMEOUT s (training stops after the step past $MAX_SECONDS s); results: $JSONL"
+# a run's --max_seconds: MAX_SECONDS where given, else what its limit leaves after the start-up
+max_seconds() { echo "${MAX_SECONDS:-$(( $1 > STARTUP + 10 ? $1 - STARTUP : 10 ))}"; }
+echo "$runs runs, each under $RUN_TIMEOUT s (training stops after the step past $(max_seconds "$RUN_TIMEOUT") s);" \
+     "results: $JSONL"
 
 for NUM_PROCESSES in $PROCESS_COUNTS; do
 for config in $CONFIGS; do
@@ -94,7 +95,7 @@ for config in $CONFIGS; do
     label="$config x$NUM_PROCESSES, $impl"
     limit_var="RUN_TIMEOUT_$impl" steps_var="STEPS_$impl"
     run_timeout=${!limit_var:-$RUN_TIMEOUT} run_steps=${!steps_var:-$STEPS}
-    run_max_seconds=${MAX_SECONDS_GIVEN:-$(( run_timeout > STARTUP + 10 ? run_timeout - STARTUP : 10 ))}
+    run_max_seconds=$(max_seconds "$run_timeout")
     echo "=== $label: $flags"
     start=$(date +%s)
     records_before=$( [ -f "$JSONL" ] && wc -l < "$JSONL" || echo 0 )
@@ -163,14 +164,14 @@ for r in rows:
     peaks = [rank.get("peak_mem_gib") for rank in r.get("per_rank", [])]
     layout = "-" if r["impl"].startswith("trl") else (r.get("eager_rows") or "-").split(" (")[0].replace("rows ", "")
     perf = r.get("perf") or {}
-    fraction = lambda key: 100 * perf[key] if key in perf else float("nan")  # noqa: E731
+    fraction = lambda key: 100 * perf[key] if key in perf else nan  # noqa: E731
     # The matmul share of the training half shown (a later step's): the run-wide figure counts step 1's compiles
     matmul = (100 * perf["training_half_floor_s"] / half if half and "training_half_floor_s" in perf
               else fraction("train_matmul_fraction"))
     first = r["step_s"][0] if r["step_s"] else nan
     print(f"{config:28} {r['impl']:8} {layout:8} {r['steps_done']:5} {first:8.2f} "
           f"{statistics.median(later) if later else nan:12.3f} {half if half is not None else nan:15.3f}"
-          f" {perf.get('step_floor_s', float('nan')):7.2f} {matmul:8.1f}"
+          f" {perf.get('step_floor_s', nan):7.2f} {matmul:8.1f}"
           f" {fraction('decode_bandwidth_fraction'):11.1f}  {peaks}"
           + ("  (training half: step 1's)" if first_half else ""))
 # Scaling: completions a second per GPU (each rank generates and trains its own, completions_per_step of them a
