@@ -405,6 +405,8 @@ def parse_args(argv=None):
                         "so that the mirror's memory can be measured on one GPU")
     parser.add_argument("--compile_training", choices=["default", "auto", "on", "cpp_wrapper", "off"], default="default",
                         help="hf_grpo only: compile the training forward's decoder layers (default: the config's)")
+    parser.add_argument("--compile_generation", choices=["default", "auto", "on", "off"], default="default",
+                        help="hf_grpo only: compile the cuda_graph backend's decode step (default: the config's)")
     parser.add_argument("--training_cuda_graphs", choices=["default", "auto", "on", "off"], default="default",
                         help="hf_grpo only: replay training micro-batches from CUDA graphs (default: the config's)")
     parser.add_argument("--lora_fused_forward", choices=["default", "on", "off"], default="default",
@@ -515,6 +517,8 @@ def main(argv=None) -> int:
             common["padding_free"] = args.padding_free == "on"
         if args.compile_training != "default":
             common["compile_training"] = args.compile_training
+        if args.compile_generation != "default":
+            common["compile_generation"] = args.compile_generation
         if args.lora_generation_mirror != "default":
             common["lora_generation_mirror"] = args.lora_generation_mirror
         if args.training_cuda_graphs != "default":
@@ -637,6 +641,8 @@ def main(argv=None) -> int:
         beta=args.beta, num_iterations=args.num_iterations, lora_r=args.lora_r,
         padding_free=getattr(trainer.args, "padding_free", None),
         compile_training=decisions.train_layers is not None if decisions else None,
+        compile_generation=getattr(trainer.args, "compile_generation", None),
+        decode_compiled=getattr(getattr(decisions, "backend", None), "compile", None),
         training_cuda_graphs=decisions.graphs_replay if decisions else None,
         training_graphs_failure=getattr(getattr(decisions, "train_graphs", None), "failure", None),
         shape_reuse_capture_cost=getattr(getattr(getattr(decisions, "train_graphs", None), "reuse", None),

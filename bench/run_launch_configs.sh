@@ -76,6 +76,9 @@ else
   esac
   LAUNCH_FLAGS=""
 fi
+# The summary's later steps stand for a long run's: the decode step compiled, as compile_generation="auto" does in a
+# run that decodes 6000 steps or more (a few steps here would capture it eager)
+LONG_RUN="--compile_generation on"
 # a run's --max_seconds: MAX_SECONDS where given, else what its limit leaves after the start-up
 max_seconds() { echo "${MAX_SECONDS:-$(( $1 > STARTUP + 10 ? $1 - STARTUP : 10 ))}"; }
 echo "$runs runs, each under $RUN_TIMEOUT s (training stops after the step past $(max_seconds "$RUN_TIMEOUT") s);" \
@@ -87,9 +90,9 @@ for config in $CONFIGS; do
     case $impl in
       trl)            flags="--impl trl" ;;
       trl_cb)         flags="--impl trl --trl_continuous_batching" ;;
-      hf_grpo)        flags="--impl hf_grpo" ;;
-      hf_grpo_padded) flags="--impl hf_grpo --padding_free off" ;;
-      hf_grpo_packed) flags="--impl hf_grpo --padding_free on" ;;
+      hf_grpo)        flags="--impl hf_grpo $LONG_RUN" ;;
+      hf_grpo_padded) flags="--impl hf_grpo $LONG_RUN --padding_free off" ;;
+      hf_grpo_packed) flags="--impl hf_grpo $LONG_RUN --padding_free on" ;;
       *) echo "unknown impl $impl (from: trl trl_cb hf_grpo hf_grpo_padded hf_grpo_packed)"; continue ;;
     esac
     label="$config x$NUM_PROCESSES, $impl"

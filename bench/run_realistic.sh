@@ -7,11 +7,13 @@
 #   STEPS=10 SHAPE=0.5b IMPLS="trl hf cuda_graph hf_small" RESULTS=bench/results/raw bash bench/run_realistic.sh
 #
 # Env: STEPS (10), SHAPE (0.5b | 1.5b), IMPLS (runs, from: trl trl_cb trl_nocudnn hf cuda_graph padded_graphs
-# eager_training sampler_logprobs no_shape_reuse hf_small; default trl trl_cb hf cuda_graph hf_small; trl_cb is TRL with
-# use_transformers_continuous_batching=True; trl_nocudnn is TRL with cuDNN's SDPA kernel off, as hf_grpo has it;
+# eager_training sampler_logprobs compiled_decode no_shape_reuse hf_small; default trl trl_cb hf cuda_graph hf_small;
+# trl_cb is TRL with use_transformers_continuous_batching=True; trl_nocudnn is TRL with cuDNN's SDPA kernel off, as
+# hf_grpo has it;
 # padded_graphs is cuda_graph with the replayed micro-batches' rows padded, not packed (padding_free=False);
 # eager_training is cuda_graph with the training micro-batches run eagerly, training_cuda_graphs=off;
 # sampler_logprobs is cuda_graph with the sampler's log-probs standing for the old policy's (old_logprobs_source);
+# compiled_decode is cuda_graph with the decode step compiled whatever the run's length (compile_generation=on);
 # no_shape_reuse is cuda_graph with every new packed shape captured at its first micro-batch),
 # RESULTS (default $OUT if set, else bench/results/raw), RUN_TIMEOUT (hard limit per run, s, default 280),
 # COMPILE_CACHE (torch's compile cache for every run; default: a fresh empty one per run, so each run
@@ -64,10 +66,11 @@ for run in $IMPLS; do
     padded_graphs) flags="--impl hf_grpo --backend cuda_graph --padding_free off" ;;
     eager_training) flags="--impl hf_grpo --backend cuda_graph --training_cuda_graphs off" ;;
     sampler_logprobs) flags="--impl hf_grpo --backend cuda_graph --old_logprobs_source sampler" ;;
+    compiled_decode) flags="--impl hf_grpo --backend cuda_graph --compile_generation on" ;;
     no_shape_reuse) flags="--impl hf_grpo --backend cuda_graph --shape_reuse_capture_cost 0" ;;
     hf_small)   flags="--impl hf_grpo --backend hf --tensor_batch_size 256 --per_device_generation_batch_size 8" ;;
     *) echo "unknown run $run (from: trl trl_cb trl_nocudnn hf cuda_graph padded_graphs eager_training" \
-            "sampler_logprobs no_shape_reuse hf_small)"; continue ;;
+            "sampler_logprobs compiled_decode no_shape_reuse hf_small)"; continue ;;
   esac
   echo "=== $run: $flags --shape $SHAPE --max_steps $STEPS"
   start=$(date +%s)

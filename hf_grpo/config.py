@@ -34,6 +34,7 @@ from .batch_fields import (  # noqa: F401 (re-exported: names of hf_grpo.config 
 from .distributed import launch_precision
 from .distributed.zero3_leaves import validate_setting as validate_leaf_setting
 from .generation import BACKEND_NAMES
+from .generation.decode_compile import DecodeCompileFields, validate_setting as validate_decode_compile
 from .generation.dense_mirror import validate_setting as validate_mirror_setting
 from .memory.token_budget import check_config as check_token_budget
 from .plan import BatchPlan
@@ -49,7 +50,7 @@ def batch_field_defaults() -> dict[str, Any]:
 
 
 @dataclass
-class GRPOConfig(RolloutLogprobFields, trl.GRPOConfig):  # RolloutLogprobFields: the sampler's log-probs
+class GRPOConfig(RolloutLogprobFields, DecodeCompileFields, trl.GRPOConfig):  # the mixins: fields of one module each
     r"""
     ``trl.GRPOConfig`` with per-device chunk sizes for generation and log-probs.
 
@@ -323,6 +324,7 @@ class GRPOConfig(RolloutLogprobFields, trl.GRPOConfig):  # RolloutLogprobFields:
         validate_mirror_setting(self.lora_generation_mirror, "lora_generation_mirror")
         validate_leaf_setting(self.zero3_leaf_modules)
         validate_compile_setting(self.compile_training)
+        validate_decode_compile(self.compile_generation)
         validate_graphs_setting(self.training_cuda_graphs)
         validate_logprob_fields(self.old_logprobs_source, self.old_logprobs_tolerance,
                                 self.sampler_importance_sampling_correction, self.use_vllm)
@@ -371,8 +373,7 @@ class GRPOConfig(RolloutLogprobFields, trl.GRPOConfig):  # RolloutLogprobFields:
 # DiffuGRPOConfig's enable_profiling, is offered where the config has it).
 OPTIMIZATION_FIELDS = {
     "per_device_train_batch_size": "per_device_train_batch_size",
-    # the per-device chunk, as in the guide; not TRL's generation_batch_size (the global rollout, which keeps
-    # its meaning)
+    # the per-device chunk, as in the guide; not TRL's generation_batch_size (the global rollout, its meaning kept)
     "generation_batch_size": "per_device_generation_batch_size",
     "tensor_batch_size": "tensor_batch_size",
     "enable_gradient_checkpointing": "activation_checkpointing",

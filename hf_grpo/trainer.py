@@ -48,7 +48,7 @@ from .training import lora_forward, prompt_groups, rollout_logprobs
 from .checks import checkpoint_save, inputs as checks, output_lock, prompts as prompt_checks, resume, unscored
 from .config import GRPOConfig
 from .distributed import plain_to_zero, prepare_process, zero3_leaves
-from .generation import GenerationBackend, backend_counts, compile_workers, dense_mirror, open_backend
+from .generation import GenerationBackend, backend_counts, compile_workers, decode_compile, dense_mirror, open_backend
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
 from .memory import autosize, context_fit, prompt_lengths, token_budget, train_backoff
@@ -382,9 +382,9 @@ class GRPOTrainer(trl.GRPOTrainer):
         """At train begin, the sizes settled: how the training forward runs, decided once; the batch plan logged."""
         decisions = self.decisions
         decisions.train_layers = self._compiled_training_layers(max_steps)
-        explicit = "pad_to_multiple_of" in getattr(self.args, "_explicit_fields", frozenset())  # lengths aligned
-        self.pad_to_multiple_of = training_compile.pad_multiple(decisions.train_layers, self.pad_to_multiple_of,
-                                                                explicit)
+        decisions.decode_compile = decode_compile.choose_for_run(self.args, max_steps, world_process_zero)
+        given = "pad_to_multiple_of" in getattr(self.args, "_explicit_fields", frozenset())  # lengths aligned
+        self.pad_to_multiple_of = training_compile.pad_multiple(decisions.train_layers, self.pad_to_multiple_of, given)
         decisions.eager_rows = eager_packing.for_run(self.args.padding_free, self.model, self.facts,
                                                      decisions.chunked_head, self.sizes.per_device_train_batch_size,
                                                      self._longest_prompt)
@@ -446,5 +446,5 @@ class GRPOTrainer(trl.GRPOTrainer):
             self.decisions.backend = open_backend(
                 self.args.generation_backend, model if mirror is None else mirror.module,
                 None if longest is None else -(-longest // multiple) * multiple + self.max_completion_length,
-                self.accelerator.is_main_process)
+                self.accelerator.is_main_process, self.decisions.decode_compile)
         return self.decisions.backend

@@ -17,8 +17,10 @@ from .hf import HFGenerateBackend
 BACKEND_NAMES = ("auto", "hf", "cuda_graph", "vllm")
 
 
-def resolve_backend(name: str, model: torch.nn.Module) -> tuple[GenerationBackend, str | None]:
-    """The backend for ``name`` and ``model``, plus a reason when it fell back to ``"hf"``.
+def resolve_backend(name: str, model: torch.nn.Module, compile: bool | None = None
+                    ) -> tuple[GenerationBackend, str | None]:
+    """The backend for ``name`` and ``model``, plus a reason when it fell back to ``"hf"``; ``compile``: whether the
+    cuda_graph backend compiles its decode step (``decode_compile``; None: where torch can).
 
     ``"vllm"`` is not resolved here: the trainer hands it to TRL's own vLLM path.
     """
@@ -30,18 +32,19 @@ def resolve_backend(name: str, model: torch.nn.Module) -> tuple[GenerationBacken
         from .cuda_graph import CudaGraphBackend
     except ImportError as err:
         return HFGenerateBackend(), f"the cuda_graph backend is unavailable ({err})"
-    backend = CudaGraphBackend()
+    backend = CudaGraphBackend(compile=compile)
     reason = backend.unsupported_reason(model)
     if reason is not None:
         return HFGenerateBackend(), reason
     return backend, None
 
 
-def open_backend(setting: str, model: torch.nn.Module, reserve: int | None, main: bool) -> GenerationBackend:
-    """The run's backend for ``generation_backend=setting`` serving ``model`` (``resolve_backend``), its cache
-    reserved for ``reserve`` tokens where it keeps one (one cache and one compile for the whole run); the choice
-    logged on ``main``, a warning where a backend asked for by name falls back."""
-    backend, reason = resolve_backend(setting, model)
+def open_backend(setting: str, model: torch.nn.Module, reserve: int | None, main: bool,
+                 compile: bool | None = None) -> GenerationBackend:
+    """The run's backend for ``generation_backend=setting`` serving ``model`` (``resolve_backend``, ``compile`` as
+    there), its cache reserved for ``reserve`` tokens where it keeps one (one cache and one compile for the whole
+    run); the choice logged on ``main``, a warning where a backend asked for by name falls back."""
+    backend, reason = resolve_backend(setting, model, compile)
     if hasattr(backend, "reserve") and reserve is not None:
         backend.reserve(reserve)
     log = logging.getLogger("hf_grpo")

@@ -15,16 +15,18 @@ import logging
 
 import torch
 
+from . import decode_compile
+
 logger = logging.getLogger(__name__)
 
 
 def will_compile(config, model: torch.nn.Module | str | None = None) -> bool:
     """Whether a run with ``config`` (a ``GRPOConfig``) compiles a decode step: the cuda_graph backend ("auto" picks
-    it on CUDA), on a machine with a CUDA device, for a model of a family it serves (a model given by its path is
-    assumed to be one: its config is not read before TRL loads it)."""
+    it on CUDA) compiling its step (``compile_generation``), on a machine with a CUDA device, for a model of a family
+    it serves (a model given by its path is assumed to be one: its config is not read before TRL loads it)."""
     if config.use_vllm or config.use_cpu or config.generation_backend not in ("auto", "cuda_graph"):
         return False
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or not decode_compile.expected_at_start(config):
         return False
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type is not None:

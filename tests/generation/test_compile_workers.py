@@ -14,8 +14,11 @@ from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 TOKENIZER = build_char_tokenizer()
 
 
-def settings(generation_backend="auto", use_vllm=False, use_cpu=False):
-    return types.SimpleNamespace(generation_backend=generation_backend, use_vllm=use_vllm, use_cpu=use_cpu)
+def settings(generation_backend="auto", use_vllm=False, use_cpu=False, compile_generation="auto", max_steps=-1):
+    """A config's fields that decide (max_steps -1: a run counted in epochs, taken to be long)."""
+    return types.SimpleNamespace(generation_backend=generation_backend, use_vllm=use_vllm, use_cpu=use_cpu,
+                                 compile_generation=compile_generation, max_steps=max_steps, max_completion_length=256,
+                                 gradient_accumulation_steps=4, steps_per_generation=4, num_iterations=1)
 
 
 def model_of_type(model_type):
@@ -36,6 +39,17 @@ def test_a_run_that_will_compile_on_a_gpu_starts_the_workers_once(monkeypatch, s
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert compile_workers.start_early(settings(backend), model)
     assert started == ["warm"]
+
+
+# 256-token completions, a rollout every optimizer step: "auto" compiles from 6000 / 256 = 24 rollouts
+@pytest.mark.parametrize("compile_generation, max_steps, starts",
+                         [("auto", 24, True), ("auto", 23, False), ("on", 1, True), ("off", -1, False)])
+def test_the_workers_start_only_where_the_decode_step_will_be_compiled(monkeypatch, started, compile_generation,
+                                                                       max_steps, starts):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = settings(compile_generation=compile_generation, max_steps=max_steps)
+    assert compile_workers.start_early(config) is starts
+    assert started == (["warm"] if starts else [])
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,67 @@
+"""compile_generation: the decode step compiled where the run decodes enough steps to repay the compile."""
+
+import logging
+
+import pytest
+from datasets import Dataset
+
+import hf_grpo.trainer as trainer_module
+from hf_grpo import GRPOConfig, GRPOTrainer
+from hf_grpo.generation import HFGenerateBackend, decode_compile
+from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
+
+TOKENIZER = build_char_tokenizer()
+
+
+@pytest.mark.parametrize("steps, accumulation, per_generation, iterations, rollouts", [
+    (10, 4, 4, 1, 10),  # a rollout every optimizer step
+    (10, 4, 4, 2, 5),  # num_iterations 2: each rollout trained on twice
+    (10, 1, 4, 1, 3),  # a rollout every 4 steps; the run's last one started in step 9
+    (7, 3, 2, 1, 11),  # rollouts that straddle optimizer steps: 21 micro-batches, one every 2
+])
+def test_a_runs_rollouts_follow_trls_generation_schedule(steps, accumulation, per_generation, iterations, rollouts):
+    assert decode_compile.planned_rollouts(steps, accumulation, per_generation, iterations) == rollouts
+
+
+def test_auto_compiles_from_the_break_even_number_of_decode_steps():
+    threshold = decode_compile.AUTO_MIN_DECODE_STEPS
+    assert decode_compile.choose("auto", threshold)[0] is None  # the backend's default: compile where torch can
+    compile, why = decode_compile.choose("auto", threshold - 1)
+    assert compile is False and f"at most {threshold - 1}" in why and "'on' compiles" in why
+    assert decode_compile.choose("auto", None)[0] is None  # a run of unknown length is taken to be long
+    assert decode_compile.choose("on", 1)[0] is True
+    assert decode_compile.choose("off", 10**9)[0] is False
+
+
+def test_a_bad_setting_is_refused_with_the_field_and_the_choices(tmp_path):
+    with pytest.raises(ValueError, match=r"compile_generation must be one of \('auto', 'on', 'off'\), got 'fast'"):
+        GRPOConfig(output_dir=str(tmp_path), use_cpu=True, compile_generation="fast")
+
+
+# 2 steps of 2 micro-batches, a rollout every 2 (TRL's steps_per_generation defaults to the accumulation): 2 rollouts
+# of at most 4 tokens, 8 decode steps; with the threshold lowered to 8 "auto" compiles
+@pytest.mark.parametrize("setting, threshold, compile", [("auto", None, False), ("on", None, True), ("auto", 8, None)])
+def test_the_trainer_opens_its_backend_with_the_runs_choice(monkeypatch, tmp_path, caplog, setting, threshold,
+                                                            compile):
+    opened = []
+
+    def open_backend(name, model, reserve, main, compile=None):
+        opened.append(compile)
+        return HFGenerateBackend()
+
+    monkeypatch.setattr(trainer_module, "open_backend", open_backend)
+    if threshold is not None:
+        monkeypatch.setattr(decode_compile, "AUTO_MIN_DECODE_STEPS", threshold)
+    args = GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=2, num_generations=4,
+                      per_device_train_batch_size=4, gradient_accumulation_steps=2, max_completion_length=4,
+                      compile_generation=setting, disable_tqdm=True, save_strategy="no")
+    trainer = GRPOTrainer(model=build_tiny_model(TOKENIZER, seed=0), processing_class=TOKENIZER, args=args,
+                          reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                          train_dataset=Dataset.from_dict({"prompt": ["ab>", "cd>"] * 4}))
+    with caplog.at_level(logging.INFO, logger="hf_grpo"):
+        trainer.train()
+    assert trainer.decisions.decode_compile is compile
+    assert opened == [compile]  # one backend for the run
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode step:")]
+    said = "eager, captured" if compile is False else "compiled where torch can"
+    assert logged == [f"decode step: {said} ({decode_compile.choose(setting, 8)[1]})"]
