@@ -77,7 +77,7 @@ else
   LAUNCH_FLAGS=""
 fi
 # The summary's later steps stand for a long run's: the decode step compiled, as compile_generation="auto" does in a
-# run that decodes 6000 steps or more (a few steps here would capture it eager)
+# run that decodes 4096 steps or more (a few steps here would capture it eager)
 LONG_RUN="--compile_generation on"
 # a run's --max_seconds: MAX_SECONDS where given, else what its limit leaves after the start-up
 max_seconds() { echo "${MAX_SECONDS:-$(( $1 > STARTUP + 10 ? $1 - STARTUP : 10 ))}"; }

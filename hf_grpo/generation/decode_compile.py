@@ -2,12 +2,17 @@
 
 Compiled, each decoder layer's dozen small element-wise kernels become a few fused ones; uncompiled, the same eager
 step is captured in a CUDA graph, so the host's launch cost is gone either way and only the GPU's time per kernel
-differs. Measured at 0.5B on an H200, 32 rows, 256-token rollouts (``bench/results/cold_start_h200.jsonl``): the
-compiled step's first rollout took 13.2 s from a cold compile cache against 2.1 s for the eager step captured, and
-each later rollout 0.42 s against 0.91 s: about 11 s once, to save about 1.9 ms a decode step. The compile pays
-after about 5,800 decode steps, so ``"auto"`` compiles where the run will decode at least ``AUTO_MIN_DECODE_STEPS``
-(its rollouts x ``max_completion_length``, the longest a rollout decodes): a 10-step run of 256-token completions
-does not, a 100-step one does.
+differs. Measured at 0.5B, 32 rows, 256-token rollouts, from a cold compile cache:
+
+* H100 (``bench/results/grpo_phases_h100_num_iterations2_decode_compile.jsonl``): the first rollout 8.29 s compiled
+  against 1.33 s eager, each later one 0.50 s against 1.20 s: 7 s once, to save 2.7 ms a decode step, repaid after
+  about 2,600 decode steps;
+* H200 (``bench/results/cold_start_h200.jsonl``): 13.2 s against 2.1 s, then 0.42 s against 0.91 s: 11 s once, to
+  save 1.9 ms a step, repaid after about 5,800.
+
+``"auto"`` compiles where the run will decode at least ``AUTO_MIN_DECODE_STEPS`` (its rollouts x
+``max_completion_length``, the most a rollout decodes), between the two: a run on the wrong side of either break-even
+loses at most about 4 s. A 10-step run of 256-token completions captures the eager step, a 20-step one compiles.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from dataclasses import dataclass, field
 
 SETTINGS = ("auto", "on", "off")
 FIELD = "compile_generation"
-AUTO_MIN_DECODE_STEPS = 6000
+AUTO_MIN_DECODE_STEPS = 4096
 
 
 @dataclass
@@ -30,7 +35,7 @@ class DecodeCompileFields:
             For the ``cuda_graph`` backend: ``"on"`` compiles the one-token decode step (one decoder layer, about
             10 s on a fresh machine, a few from a warm compile cache) before capturing it; ``"off"`` captures the
             eager step (no compile; each decode step a few milliseconds slower); ``"auto"`` compiles where the run
-            decodes at least 6,000 steps (rollouts x ``max_completion_length``), where the compile pays for itself.
+            decodes at least 4,096 steps (rollouts x ``max_completion_length``), where the compile pays for itself.
     """
 
     compile_generation: str = field(default="auto", metadata={

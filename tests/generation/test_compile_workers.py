@@ -41,9 +41,9 @@ def test_a_run_that_will_compile_on_a_gpu_starts_the_workers_once(monkeypatch, s
     assert started == ["warm"]
 
 
-# 256-token completions, a rollout every optimizer step: "auto" compiles from 6000 / 256 = 24 rollouts
+# 256-token completions, a rollout every optimizer step: "auto" compiles from 4096 / 256 = 16 rollouts
 @pytest.mark.parametrize("compile_generation, max_steps, starts",
-                         [("auto", 24, True), ("auto", 23, False), ("on", 1, True), ("off", -1, False)])
+                         [("auto", 16, True), ("auto", 15, False), ("on", 1, True), ("off", -1, False)])
 def test_the_workers_start_only_where_the_decode_step_will_be_compiled(monkeypatch, started, compile_generation,
                                                                        max_steps, starts):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
