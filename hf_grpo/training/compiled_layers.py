@@ -225,10 +225,11 @@ def sharding_reason(sharded: str) -> str:
             "in one process, under DDP, ZeRO-1/2 and ZeRO-3 with leaf modules")
 
 
-# Measured on one H200 (fp32, tests/distributed/test_packed_launch.py): under ZeRO-3 the layers compiled by inductor
-# trained differently from eager ones - the first step's grad norm 0.157 against 0.190 - where on the GPU without
-# DeepSpeed, and on the CPU under ZeRO-3, they train as eager ones. Until that is understood they run eager on a GPU
-# there.
+# Measured on one H200 and one H100 (fp32, tests/distributed/test_packed_launch.py, bench/zero3_compile_probe.py): under
+# ZeRO-3 compiled layers trained differently from eager ones - the first step's grad norm 0.157 against 0.190 - the
+# same through inductor or without code generation, packed or padded, with either LoRA forward or recompute; on the
+# GPU without DeepSpeed, and on the CPU under ZeRO-3, they train as eager ones. Until that is understood they run
+# eager on a GPU there.
 ZERO3_CUDA_REASON = ("ZeRO-3 on a GPU: the compiled layers did not train as eager ones there (the first step's grad "
                      "norm 0.157 against 0.190 in tests/distributed/test_packed_launch.py), so the layers run eager")
 
