@@ -70,7 +70,8 @@ def choose(setting: str, decode_steps: int | None) -> tuple[bool | None, str]:
         return False, (f"{FIELD}='auto' compiles runs that decode at least {AUTO_MIN_DECODE_STEPS} steps, where the "
                        f"compile (about 10 s once) pays for itself; this run decodes at most {decode_steps}: the eager "
                        "step is captured ('on' compiles)")
-    return None, f"{FIELD}='auto': the run decodes {decode_steps or 'an unknown number of'} steps"
+    told = "an unknown number of" if decode_steps is None else f"up to {decode_steps}"
+    return None, f"{FIELD}='auto': the run decodes {told} steps"
 
 
 def choose_for_run(config, optimizer_steps: int, main: bool) -> bool | None:
