@@ -12,6 +12,7 @@ import torch
 
 from .base import (Completions, GenerationBackend, backend_counts, cut_after_eos, iter_chunks, left_pad, model_device,
                    padded_length)
+from . import decode_compile
 from .hf import HFGenerateBackend
 
 BACKEND_NAMES = ("auto", "hf", "cuda_graph", "vllm")
@@ -40,16 +41,19 @@ def resolve_backend(name: str, model: torch.nn.Module, compile: bool | None = No
 
 
 def open_backend(setting: str, model: torch.nn.Module, reserve: int | None, main: bool,
-                 compile: bool | None = None) -> GenerationBackend:
-    """The run's backend for ``generation_backend=setting`` serving ``model`` (``resolve_backend``, ``compile`` as
-    there), its cache reserved for ``reserve`` tokens where it keeps one (one cache and one compile for the whole
-    run); the choice logged on ``main``, a warning where a backend asked for by name falls back."""
+                 decode: tuple[bool | None, str] | None = None) -> GenerationBackend:
+    """The run's backend for ``generation_backend=setting`` serving ``model`` (``resolve_backend``), its cache
+    reserved for ``reserve`` tokens where it keeps one (one cache and one compile for the whole run), its decode step
+    compiled or not as ``decode`` says (``decode_compile.choose_for_run``: whether, and why); the choice logged on
+    ``main``, a warning where a backend asked for by name falls back."""
+    compile, why = decode or (None, None)
     backend, reason = resolve_backend(setting, model, compile)
     if hasattr(backend, "reserve") and reserve is not None:
         backend.reserve(reserve)
     log = logging.getLogger("hf_grpo")
     if main and reason is None:
-        log.info("generation backend: %s", backend.name)
+        detail = f"; {decode_compile.described(compile, why)}" if why and backend.name == "cuda_graph" else ""
+        log.info("generation backend: %s%s", backend.name, detail)
     elif main and setting == "auto":
         log.info("generation backend: hf (%s)", reason)
     elif main:

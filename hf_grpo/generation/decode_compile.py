@@ -17,7 +17,6 @@ loses at most about 4 s. A 10-step run of 256-token completions captures the eag
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 SETTINGS = ("auto", "on", "off")
@@ -74,20 +73,21 @@ def choose(setting: str, decode_steps: int | None) -> tuple[bool | None, str]:
     return None, f"{FIELD}='auto': the run decodes {told} steps"
 
 
-def choose_for_run(config, optimizer_steps: int, main: bool) -> bool | None:
-    """``choose`` for a run of ``optimizer_steps`` with ``config`` (a ``GRPOConfig``), logged on ``main``."""
+def choose_for_run(config, optimizer_steps: int) -> tuple[bool | None, str]:
+    """``choose`` for a run of ``optimizer_steps`` with ``config`` (a ``GRPOConfig``); the backend logs it."""
     rollouts = planned_rollouts(optimizer_steps, config.gradient_accumulation_steps, config.steps_per_generation,
                                 config.num_iterations)
     decode_steps = rollouts * config.max_completion_length if optimizer_steps > 0 else None
-    compile, why = choose(config.compile_generation, decode_steps)
-    if main:
-        logging.getLogger("hf_grpo").info("decode step: %s (%s)", "eager, captured" if compile is False
-                                          else "compiled where torch can", why)
-    return compile
+    return choose(config.compile_generation, decode_steps)
+
+
+def described(compile: bool | None, why: str) -> str:
+    """The decision as the backend's log line gives it."""
+    return f"decode step {'captured eager' if compile is False else 'compiled'} ({why})"
 
 
 def expected_at_start(config) -> bool:
     """Whether a run with ``config`` is expected to compile its decode step, before TRL has set up (its
     ``max_steps`` where given; a run counted in epochs is taken to be long)."""
     steps = config.max_steps if config.max_steps and config.max_steps > 0 else 0
-    return choose_for_run(config, steps, main=False) is not False
+    return choose_for_run(config, steps)[0] is not False

@@ -13,7 +13,7 @@ class RunDecisions:
     chunked_head: bool = True  # the policy's LM head runs in row chunks (False: TRL's fused head is kept)
     lora_fused_layers: int = 0  # LoRA layers on the fused forward
     backend: Any = None  # the generation backend (hf_grpo.generation), opened at the first rollout
-    decode_compile: bool | None = None  # the backend's compile (generation.decode_compile), at train begin
+    decode_compile: Any = None  # whether the decode step compiles, and why (generation.decode_compile), at train begin
     mirror_decided: bool = False
     mirror: Any = None  # ZeRO-3's or LoRA's dense generation mirror (generation.dense_mirror.MirrorChoice) or None
     train_layers: Any = None  # compiled decoder layers (training.compiled_layers), at train begin

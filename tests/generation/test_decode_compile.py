@@ -5,9 +5,8 @@ import logging
 import pytest
 from datasets import Dataset
 
-import hf_grpo.trainer as trainer_module
 from hf_grpo import GRPOConfig, GRPOTrainer
-from hf_grpo.generation import HFGenerateBackend, decode_compile
+from hf_grpo.generation import HFGenerateBackend, decode_compile, open_backend
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 TOKENIZER = build_char_tokenizer()
@@ -38,6 +37,12 @@ def test_a_bad_setting_is_refused_with_the_field_and_the_choices(tmp_path):
         GRPOConfig(output_dir=str(tmp_path), use_cpu=True, compile_generation="fast")
 
 
+class StandIn(HFGenerateBackend):
+    """The cuda_graph backend's name on a CPU: the run's decision is what it is opened with and what it logs."""
+
+    name = "cuda_graph"
+
+
 # 2 steps of 2 micro-batches, a rollout every 2 (TRL's steps_per_generation defaults to the accumulation): 2 rollouts
 # of at most 4 tokens, 8 decode steps; with the threshold lowered to 8 "auto" compiles
 @pytest.mark.parametrize("setting, threshold, compile", [("auto", None, False), ("on", None, True), ("auto", 8, None)])
@@ -45,11 +50,11 @@ def test_the_trainer_opens_its_backend_with_the_runs_choice(monkeypatch, tmp_pat
                                                             compile):
     opened = []
 
-    def open_backend(name, model, reserve, main, compile=None):
+    def resolve_backend(name, model, compile=None):
         opened.append(compile)
-        return HFGenerateBackend()
+        return StandIn(), None
 
-    monkeypatch.setattr(trainer_module, "open_backend", open_backend)
+    monkeypatch.setattr("hf_grpo.generation.resolve_backend", resolve_backend)
     if threshold is not None:
         monkeypatch.setattr(decode_compile, "AUTO_MIN_DECODE_STEPS", threshold)
     args = GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=2, num_generations=4,
@@ -60,8 +65,14 @@ def test_the_trainer_opens_its_backend_with_the_runs_choice(monkeypatch, tmp_pat
                           train_dataset=Dataset.from_dict({"prompt": ["ab>", "cd>"] * 4}))
     with caplog.at_level(logging.INFO, logger="hf_grpo"):
         trainer.train()
-    assert trainer.decisions.decode_compile is compile
+    assert trainer.decisions.decode_compile == decode_compile.choose(setting, 8)
     assert opened == [compile]  # one backend for the run
-    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("decode step:")]
-    said = "eager, captured" if compile is False else "compiled where torch can"
-    assert logged == [f"decode step: {said} ({decode_compile.choose(setting, 8)[1]})"]
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generation backend:")]
+    said = "captured eager" if compile is False else "compiled"
+    assert logged == [f"generation backend: cuda_graph; decode step {said} ({decode_compile.choose(setting, 8)[1]})"]
+
+
+def test_a_backend_that_compiles_nothing_logs_no_decode_step(caplog):
+    with caplog.at_level(logging.INFO, logger="hf_grpo"):
+        open_backend("hf", build_tiny_model(TOKENIZER, seed=0), None, True, decode_compile.choose("auto", 8))
+    assert [r.getMessage() for r in caplog.records] == ["generation backend: hf"]
