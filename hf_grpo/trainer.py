@@ -382,7 +382,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         """At train begin, the sizes settled: how the training forward runs, decided once; the batch plan logged."""
         decisions = self.decisions
         decisions.train_layers = self._compiled_training_layers(max_steps)
-        decisions.decode_compile = decode_compile.choose_for_run(self.args, max_steps)  # (the backend logs it)
+        decisions.decode_compile = decode_compile.for_run(self.args, max_steps, decisions.backend, world_process_zero)
         given = "pad_to_multiple_of" in getattr(self.args, "_explicit_fields", frozenset())  # lengths aligned
         self.pad_to_multiple_of = training_compile.pad_multiple(decisions.train_layers, self.pad_to_multiple_of, given)
         decisions.eager_rows = eager_packing.for_run(self.args.padding_free, self.model, self.facts,

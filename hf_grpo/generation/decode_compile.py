@@ -17,6 +17,7 @@ loses at most about 4 s. A 10-step run of 256-token completions captures the eag
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 SETTINGS = ("auto", "on", "off")
@@ -79,6 +80,19 @@ def choose_for_run(config, optimizer_steps: int) -> tuple[bool | None, str]:
                                 config.num_iterations)
     decode_steps = rollouts * config.max_completion_length if optimizer_steps > 0 else None
     return choose(config.compile_generation, decode_steps)
+
+
+def for_run(config, optimizer_steps: int, opened, main: bool) -> tuple[bool | None, str]:
+    """``choose_for_run``, at train begin. The "auto" size probes open the run's backend before its length is known:
+    where ``opened`` is that backend, it is told now not to compile a run too short for it (it would compile at the
+    first rollout, still ahead), the decision logged on ``main``; a backend opened later gets it from
+    ``open_backend``."""
+    compile, why = choose_for_run(config, optimizer_steps)
+    if getattr(opened, "name", None) == "cuda_graph":
+        opened.compile = opened.compile and compile is not False
+        if main:
+            logging.getLogger("hf_grpo").info("generation backend: cuda_graph; %s", described(compile, why))
+    return compile, why
 
 
 def described(compile: bool | None, why: str) -> str:

@@ -76,3 +76,22 @@ def test_a_backend_that_compiles_nothing_logs_no_decode_step(caplog):
     with caplog.at_level(logging.INFO, logger="hf_grpo"):
         open_backend("hf", build_tiny_model(TOKENIZER, seed=0), None, True, decode_compile.choose("auto", 8))
     assert [r.getMessage() for r in caplog.records] == ["generation backend: hf"]
+
+
+@pytest.mark.parametrize("setting, compiles", [("auto", False), ("on", True)])
+def test_a_backend_the_size_probes_opened_gets_the_runs_choice(tmp_path, caplog, setting, compiles):
+    # "auto" sizes on a GPU probe with the run's backend before train begin, so it is open before the run's length
+    # is known: a run too short for the compile must still not compile (this one decodes 8 steps)
+    args = GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=2, num_generations=4,
+                      per_device_train_batch_size=4, gradient_accumulation_steps=2, max_completion_length=4,
+                      compile_generation=setting, disable_tqdm=True, save_strategy="no")
+    trainer = GRPOTrainer(model=build_tiny_model(TOKENIZER, seed=0), processing_class=TOKENIZER, args=args,
+                          reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                          train_dataset=Dataset.from_dict({"prompt": ["ab>", "cd>"] * 4}))
+    opened = trainer.decisions.backend = StandIn()
+    opened.compile = True  # the backend's own default where torch can compile
+    with caplog.at_level(logging.INFO, logger="hf_grpo"):
+        trainer.train()
+    assert trainer.decisions.backend is opened and opened.compile is compiles
+    said = "captured eager" if not compiles else "compiled"
+    assert f"generation backend: cuda_graph; decode step {said} (" in caplog.text
