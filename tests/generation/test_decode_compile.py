@@ -43,8 +43,20 @@ class StandIn(HFGenerateBackend):
     name = "cuda_graph"
 
 
-# 2 steps of 2 micro-batches, a rollout every 2 (TRL's steps_per_generation defaults to the accumulation): 2 rollouts
-# of at most 4 tokens, 8 decode steps; with the threshold lowered to 8 "auto" compiles
+def short_run(tmp_path, setting: str) -> GRPOTrainer:
+    """A trainer for a model saved in a directory (as a hub download is), for 2 steps of 2 micro-batches: a rollout
+    every 2 (TRL's steps_per_generation defaults to the accumulation), 2 rollouts of at most 4 tokens: 8 decode
+    steps."""
+    build_tiny_model(TOKENIZER, seed=0).save_pretrained(tmp_path / "checkpoint")
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), report_to=[], use_cpu=True, max_steps=2, num_generations=4,
+                      per_device_train_batch_size=4, gradient_accumulation_steps=2, max_completion_length=4,
+                      compile_generation=setting, disable_tqdm=True, save_strategy="no")
+    return GRPOTrainer(model=str(tmp_path / "checkpoint"), processing_class=TOKENIZER, args=args,
+                       reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                       train_dataset=Dataset.from_dict({"prompt": ["ab>", "cd>"] * 4}))
+
+
+# short_run decodes at most 8 steps: with the threshold lowered to 8 "auto" compiles
 @pytest.mark.parametrize("setting, threshold, compile", [("auto", None, False), ("on", None, True), ("auto", 8, None)])
 def test_the_trainer_opens_its_backend_with_the_runs_choice(monkeypatch, tmp_path, caplog, setting, threshold,
                                                             compile):
@@ -57,12 +69,7 @@ def test_the_trainer_opens_its_backend_with_the_runs_choice(monkeypatch, tmp_pat
     monkeypatch.setattr("hf_grpo.generation.resolve_backend", resolve_backend)
     if threshold is not None:
         monkeypatch.setattr(decode_compile, "AUTO_MIN_DECODE_STEPS", threshold)
-    args = GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=2, num_generations=4,
-                      per_device_train_batch_size=4, gradient_accumulation_steps=2, max_completion_length=4,
-                      compile_generation=setting, disable_tqdm=True, save_strategy="no")
-    trainer = GRPOTrainer(model=build_tiny_model(TOKENIZER, seed=0), processing_class=TOKENIZER, args=args,
-                          reward_funcs=lambda completions, **_: [0.0] * len(completions),
-                          train_dataset=Dataset.from_dict({"prompt": ["ab>", "cd>"] * 4}))
+    trainer = short_run(tmp_path, setting)
     with caplog.at_level(logging.INFO, logger="hf_grpo"):
         trainer.train()
     assert trainer.decisions.decode_compile == decode_compile.choose(setting, 8)
@@ -82,12 +89,7 @@ def test_a_backend_that_compiles_nothing_logs_no_decode_step(caplog):
 def test_a_backend_the_size_probes_opened_gets_the_runs_choice(tmp_path, caplog, setting, compiles):
     # "auto" sizes on a GPU probe with the run's backend before train begin, so it is open before the run's length
     # is known: a run too short for the compile must still not compile (this one decodes 8 steps)
-    args = GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_steps=2, num_generations=4,
-                      per_device_train_batch_size=4, gradient_accumulation_steps=2, max_completion_length=4,
-                      compile_generation=setting, disable_tqdm=True, save_strategy="no")
-    trainer = GRPOTrainer(model=build_tiny_model(TOKENIZER, seed=0), processing_class=TOKENIZER, args=args,
-                          reward_funcs=lambda completions, **_: [0.0] * len(completions),
-                          train_dataset=Dataset.from_dict({"prompt": ["ab>", "cd>"] * 4}))
+    trainer = short_run(tmp_path, setting)
     opened = trainer.decisions.backend = StandIn()
     opened.compile = True  # the backend's own default where torch can compile
     with caplog.at_level(logging.INFO, logger="hf_grpo"):
