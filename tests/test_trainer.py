@@ -283,7 +283,7 @@ def test_the_decoder_cache_is_reserved_for_the_longest_training_prompt(tmp_path,
 
     trainer = make_trainer(tmp_path, fixed=False)
     backend = ReservingBackend()
-    monkeypatch.setattr("hf_grpo.generation.resolve_backend", lambda name, model, compile=None: (backend, None))
+    monkeypatch.setattr("hf_grpo.generation.resolve_backend", lambda name, model: (backend, None))
     assert trainer._generation_backend(trainer.model) is backend
     longest = max(len(TOKENIZER(p)["input_ids"]) for p in PROMPTS)  # "klmno>": 6 tokens
     assert backend.reserved == longest + 6  # + max_completion_length
@@ -397,7 +397,7 @@ def test_environments_leave_the_decoder_cache_unreserved(tmp_path, monkeypatch):
 
     trainer = environment_trainer(tmp_path, fixed=False)
     backend = ReservingBackend()
-    monkeypatch.setattr("hf_grpo.generation.resolve_backend", lambda name, model, compile=None: (backend, None))
+    monkeypatch.setattr("hf_grpo.generation.resolve_backend", lambda name, model: (backend, None))
     trainer._batch_environments = [None] * 8  # as after a batch of 8: TRL's tokenizer zips prompts against it
     assert trainer._generation_backend(trainer.model) is backend
     assert backend.reserved is None  # the cache then grows along its ladder, as for a set it cannot scan

@@ -18,10 +18,8 @@ from .hf import HFGenerateBackend
 BACKEND_NAMES = ("auto", "hf", "cuda_graph", "vllm")
 
 
-def resolve_backend(name: str, model: torch.nn.Module, compile: bool | None = None
-                    ) -> tuple[GenerationBackend, str | None]:
-    """The backend for ``name`` and ``model``, plus a reason when it fell back to ``"hf"``; ``compile``: whether the
-    cuda_graph backend compiles its decode step (``decode_compile``; None: where torch can).
+def resolve_backend(name: str, model: torch.nn.Module) -> tuple[GenerationBackend, str | None]:
+    """The backend for ``name`` and ``model``, plus a reason when it fell back to ``"hf"``.
 
     ``"vllm"`` is not resolved here: the trainer hands it to TRL's own vLLM path.
     """
@@ -33,7 +31,7 @@ def resolve_backend(name: str, model: torch.nn.Module, compile: bool | None = No
         from .cuda_graph import CudaGraphBackend
     except ImportError as err:
         return HFGenerateBackend(), f"the cuda_graph backend is unavailable ({err})"
-    backend = CudaGraphBackend(compile=compile)
+    backend = CudaGraphBackend()
     reason = backend.unsupported_reason(model)
     if reason is not None:
         return HFGenerateBackend(), reason
@@ -44,16 +42,15 @@ def open_backend(setting: str, model: torch.nn.Module, reserve: int | None, main
                  decode: tuple[bool | None, str] | None = None) -> GenerationBackend:
     """The run's backend for ``generation_backend=setting`` serving ``model`` (``resolve_backend``), its cache
     reserved for ``reserve`` tokens where it keeps one (one cache and one compile for the whole run), its decode step
-    compiled or not as ``decode`` says (``decode_compile.choose_for_run``: whether, and why); the choice logged on
+    compiled or not as ``decode`` says (``decode_compile.apply``); the choice logged on
     ``main``, a warning where a backend asked for by name falls back."""
-    compile, why = decode or (None, None)
-    backend, reason = resolve_backend(setting, model, compile)
+    backend, reason = resolve_backend(setting, model)
+    said = decode_compile.apply(backend, decode)
     if hasattr(backend, "reserve") and reserve is not None:
         backend.reserve(reserve)
     log = logging.getLogger("hf_grpo")
     if main and reason is None:
-        detail = f"; {decode_compile.described(compile, why)}" if why and backend.name == "cuda_graph" else ""
-        log.info("generation backend: %s%s", backend.name, detail)
+        log.info("generation backend: %s%s", backend.name, f"; {said}" if said else "")
     elif main and setting == "auto":
         log.info("generation backend: hf (%s)", reason)
     elif main:

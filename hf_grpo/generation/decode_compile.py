@@ -84,19 +84,23 @@ def choose_for_run(config, optimizer_steps: int) -> tuple[bool | None, str]:
 
 def for_run(config, optimizer_steps: int, opened, main: bool) -> tuple[bool | None, str]:
     """``choose_for_run``, at train begin. The "auto" size probes open the run's backend before its length is known:
-    where ``opened`` is that backend, it is told now not to compile a run too short for it (it would compile at the
-    first rollout, still ahead), the decision logged on ``main``; a backend opened later gets it from
-    ``open_backend``."""
-    compile, why = choose_for_run(config, optimizer_steps)
-    if getattr(opened, "name", None) == "cuda_graph":
-        opened.compile = opened.compile and compile is not False
-        if main:
-            logging.getLogger("hf_grpo").info("generation backend: cuda_graph; %s", described(compile, why))
-    return compile, why
+    where ``opened`` is that backend, the decision is applied to it now (it would compile at the first rollout, still
+    ahead) and logged on ``main``; a backend opened later gets it from ``open_backend``."""
+    decision = choose_for_run(config, optimizer_steps)
+    said = apply(opened, decision)
+    if said and main:
+        logging.getLogger("hf_grpo").info("generation backend: cuda_graph; %s", said)
+    return decision
 
 
-def described(compile: bool | None, why: str) -> str:
-    """The decision as the backend's log line gives it."""
+def apply(backend, decision: tuple[bool | None, str] | None) -> str | None:
+    """Tell a cuda_graph ``backend`` not to compile where ``decision`` (``choose_for_run``'s) says so (it compiles
+    where torch can otherwise), before its first rollout; the decision as its log line gives it, None for a backend
+    that compiles no decode step or no decision."""
+    if decision is None or getattr(backend, "name", None) != "cuda_graph":
+        return None
+    compile, why = decision
+    backend.compile = backend.compile and compile is not False
     return f"decode step {'captured eager' if compile is False else 'compiled'} ({why})"
 
 

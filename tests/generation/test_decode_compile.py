@@ -38,9 +38,10 @@ def test_a_bad_setting_is_refused_with_the_field_and_the_choices(tmp_path):
 
 
 class StandIn(HFGenerateBackend):
-    """The cuda_graph backend's name on a CPU: the run's decision is what it is opened with and what it logs."""
+    """The cuda_graph backend's name and compile switch on a CPU: the run's decision is what it is told and logs."""
 
     name = "cuda_graph"
+    compile = True  # the backend's own default where torch can compile
 
 
 def short_run(tmp_path, setting: str) -> GRPOTrainer:
@@ -62,9 +63,9 @@ def test_the_trainer_opens_its_backend_with_the_runs_choice(monkeypatch, tmp_pat
                                                             compile):
     opened = []
 
-    def resolve_backend(name, model, compile=None):
-        opened.append(compile)
-        return StandIn(), None
+    def resolve_backend(name, model):
+        opened.append(StandIn())
+        return opened[-1], None
 
     monkeypatch.setattr("hf_grpo.generation.resolve_backend", resolve_backend)
     if threshold is not None:
@@ -73,7 +74,7 @@ def test_the_trainer_opens_its_backend_with_the_runs_choice(monkeypatch, tmp_pat
     with caplog.at_level(logging.INFO, logger="hf_grpo"):
         trainer.train()
     assert trainer.decisions.decode_compile == decode_compile.choose(setting, 8)
-    assert opened == [compile]  # one backend for the run
+    assert len(opened) == 1 and opened[0].compile is (compile is not False)  # one backend for the run
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("generation backend:")]
     said = "captured eager" if compile is False else "compiled"
     assert logged == [f"generation backend: cuda_graph; decode step {said} ({decode_compile.choose(setting, 8)[1]})"]
@@ -91,7 +92,6 @@ def test_a_backend_the_size_probes_opened_gets_the_runs_choice(tmp_path, caplog,
     # is known: a run too short for the compile must still not compile (this one decodes 8 steps)
     trainer = short_run(tmp_path, setting)
     opened = trainer.decisions.backend = StandIn()
-    opened.compile = True  # the backend's own default where torch can compile
     with caplog.at_level(logging.INFO, logger="hf_grpo"):
         trainer.train()
     assert trainer.decisions.backend is opened and opened.compile is compiles
