@@ -422,6 +422,8 @@ def parse_args(argv=None):
                         "(hf_grpo.training.prompt_groups; off: TRL's shuffled rows)")
     parser.add_argument("--phases", action="store_true",
                         help="time each step's phases (bench/phase_timer.py; syncs the device at every boundary)")
+    parser.add_argument("--true_on_policy", action="store_true",
+                        help="hf_grpo only: the decoder and the trainer on the same batch-invariant kernels")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--label", default=None, help="free text kept in the record (e.g. 'cold compile cache')")
     parser.add_argument("--launch_config", default=None,
@@ -536,6 +538,8 @@ def main(argv=None) -> int:
             common["old_logprobs_source"] = args.old_logprobs_source
         if args.lora_fused_forward != "default":
             common["lora_fused_forward"] = args.lora_fused_forward == "on"
+        if args.true_on_policy:
+            common["true_on_policy"] = True
         if args.shape_reuse_capture_cost is not None:
             from hf_grpo.training import shape_reuse
 
@@ -683,6 +687,7 @@ def main(argv=None) -> int:
                                  if f"rollout_logprobs/{name}" in entry]
                           for name in ("abs_diff_mean", "abs_diff_p99", "abs_diff_max", "outside_clip_share")},
         old_logprobs_source=getattr(config, "old_logprobs_source", None),
+        true_on_policy=getattr(config, "true_on_policy", None),
         eos=calibration,
         build_s=round(build_s, 2),
     )

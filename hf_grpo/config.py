@@ -17,10 +17,7 @@ import trl
 
 from . import checkpointing
 from .batch_fields import (  # noqa: F401 (re-exported: names of hf_grpo.config too)
-    _EXPLICIT_FIELDS,
-    BATCH_FIELDS,
-    ENV_OVERRIDES,
-    _bf16_available,
+    _EXPLICIT_FIELDS, BATCH_FIELDS, ENV_OVERRIDES, _bf16_available,
     check_generation_choices,
     cuda_probe,
     current_world_size,
@@ -41,6 +38,7 @@ from .plan import BatchPlan
 from .training.compiled_layers import validate_setting as validate_compile_setting
 from .training.graphs import validate_setting as validate_graphs_setting
 from .training.rollout_logprobs import RolloutLogprobFields, validate as validate_logprob_fields
+from .training.true_on_policy import TrueOnPolicyFields
 
 logger = logging.getLogger("hf_grpo")
 
@@ -50,7 +48,7 @@ def batch_field_defaults() -> dict[str, Any]:
 
 
 @dataclass
-class GRPOConfig(RolloutLogprobFields, DecodeCompileFields, trl.GRPOConfig):  # the mixins: fields of one module each
+class GRPOConfig(TrueOnPolicyFields, RolloutLogprobFields, DecodeCompileFields, trl.GRPOConfig):  # a module's each
     r"""
     ``trl.GRPOConfig`` with per-device chunk sizes for generation and log-probs.
 

@@ -28,7 +28,7 @@ import transformers
 from packaging.version import Version
 from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
-from .training import padding_free
+from .training import padding_free, true_on_policy
 from .memory.oom import SizeKnob
 from .ops import chunked_logprobs
 
@@ -214,11 +214,19 @@ class ChunkedLogprobHead:
         kwargs["use_cache"] = False
         if getattr(self.text_config, "output_router_logits", False):  # as the model's own forward: the config asks
             kwargs.setdefault("output_router_logits", True)
+        bitwise = true_on_policy.installed(model)
+        if bitwise and kwargs.get("attention_mask") is not None:  # the decoder's positions (RoPE rounds per position)
+            kwargs.setdefault("position_ids", true_on_policy.position_ids(kwargs["attention_mask"]))
         layout = self.layout(model, args, kwargs, labels, shift_labels, scored_window, packed_rows, window_index)
         scored = layout.scored_states(model, getattr(model, self.backbone_name), args, kwargs, labels, shift_labels)
         rows = layout.chunk_rows(self.chunk_rows) if isinstance(layout, StaticWindow) else self.chunk_rows
-        result = _head_logprobs(model.get_output_embeddings(), scored.states, scored.targets, rows, self.temperature,
-                                self.return_entropy, self.in_fp32)
+        if bitwise:  # the decoder's own head: the same bits as its sampled tokens' log-probs
+            rows = rows.value if isinstance(rows, SizeKnob) else rows
+            result = true_on_policy.head_logprobs(model.get_output_embeddings(), scored.states, scored.targets,
+                                                  self.temperature, rows, self.return_entropy)
+        else:
+            result = _head_logprobs(model.get_output_embeddings(), scored.states, scored.targets, rows,
+                                    self.temperature, self.return_entropy, self.in_fp32)
         logps, entropy = result if self.return_entropy else (result, None)
         return self.output(model, scored, logps, entropy, num_items_in_batch, kwargs)
 

@@ -44,7 +44,7 @@ import trl
 from trl.models import unwrap_model_for_generation
 
 from .training import compiled_layers as training_compile, eager_packing, graphs as training_graphs
-from .training import lora_forward, prompt_groups, rollout_logprobs
+from .training import lora_forward, prompt_groups, rollout_logprobs, true_on_policy
 from .checks import checkpoint_save, inputs as checks, output_lock, prompts as prompt_checks, resume, unscored
 from .config import GRPOConfig
 from .distributed import plain_to_zero, prepare_process, zero3_leaves
@@ -115,6 +115,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         # LoRA layers on the fused forward (not where ZeRO-3 or FSDP gathers the adapters' weights by module hooks)
         fused = self.args.lora_fused_forward and self.facts.sharding is None
         self.decisions.lora_fused_layers = lora_forward.install(policy) if fused else 0
+        true_on_policy.install(policy, self.args, self.facts)  # true_on_policy: decoder and trainer on the same ops
         if self.ref_model is not None:
             # TRL has already wrapped the reference (a DeepSpeed engine under ZeRO): the module inside is patched
             reference = self.accelerator.unwrap_model(self.ref_model)

@@ -52,6 +52,7 @@ and ``model.generate`` can be called on the same model between calls.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -62,6 +63,7 @@ from transformers import GenerationConfig
 from ..runtime import upstream
 from ..runtime.graph_capture import weights_signature
 from ..runtime.regional_compile import CompiledLayers
+from ..training import true_on_policy
 from .base import (
     Completions,
     GenerationBackend,
@@ -102,7 +104,7 @@ SUPPORTED_MODEL_TYPES = frozenset(
         "granite",
     }
 )
-SUPPORTED_ATTENTION = frozenset({"sdpa", "eager"})
+SUPPORTED_ATTENTION = frozenset({"sdpa", "eager", true_on_policy.ATTENTION})
 # RoPE variants that read the largest position id on the host (a sync, and a value baked into the graph).
 UNSUPPORTED_ROPE_TYPES = frozenset({"dynamic", "longrope"})
 
@@ -307,6 +309,8 @@ class CudaGraphBackend(GenerationBackend):
             )
 
         sampling = SamplingSettings.from_config(gc, eos_token_ids, pad_token_id)
+        if true_on_policy.installed(model):  # the trainer's log-sum-exp for the recorded log-probs
+            sampling = dataclasses.replace(sampling, invariant_logprobs=True)
         completions: list[list[int]] = []
         logprobs: list[list[float]] = []
         with torch.no_grad():
@@ -375,6 +379,7 @@ class CudaGraphBackend(GenerationBackend):
             del self._entries[key]
             decoder = None
         if decoder is None:
+            invariant = true_on_policy.installed(model)  # the model's own projections, not fused copies
             cache_len = cache_positions(need, self.reserved_len, self.min_cache_len)
             decoder = StaticDecoder(
                 model,
@@ -383,7 +388,7 @@ class CudaGraphBackend(GenerationBackend):
                 sampling=sampling,
                 **self._compiled_step(model, batch, cache_len, dtype),
                 decode_attention=self.decode_attention,
-                fuse_projections=self.fuse_projections if self.use_cuda_graph else (),
+                fuse_projections=self.fuse_projections if self.use_cuda_graph and not invariant else (),
             )
             decoder.signature = signature
             self._entries[key] = decoder
@@ -393,8 +398,9 @@ class CudaGraphBackend(GenerationBackend):
         return decoder
 
     def _compiled_step(self, model: torch.nn.Module, batch: int, cache_len: int, dtype: torch.dtype) -> dict:
-        """What a new decoder compiles (``compiled_forward`` or ``compiled_layers``; neither: eager), counting new shapes."""
-        if not (self.compile and self.use_cuda_graph and self.compile_error is None):
+        """What a new decoder compiles (``compiled_forward`` or ``compiled_layers``; neither: eager), counting new
+        shapes. A ``true_on_policy`` model runs its own modules, uncompiled (a compile would fuse their arithmetic)."""
+        if not (self.compile and self.use_cuda_graph and self.compile_error is None) or true_on_policy.installed(model):
             return {}
         shape = (batch, cache_len, dtype)
         if shape not in self._compiled_shapes:

@@ -29,6 +29,7 @@ from transformers import (
 from .base import (Completions, GenerationBackend, cut_after_eos, cut_like, ids_of_sample, iter_chunks, left_pad,
                    model_device)
 from .sampling import chosen_logprobs, effective_generation_config, unsupported_generation_setting
+from ..training import true_on_policy
 from .static_cache import base_model
 
 
@@ -36,7 +37,8 @@ class ChosenLogprobs(LogitsProcessor):
     """The last processor: keeps a step's final scores until the next call shows the token drawn from them, then
     keeps only its log-prob ([B] a step; one [B, V] scores tensor alive at a time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, invariant: bool = False) -> None:
+        self.invariant = invariant  # true_on_policy: the trainer's log-sum-exp
         self.steps: list[torch.Tensor] = []
         self._scores: torch.Tensor | None = None
 
@@ -47,7 +49,7 @@ class ChosenLogprobs(LogitsProcessor):
 
     def _settle(self, tokens: torch.Tensor) -> None:
         if self._scores is not None:
-            self.steps.append(chosen_logprobs(self._scores.float(), tokens))
+            self.steps.append(chosen_logprobs(self._scores.float(), tokens, self.invariant))
             self._scores = None
 
     def finish(self, generated: torch.Tensor) -> torch.Tensor:
@@ -106,7 +108,7 @@ class HFGenerateBackend(GenerationBackend):
         logprobs: list[list[float]] = []
         for chunk in iter_chunks(prompt_ids, chunk_size):
             input_ids, attention_mask = left_pad(chunk, pad_token_id, device, pad_to_multiple_of)
-            recorder = ChosenLogprobs()
+            recorder = ChosenLogprobs(invariant=true_on_policy.installed(model))
             processors = LogitsProcessorList([*warpers, recorder]) if recorded else None
             output = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=neutral,
                                     logits_processor=processors)

@@ -147,6 +147,7 @@ class SamplingSettings:
     min_length: int
     eos_token_ids: tuple[int, ...]
     pad_token_id: int
+    invariant_logprobs: bool = False  # true_on_policy: the log-sum-exp the trainer's head runs (ops.batch_invariant)
 
     @classmethod
     def from_config(cls, gc: GenerationConfig, eos_token_ids: Sequence[int], pad_token_id: int) -> SamplingSettings:
@@ -267,9 +268,14 @@ def inverse_cdf_pick(scores: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     return block * PICK_BLOCK + token
 
 
-def chosen_logprobs(scores: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def chosen_logprobs(scores: torch.Tensor, tokens: torch.Tensor, invariant: bool = False) -> torch.Tensor:
     """[B]: each row's ``token`` log-prob under softmax(``scores``), the law it was drawn from (``scores``: the
-    filtered float32 scores [B, V] the pick read). One reduction over the vocabulary, no [B, V] buffer kept."""
+    filtered float32 scores [B, V] the pick read). One reduction over the vocabulary, no [B, V] buffer kept;
+    ``invariant``: the trainer's own (``true_on_policy``), the same bits whatever the number of rows."""
+    if invariant:
+        from ..ops import batch_invariant
+
+        return scores.gather(1, tokens[:, None]).squeeze(1) - batch_invariant.logsumexp(scores)
     return scores.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scores, dim=-1)
 
 
@@ -290,7 +296,7 @@ def select_tokens(
     """
     scores = process_logits_(scores, s, seen=seen, eos_blocked=eos_blocked)
     tokens = inverse_cdf_pick(scores, noise) if s.do_sample else scores.argmax(dim=-1)
-    return (tokens, chosen_logprobs(scores, tokens)) if with_logprobs else tokens
+    return (tokens, chosen_logprobs(scores, tokens, s.invariant_logprobs)) if with_logprobs else tokens
 
 
 def select_tokens_from_copies(logits, s, noise, seen, eos_blocked, with_logprobs: bool = False):

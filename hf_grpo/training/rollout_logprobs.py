@@ -159,8 +159,9 @@ class RolloutLogprobs:
     measured differences waiting for the next reduction (see the module doc)."""
 
     def __init__(self, source: str, tolerance: float, unavailable: str | None, law: str | None,
-                 eps_low: float, eps_high: float) -> None:
+                 eps_low: float, eps_high: float, bitwise: bool = False) -> None:
         self.source, self.tolerance, self.unavailable, self.law = source, tolerance, unavailable, law
+        self.bitwise = bitwise  # true_on_policy: the sampler's log-probs are the trainer's, nothing to measure first
         self.eps_low, self.eps_high = eps_low, eps_high
         self.last: Mismatch | None = None  # the last reduced rollout's
         self.use_sampler = False  # for the current rollout
@@ -181,7 +182,7 @@ class RolloutLogprobs:
             "the importance-sampling correction needs the trainer's own log-probs"
             if args.sampler_importance_sampling_correction else None)
         return cls(args.old_logprobs_source, args.old_logprobs_tolerance, "tool calls" if tool_calls else None, law,
-                   eps_low, eps_high)
+                   eps_low, eps_high, bool(getattr(args, "true_on_policy", False)))
 
     def on_rollout(self, logprobs, training: bool, state, args, accelerator, train_metrics) -> None:
         """A rollout was sampled: in training, the previous one's measurement reduced (appended to TRL's training
@@ -212,6 +213,8 @@ class RolloutLogprobs:
             return False, self.unavailable
         if self.law is not None:
             return False, self.law
+        if self.bitwise:
+            return True, "true_on_policy: the sampler's log-probs are the trainer's, bit for bit"
         if self.last is None:
             return False, "no rollout measured yet"
         if self.last.p99 > self.tolerance or self.last.outside_clip > 0:
