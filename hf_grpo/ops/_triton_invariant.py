@@ -31,7 +31,7 @@ def _matmul_kernel(A, W, BIAS, C, M, N, K, stride_am, stride_ak, stride_wn, stri
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     group = GROUP_M * tiles_n  # grouped order: neighbouring programs share W tiles in L2
     first_m = (pid // group) * GROUP_M
-    size_m = min(tiles_m - first_m, GROUP_M)
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
     pid_m = first_m + (pid % group) % size_m
     pid_n = (pid % group) // size_m
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -119,7 +119,7 @@ def logsumexp(z2d: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _attention_kernel(Q, K, V, START, END, O, Sq, Sk, heads, groups, scale,
                       sqb, sqh, sqs, skb, skh, sks, svb, svh, svs, sob, sos, soh, seb,
-                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                      D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
     pid_m, pid_bh = tl.program_id(0), tl.program_id(1)
     b, h = pid_bh // heads, pid_bh % heads
     kv = h // groups
@@ -137,14 +137,20 @@ def _attention_kernel(Q, K, V, START, END, O, Sq, Sk, heads, groups, scale,
         inside = keys < Sk
         k = tl.load(K + b * skb + kv * skh + keys[:, None] * sks + dims[None, :], mask=inside[:, None], other=0.0)
         v = tl.load(V + b * svb + kv * svh + keys[:, None] * svs + dims[None, :], mask=inside[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        if IEEE:  # fp32 inputs: full-precision products, not tf32
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(keys[None, :] < ends[:, None], s, float("-inf"))
         new_m = tl.maximum(m, tl.max(s, axis=1))
         safe = tl.where(new_m == float("-inf"), 0.0, new_m)
         alpha = tl.exp(m - safe)
         p = tl.exp(s - safe[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = new_m
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
     tl.store(O + b * sob + rows[:, None] * sos + h * soh + dims[None, :], out.to(O.dtype.element_ty),
@@ -165,5 +171,5 @@ def attention(query, key, value, start, end, scale: float) -> torch.Tensor:
                             query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1),
                             key.stride(2), value.stride(0), value.stride(1), value.stride(2), out.stride(0),
                             out.stride(1), out.stride(2), end.stride(0), D=dim, BLOCK_M=ATTN_BLOCK_M,
-                            BLOCK_N=ATTN_BLOCK_N, num_warps=4, num_stages=2)
+                            BLOCK_N=ATTN_BLOCK_N, IEEE=query.dtype == torch.float32, num_warps=4, num_stages=2)
     return out

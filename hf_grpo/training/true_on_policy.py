@@ -106,22 +106,28 @@ def settle(config) -> None:
                     ", ".join(turned_off))
 
 
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under PEFT and DDP-style (``.module``) wrappers."""
+    for _ in range(4):
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module) or inner is model:
+            break
+        model = inner
+    return model
+
+
 def installed(model: torch.nn.Module) -> bool:
     """Whether ``install`` has routed ``model``'s (or the model under its wrappers') modules."""
-    from ..generation.static_cache import base_model
-
-    return bool(getattr(base_model(model), "_hf_grpo_true_on_policy", False))
+    return bool(getattr(_unwrapped(model), "_hf_grpo_true_on_policy", False))
 
 
 def install(model: torch.nn.Module, args, facts) -> None:
     """Where ``args.true_on_policy``: route every linear layer, RMSNorm and attention of ``model`` (the policy,
     PEFT-wrapped or not) through ``batch_invariant``'s ops. ``facts``: the run's (FSDP and ZeRO-3 are refused)."""
-    from ..generation.static_cache import base_model
-
     if not args.true_on_policy:
         return
     sharding, zero3 = facts.sharding, facts.zero3
-    base = base_model(model)
+    base = _unwrapped(model)
     config = base.config.get_text_config()
     if zero3 or sharding is not None:
         raise ValueError(f"{FIELD}=True is not supported under {'DeepSpeed ZeRO-3' if zero3 else sharding}: the "
