@@ -3,9 +3,9 @@
 Each kernel has ONE configuration, whatever the shapes: cuBLAS and torch's reductions pick their tiling, split-K and
 reduction trees by the shape of the call, so a token's numbers move with how many tokens share the call. Here:
 
-* ``matmul``: fixed 64 x 64 tiles over fixed 64-wide K steps, accumulated in fp32 in K order, no split-K. An output
-  element is the same dot product, in the same order, for a one-token decode step (M = rows of the batch) and for the
-  trainer's forward (M = all the tokens).
+* ``matmul``: tiles chosen by the weight's shape alone (``config_for``), fixed-width K steps accumulated in fp32 in K
+  order, no split-K. An output element is the same dot product, in the same order, for a one-token decode step
+  (M = rows of the batch) and for the trainer's forward (M = all the tokens).
 * ``rms_norm``, ``logsumexp``: one program per row, one block width.
 * ``attention``: one query's keys are visited in 64-key blocks counted from the row's first attended key (the left
   padding differs between the decoder's batch and the trainer's); keys past the query's last are masked to an exact
@@ -18,7 +18,18 @@ import torch
 import triton
 import triton.language as tl
 
-MM_BLOCK_M, MM_BLOCK_N, MM_BLOCK_K, MM_GROUP_M = 64, 64, 64, 8
+MM_GROUP_M = 8
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages), chosen by the weight's shape only, never by the call's rows (the
+# decoder and the trainer run the same weight with the same tiles). Measured on an H100 at 1.5B and 7B, in CUDA graphs
+# (bench/results/batch_invariant_matmul_h100.jsonl): wide weights (MLP up, LM head) take large tiles, 1.7-1.9x faster
+# on the trainer's 16k rows and as fast on a decode step's 32; narrower ones keep small tiles, whose decode step has
+# enough programs to read the weight at speed (large tiles cost a 1.5B decode step's q/o projection 2x).
+WIDE_CONFIG, NARROW_CONFIG, WIDE_N = (128, 128, 64, 8, 3), (64, 64, 128, 4, 3), 8192
+
+
+def config_for(n: int) -> tuple[int, int, int, int, int]:
+    """The tiles for a weight of ``n`` outputs."""
+    return WIDE_CONFIG if n >= WIDE_N else NARROW_CONFIG
 ATTN_BLOCK_M, ATTN_BLOCK_N = 64, 64
 LSE_BLOCK = 4096
 
@@ -54,18 +65,20 @@ def _matmul_kernel(A, W, BIAS, C, M, N, K, stride_am, stride_ak, stride_wn, stri
              mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def matmul(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x2d @ weight.T + bias`` [M, N] in ``x2d``'s dtype, fp32 accumulation."""
+def matmul(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, config=None) -> torch.Tensor:
+    """``x2d @ weight.T + bias`` [M, N] in ``x2d``'s dtype, fp32 accumulation; ``config``: ``config_for``'s form
+    (a benchmark's; the default is the weight's)."""
     M, K = x2d.shape
     N = weight.shape[0]
     out = torch.empty((M, N), dtype=x2d.dtype, device=x2d.device)
     if M == 0:
         return out
-    grid = (triton.cdiv(M, MM_BLOCK_M) * triton.cdiv(N, MM_BLOCK_N),)
+    block_m, block_n, block_k, warps, stages = config or config_for(N)
+    grid = (triton.cdiv(M, block_m) * triton.cdiv(N, block_n),)
     _matmul_kernel[grid](x2d, weight, bias if bias is not None else weight, out, M, N, K,
                          x2d.stride(0), x2d.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-                         HAS_BIAS=bias is not None, IEEE=x2d.dtype == torch.float32, BLOCK_M=MM_BLOCK_M,
-                         BLOCK_N=MM_BLOCK_N, BLOCK_K=MM_BLOCK_K, GROUP_M=MM_GROUP_M, num_warps=4, num_stages=3)
+                         HAS_BIAS=bias is not None, IEEE=x2d.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n,
+                         BLOCK_K=block_k, GROUP_M=MM_GROUP_M, num_warps=warps, num_stages=stages)
     return out
 
 
