@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 
 from hf_grpo.ops import _triton_invariant as kernels
 from hf_grpo.recipe_support.tiny import SHAPES
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance.py
+from provenance import with_provenance  # noqa: E402
 
 CANDIDATES = [(64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (64, 32, 64, 4, 4), (64, 64, 128, 4, 3), (128, 128, 64, 8, 3),
               (128, 64, 64, 4, 3), (128, 32, 64, 4, 4), (128, 64, 128, 8, 3), (128, 256, 64, 8, 3), (64, 32, 128, 4, 3)]
@@ -69,7 +74,7 @@ def main() -> None:
         row["objective_us"] = {c: round(v) for c, v in objective.items()}
         row["cublas_objective_us"] = round(args.decode_steps * row["cublas_decode_us"] + args.forwards
                                            * row["cublas_train_us"])
-        print(json.dumps(row), flush=True)
+        print(json.dumps(with_provenance(row)), flush=True)
 
 
 if __name__ == "__main__":

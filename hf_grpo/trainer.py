@@ -26,9 +26,9 @@ transformers it reads go through ``hf_grpo.runtime.upstream``). Each is thin and
   (``memory.context_fit``), and settles "auto" sizes (``memory.autosize``).
 
 ``__init__`` sets up the process (``prepare_process``), checks the inputs (``checks.inputs``, ``checks.prompts``),
-copies a policy built in code for TRL's reference (``reference_copy``), adds the run's files (``run_files``) and builds
-what helpers read instead of the trainer (``run_state``: ``facts``, ``sizes``, the one place sizes live, and
-``decisions``). An out-of-memory chunk is halved on every rank (``memory.oom``); on a GPU work is counted (``flops``).
+copies a policy built in code for TRL's reference (``reference_copy``), routes the policy through batch-invariant ops
+for ``true_on_policy``, adds the run's files (``run_files``) and builds what helpers read (``run_state``: ``facts``,
+``sizes``, ``decisions``). An out-of-memory chunk is halved on every rank (``memory.oom``); work counted (``flops``).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         # LoRA layers on the fused forward (not where ZeRO-3 or FSDP gathers the adapters' weights by module hooks)
         fused = self.args.lora_fused_forward and self.facts.sharding is None
         self.decisions.lora_fused_layers = lora_forward.install(policy) if fused else 0
-        true_on_policy.install(policy, self.args, self.facts)  # true_on_policy: decoder and trainer on the same ops
+        true_on_policy.install(policy, self.args, self.facts)
         if self.ref_model is not None:
             # TRL has already wrapped the reference (a DeepSpeed engine under ZeRO): the module inside is patched
             reference = self.accelerator.unwrap_model(self.ref_model)
@@ -275,8 +275,7 @@ class GRPOTrainer(trl.GRPOTrainer):
                 generation_kwargs=self.generation_kwargs,
                 gradient_checkpointing_kwargs=checkpointing.rollout_kwargs(self.args),  # TRL's argument
             ) as unwrapped_model,
-            torch.no_grad(),
-            upstream.summon_full_params(self),
+            torch.no_grad(), upstream.summon_full_params(self),
         ):
             try:
                 if mirror is not None:

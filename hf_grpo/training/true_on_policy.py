@@ -106,6 +106,9 @@ def settle(config) -> None:
                     ", ".join(turned_off))
 
 
+_INSTALLED: weakref.WeakSet = weakref.WeakSet()  # the models install routed (held weakly)
+
+
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under PEFT and DDP-style (``.module``) wrappers."""
     for _ in range(4):
@@ -118,7 +121,7 @@ def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 def installed(model: torch.nn.Module) -> bool:
     """Whether ``install`` has routed ``model``'s (or the model under its wrappers') modules."""
-    return bool(getattr(_unwrapped(model), "_hf_grpo_true_on_policy", False))
+    return _unwrapped(model) in _INSTALLED
 
 
 def install(model: torch.nn.Module, args, facts) -> None:
@@ -146,7 +149,7 @@ def install(model: torch.nn.Module, args, facts) -> None:
                              f"({', '.join(RMS_NORM_CLASSES)})")
     _register_attention()
     upstream.set_attention_internal(base.config, ATTENTION)
-    base._hf_grpo_true_on_policy = True
+    _INSTALLED.add(base)
     logger.info("%s: linear layers, %d RMSNorms, attention and the head's log-softmax run batch-invariant kernels",
                 FIELD, norms)
 
