@@ -45,7 +45,7 @@ import torch
 from ..memory.decode_sizes import prefill_pieces
 from ..runtime.graph_capture import capture_graph
 from ..runtime.regional_compile import CompiledLayers
-from . import filled_attention
+from . import filled_attention, fused_norms
 from .attention_routing import decode_attention, is_sdpa, prefill_keys
 from .base import model_device
 from .fused_projections import FusedProjections
@@ -343,6 +343,8 @@ class StaticDecoder:
             self.fused = FusedProjections(base_model(model), self.fuse_projections)
         with ExitStack() as stack:
             stack.enter_context(decode_attention(model, self.decode_attention if self.compiles else None))
+            if not self.compiles:  # eager: each RMSNorm one kernel, not eight (inductor fuses the compiled step's)
+                stack.enter_context(fused_norms.routed(base_model(model), self.tok.device))
             if self.fused:
                 stack.enter_context(self.fused.route())
             if self.compiled_layers is not None:

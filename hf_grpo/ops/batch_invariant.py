@@ -20,7 +20,11 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["attention", "attention_bounds", "linear", "logsumexp", "rms_norm"]
+__all__ = ["RMS_NORM_CLASSES", "attention", "attention_bounds", "linear", "logsumexp", "rms_norm"]
+
+# transformers' RMSNorm classes whose forward is ``rms_norm``'s formula: weight * (x / rms(x)).to(dtype), the rms in
+# fp32, the epsilon as ``variance_epsilon`` (Gemma's 1 + weight is not)
+RMS_NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
 
 
 def _triton():

@@ -40,8 +40,7 @@ logger = logging.getLogger("hf_grpo")
 FIELD = "true_on_policy"
 ATTENTION = "hf_grpo_batch_invariant"
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# transformers' RMSNorm classes of those families: weight * (x / rms(x)).to(dtype), the epsilon as variance_epsilon
-RMS_NORM_CLASSES = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm")
+RMS_NORM_CLASSES = batch_invariant.RMS_NORM_CLASSES
 
 # (field, the value true_on_policy needs, what the setting does that would change a token's arithmetic)
 _NEEDS = (

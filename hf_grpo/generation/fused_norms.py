@@ -1,0 +1,48 @@
+"""The uncompiled decode step's RMSNorms as one Triton kernel each.
+
+Captured eager (``compile_generation`` "off", or "auto" in a run too short to repay a compile), transformers' RMSNorm
+is eight kernels: the cast to fp32, the square, the mean, the epsilon, the rsqrt, the scale, the cast back, the
+weight. At a few dozen rows each is a launch gap in the CUDA graph for a few kilobytes of work, and a decoder layer
+has two norms: at 0.5B, 24 layers, 350 of a step's kernels. ``routed`` runs each one as a single kernel
+(``ops.batch_invariant``'s, the same formula, the rms in fp32) while the step is captured; the compiled step needs
+none of this (inductor fuses the norm), and the model is its own again on exit.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from ..ops import batch_invariant
+
+
+def _fused_forward(self, hidden_states):
+    return batch_invariant.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+@contextmanager
+def routed(model: torch.nn.Module, device: torch.device) -> Iterator[int]:
+    """Inside: ``model``'s RMSNorms of ``batch_invariant.RMS_NORM_CLASSES`` run the fused kernel (on CUDA with Triton;
+    elsewhere nothing changes). Yields the number routed."""
+    norms = [module for module in model.modules() if type(module).__name__ in batch_invariant.RMS_NORM_CLASSES
+             and hasattr(module, "variance_epsilon") and "forward" not in vars(module)]
+    if device.type != "cuda" or not _triton_available():
+        norms = []
+    for module in norms:
+        module.forward = types.MethodType(_fused_forward, module)
+    try:
+        yield len(norms)
+    finally:
+        for module in norms:
+            del module.forward
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
