@@ -205,6 +205,9 @@ class DiffuGRPOConfig(GRPOConfig):
         if self.use_transformers_continuous_batching:
             raise ValueError("use_transformers_continuous_batching=True decodes autoregressively; it cannot serve a "
                              "masked-diffusion model: set it to False")
+        if self.true_on_policy:
+            raise ValueError("true_on_policy=True matches an autoregressive decoder's log-probs to the trainer's; the "
+                             "diffusion sampler records none (its log-probs are estimated): set it to False")
         super().__post_init__()
 
     def _validate_diffusion(self) -> None:

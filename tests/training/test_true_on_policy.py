@@ -106,6 +106,7 @@ def test_defaults_that_would_change_a_tokens_arithmetic_are_turned_off_and_said(
     (dict(padding_free=True), "needs padding_free=False (it packs the rows into one sequence"),
     (dict(compile_training="on"), "needs compile_training='off'"),
     (dict(lora_fused_forward=True), "needs lora_fused_forward=False"),
+    (dict(cast_lm_head_to_fp32=True), "needs cast_lm_head_to_fp32=False (it runs the trainer's LM head in fp32"),
     (dict(true_on_policy="yes"), "true_on_policy must be True or False, got 'yes'"),
 ])
 def test_settings_that_cannot_hold_bitwise_are_refused_by_name(fields, message):
@@ -129,3 +130,10 @@ def test_model_families_without_routed_kernels_are_refused():
                                          r"'gpt2'"):
         true_on_policy.install(model, types.SimpleNamespace(true_on_policy=True),
                                types.SimpleNamespace(sharding=None, zero3=False))
+
+
+def test_a_diffusion_config_refuses_it():
+    from hf_grpo.diffusion import DiffuGRPOConfig
+
+    with pytest.raises(ValueError, match="true_on_policy=True matches an autoregressive decoder's log-probs"):
+        DiffuGRPOConfig(output_dir="unused", use_cpu=True, report_to=[], true_on_policy=True)
