@@ -139,6 +139,7 @@ def install(model: torch.nn.Module, args, facts) -> None:
                          "decoder reads a separate copy of the weights there; use ZeRO-1/2, DDP or one process")
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"{FIELD}=True supports the model types {SUPPORTED_MODEL_TYPES}, got {config.model_type!r}")
+    _check_modules(model)
     norms = 0
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -146,14 +147,23 @@ def install(model: torch.nn.Module, args, facts) -> None:
         elif type(module).__name__ in RMS_NORM_CLASSES:
             module.forward = types.MethodType(_rms_norm_forward, module)
             norms += 1
-        elif "norm" in type(module).__name__.lower() and any(True for _ in module.parameters(recurse=False)):
-            raise ValueError(f"{FIELD}=True: {type(module).__name__} is not one of the norms it routes "
-                             f"({', '.join(RMS_NORM_CLASSES)})")
     _register_attention()
     upstream.set_attention_internal(base.config, ATTENTION)
     _INSTALLED.add(base)
     logger.info("%s: linear layers, %d RMSNorms, attention and the head's log-softmax run batch-invariant kernels",
                 FIELD, norms)
+
+
+def _check_modules(model: torch.nn.Module) -> None:
+    """Refuse, before any module is routed, what would make the two sides differ: dropout, a norm not routed."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            raise ValueError(f"{FIELD}=True: {name} drops out with p={module.p}, which makes the trainer's forward "
+                             "random where the decoder's is not (set lora_dropout=0 in the LoRA config)")
+        kind = type(module).__name__
+        if kind not in RMS_NORM_CLASSES and "norm" in kind.lower() and any(True for _ in module.parameters(False)):
+            raise ValueError(f"{FIELD}=True: {name} ({kind}) is not one of the norms it routes "
+                             f"({', '.join(RMS_NORM_CLASSES)})")
 
 
 def _linear_forward(self, x):

@@ -137,3 +137,13 @@ def test_a_diffusion_config_refuses_it():
 
     with pytest.raises(ValueError, match="true_on_policy=True matches an autoregressive decoder's log-probs"):
         DiffuGRPOConfig(output_dir="unused", use_cpu=True, report_to=[], true_on_policy=True)
+
+
+def test_dropout_is_refused_with_the_module_that_drops():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build_tiny_model(TOKENIZER), LoraConfig(r=4, target_modules=["q_proj"], lora_dropout=0.05))
+    with pytest.raises(ValueError, match=r"lora_dropout\.default drops out with p=0\.05"):
+        true_on_policy.install(model, types.SimpleNamespace(true_on_policy=True),
+                               types.SimpleNamespace(sharding=None, zero3=False))
+    assert not any("forward" in vars(module) for module in model.modules())  # refused before anything was routed
