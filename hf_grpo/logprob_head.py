@@ -221,9 +221,10 @@ class ChunkedLogprobHead:
         scored = layout.scored_states(model, getattr(model, self.backbone_name), args, kwargs, labels, shift_labels)
         rows = layout.chunk_rows(self.chunk_rows) if isinstance(layout, StaticWindow) else self.chunk_rows
         if bitwise:  # the decoder's own head: the same bits as its sampled tokens' log-probs
-            rows = rows.value if isinstance(rows, SizeKnob) else rows
-            result = true_on_policy.head_logprobs(model.get_output_embeddings(), scored.states, scored.targets,
-                                                  self.temperature, rows, self.return_entropy)
+            head = functools.partial(true_on_policy.head_logprobs, model.get_output_embeddings(), scored.states,
+                                     scored.targets, self.temperature, return_entropy=self.return_entropy)
+            result = (rows.run(head, full=lambda: scored.states.shape[0]) if isinstance(rows, SizeKnob)
+                      else head(rows))
         else:
             result = _head_logprobs(model.get_output_embeddings(), scored.states, scored.targets, rows,
                                     self.temperature, self.return_entropy, self.in_fp32)
