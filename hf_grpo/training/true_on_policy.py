@@ -86,8 +86,10 @@ def settle(config) -> None:
         return
     if config.true_on_policy is not True:
         raise ValueError(f"{FIELD} must be True or False, got {config.true_on_policy!r}")
-    if config.use_vllm:
-        raise ValueError(f"{FIELD}=True decodes with hf_grpo's own decoder; it cannot be combined with use_vllm=True")
+    for other in ("use_vllm", "use_transformers_continuous_batching"):
+        if getattr(config, other, False):
+            raise ValueError(f"{FIELD}=True decodes with hf_grpo's own decoder; it cannot be combined with "
+                             f"{other}=True")
     for name, neutral in _SAMPLING_NEUTRAL:
         value = getattr(config, name, neutral[0])
         if value not in neutral:

@@ -108,6 +108,7 @@ def test_defaults_that_would_change_a_tokens_arithmetic_are_turned_off_and_said(
     (dict(lora_fused_forward=True), "needs lora_fused_forward=False"),
     (dict(cast_lm_head_to_fp32=True), "needs cast_lm_head_to_fp32=False (it runs the trainer's LM head in fp32"),
     (dict(true_on_policy="yes"), "true_on_policy must be True or False, got 'yes'"),
+    (dict(use_transformers_continuous_batching=True), "cannot be combined with use_transformers_continuous_batching"),
 ])
 def test_settings_that_cannot_hold_bitwise_are_refused_by_name(fields, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
