@@ -12,8 +12,8 @@ from contextlib import contextmanager
 import torch
 
 from ..runtime import upstream
+from ..runtime.model_wrappers import base_model
 from . import filled_attention
-from .static_cache import base_model
 
 
 # While the decode step is traced by torch.compile, transformers' sdpa path cannot use its

@@ -62,6 +62,7 @@ from transformers import GenerationConfig
 
 from ..runtime import upstream
 from ..runtime.graph_capture import weights_signature
+from ..runtime.model_wrappers import base_model
 from ..runtime.regional_compile import CompiledLayers
 from ..training import true_on_policy
 from .base import (
@@ -82,7 +83,7 @@ from .hf import HFGenerateBackend
 from .sampling import SamplingSettings, effective_generation_config, unsupported_generation_setting
 from .attention_routing import GQA_DECODE_ATTENTION
 from ..memory.decode_sizes import cache_len_ladder, cache_positions
-from .static_cache import base_model, last_logits, sliding_windows
+from .static_cache import last_logits, sliding_windows
 from .static_decoder import StaticDecoder, take_next_tokens
 
 logger = logging.getLogger(__name__)
@@ -379,14 +380,14 @@ class CudaGraphBackend(GenerationBackend):
             del self._entries[key]
             decoder = None
         if decoder is None:
-            invariant = true_on_policy.installed(model)  # the model's own projections, not fused copies
+            invariant = sampling.invariant_logprobs  # true_on_policy: the model's own modules, uncompiled, unfused
             cache_len = cache_positions(need, self.reserved_len, self.min_cache_len)
             decoder = StaticDecoder(
                 model,
                 batch=batch,
                 cache_len=cache_len,
                 sampling=sampling,
-                **self._compiled_step(model, batch, cache_len, dtype),
+                **({} if invariant else self._compiled_step(model, batch, cache_len, dtype)),
                 decode_attention=self.decode_attention,
                 fuse_projections=self.fuse_projections if self.use_cuda_graph and not invariant else (),
             )
@@ -399,8 +400,8 @@ class CudaGraphBackend(GenerationBackend):
 
     def _compiled_step(self, model: torch.nn.Module, batch: int, cache_len: int, dtype: torch.dtype) -> dict:
         """What a new decoder compiles (``compiled_forward`` or ``compiled_layers``; neither: eager), counting new
-        shapes. A ``true_on_policy`` model runs its own modules, uncompiled (a compile would fuse their arithmetic)."""
-        if not (self.compile and self.use_cuda_graph and self.compile_error is None) or true_on_policy.installed(model):
+        shapes."""
+        if not (self.compile and self.use_cuda_graph and self.compile_error is None):
             return {}
         shape = (batch, cache_len, dtype)
         if shape not in self._compiled_shapes:

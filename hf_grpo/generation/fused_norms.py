@@ -17,32 +17,21 @@ from contextlib import contextmanager
 import torch
 
 from ..ops import batch_invariant
-
-
-def _fused_forward(self, hidden_states):
-    return batch_invariant.rms_norm(hidden_states, self.weight, self.variance_epsilon)
+from .filled_attention import TRITON
 
 
 @contextmanager
 def routed(model: torch.nn.Module, device: torch.device) -> Iterator[int]:
     """Inside: ``model``'s RMSNorms of ``batch_invariant.RMS_NORM_CLASSES`` run the fused kernel (on CUDA with Triton;
     elsewhere nothing changes). Yields the number routed."""
-    norms = [module for module in model.modules() if type(module).__name__ in batch_invariant.RMS_NORM_CLASSES
-             and hasattr(module, "variance_epsilon") and "forward" not in vars(module)]
-    if device.type != "cuda" or not _triton_available():
-        norms = []
+    serves = device.type == "cuda" and TRITON
+    norms = [module for module in model.modules() if serves and type(module).__name__ in
+             batch_invariant.RMS_NORM_CLASSES and hasattr(module, "variance_epsilon") and "forward" not in vars(module)]
     for module in norms:
-        module.forward = types.MethodType(_fused_forward, module)
+        module.forward = types.MethodType(batch_invariant.rms_norm_forward, module)
     try:
         yield len(norms)
     finally:
         for module in norms:
             del module.forward
 
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -26,11 +26,11 @@ from transformers import (
     TopPLogitsWarper,
 )
 
+from ..runtime.model_wrappers import base_model
 from ..training import true_on_policy
 from .base import (Completions, GenerationBackend, cut_after_eos, cut_like, ids_of_sample, iter_chunks, left_pad,
                    model_device)
 from .sampling import chosen_logprobs, effective_generation_config, unsupported_generation_setting
-from .static_cache import base_model
 
 
 class ChosenLogprobs(LogitsProcessor):

@@ -275,8 +275,10 @@ def chosen_logprobs(scores: torch.Tensor, tokens: torch.Tensor, invariant: bool 
     if invariant:
         from ..ops import batch_invariant
 
-        return scores.gather(1, tokens[:, None]).squeeze(1) - batch_invariant.logsumexp(scores)
-    return scores.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scores, dim=-1)
+        lse = batch_invariant.logsumexp(scores)
+    else:
+        lse = torch.logsumexp(scores, dim=-1)
+    return scores.gather(1, tokens[:, None]).squeeze(1) - lse
 
 
 def select_tokens(

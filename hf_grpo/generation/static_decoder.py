@@ -44,13 +44,14 @@ import torch
 
 from ..memory.decode_sizes import prefill_pieces
 from ..runtime.graph_capture import capture_graph
+from ..runtime.model_wrappers import base_model
 from ..runtime.regional_compile import CompiledLayers
 from . import filled_attention, fused_norms
 from .attention_routing import decode_attention, is_sdpa, prefill_keys
 from .base import model_device
 from .fused_projections import FusedProjections
 from .sampling import SamplingSettings, row_uniforms, select_tokens, select_tokens_from_copies
-from .static_cache import base_model, kv_heads, last_logits, static_cache
+from .static_cache import kv_heads, last_logits, static_cache
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["RMS_NORM_CLASSES", "attention", "attention_bounds", "linear", "logsumexp", "rms_norm"]
+__all__ = [
+    "RMS_NORM_CLASSES", "attention", "attention_bounds", "linear", "logsumexp", "rms_norm", "rms_norm_forward",
+]
 
 # transformers' RMSNorm classes whose forward is ``rms_norm``'s formula: weight * (x / rms(x)).to(dtype), the rms in
 # fp32, the epsilon as ``variance_epsilon`` (Gemma's 1 + weight is not)
@@ -117,6 +119,11 @@ class _RMSNorm(torch.autograd.Function):
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Llama/Qwen2 RMSNorm: ``weight * (x / rms(x)).to(x.dtype)``, the rms in fp32."""
     return _no_autocast(_RMSNorm.apply, x, weight, eps)
+
+
+def rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """``forward`` for a module of ``RMS_NORM_CLASSES`` (bound to it), through ``rms_norm``."""
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
 # ---------------------------------------------------------------------------------------------------- logsumexp

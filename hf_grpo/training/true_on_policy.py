@@ -35,6 +35,7 @@ import torch
 
 from ..ops import batch_invariant
 from ..runtime import upstream
+from ..runtime.model_wrappers import base_model
 
 logger = logging.getLogger("hf_grpo")
 
@@ -113,19 +114,9 @@ def settle(config) -> None:
 _INSTALLED: weakref.WeakSet = weakref.WeakSet()  # the models install routed (held weakly)
 
 
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The transformers model under PEFT and DDP-style (``.module``) wrappers."""
-    for _ in range(4):
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else getattr(model, "module", None)
-        if not isinstance(inner, torch.nn.Module) or inner is model:
-            break
-        model = inner
-    return model
-
-
 def installed(model: torch.nn.Module) -> bool:
     """Whether ``install`` has routed ``model``'s (or the model under its wrappers') modules."""
-    return _unwrapped(model) in _INSTALLED
+    return base_model(model) in _INSTALLED
 
 
 def install(model: torch.nn.Module, args, facts) -> None:
@@ -134,7 +125,7 @@ def install(model: torch.nn.Module, args, facts) -> None:
     if not args.true_on_policy:
         return
     sharding, zero3 = facts.sharding, facts.zero3
-    base = _unwrapped(model)
+    base = base_model(model)
     config = base.config.get_text_config()
     if zero3 or sharding is not None:
         raise ValueError(f"{FIELD}=True is not supported under {'DeepSpeed ZeRO-3' if zero3 else sharding}: the "
@@ -147,7 +138,7 @@ def install(model: torch.nn.Module, args, facts) -> None:
         if isinstance(module, torch.nn.Linear):
             module.forward = types.MethodType(_linear_forward, module)
         elif type(module).__name__ in RMS_NORM_CLASSES:
-            module.forward = types.MethodType(_rms_norm_forward, module)
+            module.forward = types.MethodType(batch_invariant.rms_norm_forward, module)
             norms += 1
     _register_attention()
     upstream.set_attention_internal(base.config, ATTENTION)
@@ -170,10 +161,6 @@ def _check_modules(model: torch.nn.Module) -> None:
 
 def _linear_forward(self, x):
     return batch_invariant.linear(x, self.weight, self.bias)
-
-
-def _rms_norm_forward(self, x):
-    return batch_invariant.rms_norm(x, self.weight, self.variance_epsilon)
 
 
 _bounds_of: list = [None, None]  # [weakref to the last mask, its attention_bounds]: one mask serves every layer
