@@ -46,6 +46,8 @@ sys.path[:0] = [os.path.join(HERE, ".."), HERE]
 
 from rollout import EOS, PAD, VOCAB, build_model, build_tokenizer, trl_like_generation_config  # noqa: E402
 from hf_grpo.generation.cuda_graph import CudaGraphBackend  # noqa: E402
+from hf_grpo.generation import packed_weights  # noqa: E402
+from hf_grpo.generation.fused_projections import projection_groups  # noqa: E402
 
 
 def kernel_times(prof) -> dict[str, list[float]]:
@@ -144,6 +146,9 @@ def main(argv=None) -> int:
     parser.add_argument("--compile_scope", choices=["layers", "model"], default="layers")
     parser.add_argument("--fuse", default="qkv",
                         help="projections fused in the captured step: comma-separated parts, or 'none'")
+    parser.add_argument("--pack", action="store_true",
+                        help="freeze the weights and lay q/k/v and gate/up side by side first, as a LoRA run's "
+                             "merge does (generation.packed_weights): both fused as views, no copy")
     parser.add_argument("--attention", default=None, help="decode_attention (default: the backend's)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--rollout-profile", action="store_true",
@@ -157,6 +162,10 @@ def main(argv=None) -> int:
 
     tokenizer = build_tokenizer()
     model = build_model(args.shape, tokenizer).eval()
+    packed_groups = 0
+    if args.pack:
+        model.requires_grad_(False)
+        packed_groups = packed_weights.pack(projection_groups(model))
     fuse = () if args.fuse == "none" else tuple(args.fuse.split(","))
     extra = {} if args.attention is None else {"decode_attention": args.attention}
     backend = CudaGraphBackend(compile=args.compile == "on", compile_scope=args.compile_scope, fuse_projections=fuse,
@@ -235,7 +244,8 @@ def main(argv=None) -> int:
     record = {
         "bench": "decode_profile", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
         "shape": args.shape, "batch": args.batch, "prompt_len": args.prompt_len, "cache_len": decoder.cache_len,
-        "compile": args.compile, "compile_scope": args.compile_scope, "fuse": args.fuse, "first_call_s": round(first_call_s, 2), "replay_ms": round(replay_ms, 3),
+        "compile": args.compile, "compile_scope": args.compile_scope, "fuse": args.fuse, "packed_groups": packed_groups,
+        "fused_parts": decoder.fused.parts() if decoder.fused is not None else {}, "first_call_s": round(first_call_s, 2), "replay_ms": round(replay_ms, 3),
         "decode_attention": decoder.decode_attention,  # as the decoder resolved the backend's setting
         "rollout_ms_per_token": round(rollout_ms_per_token, 3),
         "kernels": count, "kernels_per_layer": round(count / layers, 1), "kernel_time_ms": round(total_us / 1e3, 3),

@@ -259,8 +259,11 @@ class MirrorChoice:
                 return f"off ({self.reason}): the decoder runs the LoRA adapters as they are"
             return f"off ({self.reason}): the hf backend generates from the ZeRO-3 model (ds3_gather_for_generation)"
         if self.kind == "LoRA":
+            packed = (f"; {self.mirror.packed_groups} groups of frozen q/k/v and gate/up weights laid side by side, "
+                      f"so the decoder fuses them with no copy" if self.mirror.packed_groups else "")
             return (f"on ({self.reason}): the adapters merged into the policy's own weights for each rollout, "
-                    f"then restored from a {self.mirror.host_nbytes / 2**30:.2f} GiB host copy (no GPU copy)")
+                    f"then restored from a {self.mirror.host_nbytes / 2**30:.2f} GiB host copy (no GPU copy)"
+                    f"{packed}")
         if self.in_place:
             merged = (f", LoRA merged for each rollout and restored from a {self.mirror.host_nbytes / 2**30:.2f} GiB "
                       f"host copy" if self.mirror.host_nbytes else "")

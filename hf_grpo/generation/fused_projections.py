@@ -12,6 +12,10 @@ them before every chunk, so optimizer steps are followed), and ``route()`` swaps
 forwards of the attention and MLP classes while the decode step is compiled and captured. Outside
 ``route()`` the model is its own: training and ``model.generate`` never see the fused forwards.
 
+Where a group's parameters already lie side by side in one buffer (a LoRA policy's frozen base weights,
+``packed_weights``), the fused weight is a view of them: no copy and no refresh. Such groups are fused whether or
+not their part is asked for, since they cost nothing.
+
 Only classes whose forward is the Llama template (Llama, Qwen2, Qwen3, Mistral in transformers 5.x)
 are fused, and a class only when every instance's projections are plain ``nn.Linear``: LoRA-wrapped
 or quantized projections, and other families, keep their own forward.
@@ -28,6 +32,7 @@ import torch
 from torch.nn import functional as F
 
 from ..runtime import upstream
+from .packed_weights import adjacent
 
 PARTS = ("qkv", "gate_up")
 _WEIGHT = {"qkv": "hf_grpo_qkv_weight", "gate_up": "hf_grpo_gate_up_weight"}
@@ -123,9 +128,38 @@ class _Fused:
     part: str
     weight: torch.Tensor
     bias: torch.Tensor | None
+    packed: bool = False  # views of the parameters themselves (nothing to copy or refresh)
 
     def sources(self) -> list[torch.nn.Linear]:
         return [getattr(self.module, name) for name in _SOURCES[self.part]]
+
+
+def _packed_view(sources: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The fused weight and bias as views, where the sources' parameters lie side by side; else None."""
+    weight = adjacent([s.weight for s in sources])
+    biases = [s.bias for s in sources]
+    if weight is None or len({b is None for b in biases}) > 1:
+        return None
+    if biases[0] is None:
+        return weight, None
+    bias = adjacent(biases)
+    return None if bias is None else (weight, bias)
+
+
+def projection_groups(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
+    """The parameter groups one fused GEMM reads, in order (q, k, v weights; their biases; gate, up weights), for
+    every plain-``nn.Linear`` attention and MLP module of the fused classes: what ``packed_weights.pack`` lays out."""
+    attention, mlps = _attention_classes(), _mlp_classes()
+    groups = []
+    for module in model.modules():
+        part = "qkv" if type(module) in attention else "gate_up" if type(module) in mlps else None
+        sources = [getattr(module, name, None) for name in _SOURCES.get(part, ())]
+        if part is None or not all(type(s) is torch.nn.Linear for s in sources):
+            continue
+        groups.append([s.weight for s in sources])
+        if all(s.bias is not None for s in sources):
+            groups.append([s.bias for s in sources])
+    return groups
 
 
 def validate_parts(parts) -> tuple[str, ...]:
@@ -153,7 +187,7 @@ class FusedProjections:
         for module in model.modules():
             cls = type(module)
             part = "qkv" if cls in attention else "gate_up" if cls in mlps else None
-            if part is None or part not in parts:
+            if part is None:
                 continue
             if all(type(getattr(module, name, None)) is torch.nn.Linear for name in _SOURCES[part]):
                 candidates.setdefault(cls, []).append((module, part))
@@ -162,12 +196,17 @@ class FusedProjections:
         self.entries: list[_Fused] = []
         self.forwards: dict[type, Callable] = {}
         for cls, found in candidates.items():
-            if cls in refused:
+            views = [_packed_view([getattr(module, name) for name in _SOURCES[part]]) for module, part in found]
+            # the forward is per class: a part not asked for is fused only where every instance costs nothing
+            if cls in refused or (found[0][1] not in parts and any(v is None for v in views)):
                 continue
             self.forwards[cls] = (
                 _fused_attention_forward(cls, attention[cls]) if cls in attention else _fused_mlp_forward
             )
-            for module, part in found:
+            for (module, part), view in zip(found, views):
+                if view is not None:
+                    self.entries.append(_Fused(module, part, *view, packed=True))
+                    continue
                 sources = [getattr(module, name) for name in _SOURCES[part]]
                 weight = torch.cat([s.weight.detach() for s in sources], dim=0)
                 has_bias = [s.bias is not None for s in sources]
@@ -180,12 +219,23 @@ class FusedProjections:
         return bool(self.entries)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for e in self.entries for t in (e.weight, e.bias) if t is not None)
+        """The copies' memory (views of packed parameters cost none)."""
+        return sum(t.numel() * t.element_size() for e in self.entries if not e.packed
+                   for t in (e.weight, e.bias) if t is not None)
+
+    def parts(self) -> dict[str, str]:
+        """Each fused part and how: "copy" or "packed" (views of the parameters), "mixed" where both occur."""
+        ways: dict[str, set[str]] = {}
+        for entry in self.entries:
+            ways.setdefault(entry.part, set()).add("packed" if entry.packed else "copy")
+        return {part: way.pop() if len(way) == 1 else "mixed" for part, way in ways.items()}
 
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the parameters into the fused weights, in place (a captured graph reads these addresses)."""
         for entry in self.entries:
+            if entry.packed:
+                continue  # the parameters themselves
             sources = entry.sources()
             torch.cat([s.weight for s in sources], dim=0, out=entry.weight)
             if entry.bias is not None:

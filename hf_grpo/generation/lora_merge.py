@@ -33,7 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime import upstream
+from . import packed_weights
 from .base import is_zero3_param
+from .fused_projections import projection_groups
 from .weight_sources import add_lora_deltas, gathered, live_base, skeleton, unsupported_reason, walk
 
 
@@ -121,6 +123,9 @@ class InPlaceLoraMerge:
                         self._originals[id(live)] = _Adapted(made[id(meta)], _host_copy(made[id(meta)]))
                 for name, _ in list(mirror_module.named_buffers(recurse=False)):
                     mirror_module._buffers[name] = getattr(source, name)
+        # the frozen q/k/v and gate/up weights side by side: the decoder fuses them with no copy (not ZeRO-3's
+        # partitions, whose views here are not the tensors the optimizer writes)
+        self.packed_groups = 0 if self._partitions else packed_weights.pack(projection_groups(self.module))
         self.host_nbytes = sum(a.original.numel() * a.original.element_size() for a in self._originals.values())
         self.module.eval()
         self.module.generation_config = copy.deepcopy(base.generation_config)

@@ -21,8 +21,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_grpo
 from hf_grpo.generation import dense_mirror
+from hf_grpo.generation.fused_projections import projection_groups
 from hf_grpo.generation.hf import HFGenerateBackend
 from hf_grpo.generation.lora_merge import InPlaceLoraMerge
+from hf_grpo.generation.packed_weights import adjacent
 from hf_grpo.plan import BatchPlan
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model, save_tiny_checkpoint
 
@@ -159,6 +161,11 @@ def test_lora_run_from_a_checkpoint_generates_from_the_merged_weights(tmp_path, 
     assert lora_sizes[0] == 0 and lora_sizes[-1] > 0, "the adapters never moved: the test would prove nothing"
     assert all(gap < 1e-5 for gap in gaps), gaps
     assert trainer.batch_plan().generation_mirror_kind == "LoRA"
+    # the frozen q/k/v and gate/up weights were laid side by side for the decoder, and still train and restore
+    mirror = trainer.decisions.mirror.mirror
+    groups = projection_groups(mirror.module)  # per layer: q/k/v weights, their biases (Qwen2), gate/up weights
+    assert mirror.packed_groups == len(groups) == 3 * trainer.model.config.num_hidden_layers
+    assert all(adjacent(group) is not None for group in groups)
     _assert_base_is_the_checkpoint(trainer, checkpoint)  # three merges and restores, and the frozen base is as saved
 
 
