@@ -24,6 +24,7 @@ import dataclasses
 
 import torch
 
+from ..ops.equal_rows import first_equal_row
 from .stats import PerformanceStats
 
 
@@ -129,10 +130,7 @@ class BatchTokens:
         prompt_ids = input_ids[:, :prompt_mask.shape[1]].masked_fill(~prompt_mask.bool(), -1)
         prompt_lengths = prompt_mask.sum(dim=1)
         completion_lengths = attention_mask[:, prompt_mask.shape[1]:].sum(dim=1)
-        if prompt_ids.shape[1]:
-            _, group = torch.unique(prompt_ids, dim=0, return_inverse=True)
-        else:
-            group = torch.zeros_like(prompt_lengths)
+        group = first_equal_row(prompt_ids)  # rows of one prompt: the same group
         prompts, completions, groups = torch.stack([prompt_lengths, completion_lengths, group]).tolist()
         return cls.count(prompts, completions, groups)
 

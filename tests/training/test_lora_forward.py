@@ -61,7 +61,7 @@ def test_fused_forward_equals_peft_in_float32_outputs_and_adapter_gradients(drop
         assert torch.allclose(grad, want_grads[name], **reordered(want_grads[name], terms)), name
 
 
-def test_fused_forward_takes_the_addmm_path_under_bf16_autocast_and_agrees_with_peft(monkeypatch):
+def test_fused_forward_takes_the_in_place_op_under_bf16_autocast_and_agrees_with_peft(monkeypatch):
     policy = lora_policy(dtype=torch.bfloat16)
     layer = policy.base_model.model.model.layers[0].self_attn.q_proj
     assert layer.lora_A["default"].weight.dtype == torch.float32  # PEFT's float32 adapters on a bf16 model
@@ -69,10 +69,12 @@ def test_fused_forward_takes_the_addmm_path_under_bf16_autocast_and_agrees_with_
     want_logits, want_grads = outputs_and_grads(policy, ids, autocast=True)
     lora_forward.install(policy)
     calls = []
-    addmm = torch.addmm
-    monkeypatch.setattr(torch, "addmm", lambda *a, **k: calls.append(1) or addmm(*a, **k))
+    op = lora_forward.lora_linear
+    monkeypatch.setattr(lora_forward, "lora_linear", lambda *a: calls.append({t.dtype for t in a[:5] if t is not None})
+                        or op(*a))
     got_logits, got_grads = outputs_and_grads(policy, ids, autocast=True)
     assert len(calls) == 7 * policy.config.num_hidden_layers  # every adapted projection fused
+    assert all(dtypes == {torch.bfloat16} for dtypes in calls)  # cast as autocast casts a linear's inputs
     # one rounding fewer than PEFT's: equal within bf16's resolution, not bit for bit
     assert (got_logits - want_logits).abs().max() <= 0.05 * want_logits.abs().max()
     for name, grad in got_grads.items():
@@ -203,3 +205,13 @@ def test_compiled_training_layers_run_the_fused_forward_as_eager_peft():
         terms = backward_terms(eager.config, inputs[0].numel())
         for name, grad in want_grads.items():  # compiled kernels sum in other orders than eager PEFT
             torch.testing.assert_close(grads[name], grad, **reordered(grad, terms), msg=name)
+
+
+def test_the_adapter_is_added_into_the_base_output_in_place():
+    # The point of the op: no copy of the base output before the add (torch.addmm(out, ...) made one per projection).
+    x, weight, down, up = torch.randn(2, 5, 8), torch.randn(6, 8), torch.randn(2, 5, 3), torch.randn(6, 3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = lora_forward.lora_linear(x, weight, None, down, up, 0.5)
+    names = {event.key for event in prof.key_averages()}
+    assert "aten::addmm_" in names and "aten::copy_" not in names, names
+    torch.testing.assert_close(out, x @ weight.t() + 0.5 * down @ up.t())

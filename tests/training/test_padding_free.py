@@ -251,6 +251,30 @@ def test_packed_scoring_equals_padded_in_bf16_on_cuda():
     assert_packed_scores_as_padded_in_bf16_on_cuda(padded_batch(40))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_grouped_key_value_heads_attend_as_repeated_ones_on_cuda(monkeypatch):
+    # Fewer key/value heads than query heads (Qwen2.5-7B: 4 against 28), as flash attention groups them itself
+    # where this torch allows it: the outputs and gradients of the repeated heads, within bf16 rounding.
+    from hf_grpo.training import padding_free
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(1, heads, 300, 64, device="cuda", dtype=torch.bfloat16, generator=g) for heads in (8, 2, 2))
+    cu = torch.tensor([0, 37, 190, 300], dtype=torch.int32, device="cuda")
+
+    def attend():
+        inputs = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        out = padding_free._varlen_attention(*inputs, cu, cu, 0.125)
+        return (out, *torch.autograd.grad(out.float().square().sum(), inputs))
+
+    grouped = attend()
+    monkeypatch.setattr(padding_free, "_VARLEN_KEYWORDS", padding_free._VARLEN_KEYWORDS - {"enable_gqa"})
+    monkeypatch.setattr(padding_free, "_grouped_heads_taken", lambda device: False)
+    repeated = attend()
+    for name, got, want in zip(("out", "dq", "dk", "dv"), grouped, repeated):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2, msg=name)
+
+
 
 @pytest.mark.parametrize(
     ("attn_logit_softcapping", "attention", "reason"),
