@@ -245,7 +245,8 @@ def main(argv=None) -> int:
         "bench": "decode_profile", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
         "shape": args.shape, "batch": args.batch, "prompt_len": args.prompt_len, "cache_len": decoder.cache_len,
         "compile": args.compile, "compile_scope": args.compile_scope, "fuse": args.fuse, "packed_groups": packed_groups,
-        "fused_parts": decoder.fused.parts() if decoder.fused is not None else {}, "first_call_s": round(first_call_s, 2), "replay_ms": round(replay_ms, 3),
+        "fused_parts": decoder.fused.parts() if decoder.fused is not None else {},
+        "first_call_s": round(first_call_s, 2), "replay_ms": round(replay_ms, 3),
         "decode_attention": decoder.decode_attention,  # as the decoder resolved the backend's setting
         "rollout_ms_per_token": round(rollout_ms_per_token, 3),
         "kernels": count, "kernels_per_layer": round(count / layers, 1), "kernel_time_ms": round(total_us / 1e3, 3),

@@ -156,6 +156,8 @@ class CudaGraphBackend(GenerationBackend):
         fuse_projections: which projections the captured step runs as one GEMM on fused copies of
             their weights (``fused_projections``): "qkv" (default; about the q/k/v weights' memory
             while a decoder lives) and "gate_up" (about two thirds of the MLP weights' memory), or ().
+            Unless it is (), groups whose weights lie side by side (a LoRA policy's, ``packed_weights``)
+            are fused too, as views at no cost.
     """
 
     name = "cuda_graph"

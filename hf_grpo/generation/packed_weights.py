@@ -3,10 +3,11 @@
 Why: at a few dozen rows the decode step reads every weight once a token, and one GEMM over q/k/v (or gate/up)
 reads them faster than three (two) GEMMs: 7B at 32 rows took 7.00 ms a step with gate/up fused against 7.21 ms
 without (``bench/results/decode_profile_h100_7b_32rows_full_length.jsonl``). A fused *copy* of gate/up costs two
-thirds of the MLP weights' memory for as long as the decoder lives (6.8 GiB at 7B, above TRL's peak), so it is off
-by default. A LoRA policy's base weights are frozen: nothing but the in-place merge and its restore writes them, so
-they can be moved into one buffer per layer group (q, k, v; gate, up), each parameter a row slice of it. The
-decoder's fused weight is then a view of that buffer (``adjacent``): no memory, and nothing to refresh.
+thirds of the MLP weights' memory for as long as the decoder lives (7.1 GiB at 7B, which put the run's peak above
+TRL's), so it is off by default. A LoRA policy's base weights are frozen: nothing but the in-place merge and its
+restore writes them, so they can be moved into one buffer per layer group (q, k, v; gate, up), each parameter a row
+slice of it. The decoder's fused weight is then a view of that buffer (``adjacent``): no memory, and nothing to
+refresh.
 
 Only frozen parameters are moved: a trained weight belongs to the optimizer and to DeepSpeed, which may flatten it
 into buffers of their own. Each parameter keeps its identity, shape and contiguity (``param.data`` is re-pointed),

@@ -121,6 +121,7 @@ class StaticDecoder:
             updates, or None (eager, in place).
         fuse_projections: parts of ``fused_projections.PARTS`` to fuse in the captured step ("qkv",
             "gate_up"); the fused copies cost about that share of the weights' memory while the decoder lives.
+            Unless it is empty, groups already side by side (``packed_weights``) are fused as views, at no cost.
     """
 
     def __init__(
