@@ -146,16 +146,25 @@ def _packed_view(sources: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Te
     return None if bias is None else (weight, bias)
 
 
+def _projection_modules(model: torch.nn.Module) -> Iterator[tuple[torch.nn.Module, str, bool]]:
+    """Each attention and MLP module of the fused classes in ``model``: (module, its part, whether its sources are
+    all plain ``nn.Linear``)."""
+    attention, mlps = _attention_classes(), _mlp_classes()
+    for module in model.modules():
+        part = "qkv" if type(module) in attention else "gate_up" if type(module) in mlps else None
+        if part is not None:
+            plain = all(type(getattr(module, name, None)) is torch.nn.Linear for name in _SOURCES[part])
+            yield module, part, plain
+
+
 def projection_groups(model: torch.nn.Module) -> list[list[torch.nn.Parameter]]:
     """The parameter groups one fused GEMM reads, in order (q, k, v weights; their biases; gate, up weights), for
     every plain-``nn.Linear`` attention and MLP module of the fused classes: what ``packed_weights.pack`` lays out."""
-    attention, mlps = _attention_classes(), _mlp_classes()
     groups = []
-    for module in model.modules():
-        part = "qkv" if type(module) in attention else "gate_up" if type(module) in mlps else None
-        sources = [getattr(module, name, None) for name in _SOURCES.get(part, ())]
-        if part is None or not all(type(s) is torch.nn.Linear for s in sources):
+    for module, part, plain in _projection_modules(model):
+        if not plain:
             continue
+        sources = [getattr(module, name) for name in _SOURCES[part]]
         groups.append([s.weight for s in sources])
         if all(s.bias is not None for s in sources):
             groups.append([s.bias for s in sources])
@@ -181,18 +190,14 @@ class FusedProjections:
 
     def __init__(self, model: torch.nn.Module, parts=PARTS) -> None:
         parts = validate_parts(parts)
-        attention, mlps = _attention_classes(), _mlp_classes()
+        attention = _attention_classes()
         candidates: dict[type, list[tuple[torch.nn.Module, str]]] = {}
         refused: set[type] = set()
-        for module in model.modules():
-            cls = type(module)
-            part = "qkv" if cls in attention else "gate_up" if cls in mlps else None
-            if part is None:
-                continue
-            if all(type(getattr(module, name, None)) is torch.nn.Linear for name in _SOURCES[part]):
-                candidates.setdefault(cls, []).append((module, part))
+        for module, part, plain in _projection_modules(model):
+            if plain:
+                candidates.setdefault(type(module), []).append((module, part))
             else:
-                refused.add(cls)  # one wrapped instance keeps the whole class unfused (the forward is per class)
+                refused.add(type(module))  # one wrapped instance keeps the whole class unfused (forward is per class)
         self.entries: list[_Fused] = []
         self.forwards: dict[type, Callable] = {}
         for cls, found in candidates.items():

@@ -216,11 +216,15 @@ def _attend(query, key, value, cu_seq_lens, ends: list[int], scale: float, key_i
     return torch.cat(pieces, dim=2).transpose(1, 2)
 
 
+def _causal_keywords() -> dict:
+    """How this torch's ``varlen_attn`` is asked for causal attention (``window_size``, earlier ``is_causal``)."""
+    return {"window_size": (-1, 0)} if "window_size" in _VARLEN_KEYWORDS else {"is_causal": True}
+
+
 def _varlen_attention(query, key, value, cu_seq_lens, cu_key_lens, scale: float):
     """One variable-length flash-attention call over every packed row, ``[1, T, Hq, D]``. Flash attention aligns
     causality to the bottom right where a row has more keys than queries, as ``_attend`` needs."""
-    keywords = {"scale": scale}
-    keywords.update({"window_size": (-1, 0)} if "window_size" in _VARLEN_KEYWORDS else {"is_causal": True})
+    keywords = {"scale": scale, **_causal_keywords()}
     groups = query.shape[1] // key.shape[1]
     if groups > 1 and "enable_gqa" in _VARLEN_KEYWORDS:
         keywords["enable_gqa"] = True
@@ -248,7 +252,7 @@ def _grouped_heads_taken(device: torch.device) -> bool:
 
 
 def _probe_grouped_heads(device: torch.device) -> bool:
-    keywords = {"window_size": (-1, 0)} if "window_size" in _VARLEN_KEYWORDS else {"is_causal": True}
+    keywords = _causal_keywords()
     g = torch.Generator(device=device).manual_seed(0)
     q, k, v = (torch.randn(24, heads, 64, device=device, dtype=torch.bfloat16, generator=g)
                for heads in (4, 2, 2))
