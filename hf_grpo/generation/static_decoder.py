@@ -46,7 +46,7 @@ from ..memory.decode_sizes import prefill_pieces
 from ..runtime.graph_capture import capture_graph
 from ..runtime.model_wrappers import base_model
 from ..runtime.regional_compile import CompiledLayers
-from . import filled_attention, fused_norms
+from . import filled_attention, fused_norms, shared_prefill
 from .attention_routing import decode_attention, is_sdpa, prefill_keys
 from .base import model_device
 from .fused_projections import FusedProjections
@@ -289,9 +289,15 @@ class StaticDecoder:
         # growing with the prompt and setting the rollout's peak. A cache of plain static layers lets a piece
         # attend to the positions up to its end only (prefill_keys), so short prompts take one piece.
         sliced = self._capture_is_rewindable() and is_sdpa(model)
-        for start, end in self.prefill_pieces(model, prompt_len, sliced):
-            with prefill_keys(model, end) if sliced else contextlib.nullcontext():
-                logits = self._forward(model, input_ids[:, start:end], position_ids[:, start:end])
+        # rows repeating a prompt (GRPO's num_generations): each prompt runs once (shared_prefill)
+        shared = shared_prefill.shared_rows(input_ids, attention_mask) if shared_prefill.cache_shareable(
+            self.cache) else None
+        if shared is not None:
+            logits = self._shared_prefill(model, input_ids, attention_mask, position_ids, shared)
+        else:
+            for start, end in self.prefill_pieces(model, prompt_len, sliced):
+                with prefill_keys(model, end) if sliced else contextlib.nullcontext():
+                    logits = self._forward(model, input_ids[:, start:end], position_ids[:, start:end])
         vocab = logits.size(-1)
         if self.vocab_size is None:
             self.vocab_size = vocab
@@ -309,10 +315,24 @@ class StaticDecoder:
         self.pos.copy_(position_ids[:, -1:])
         self._advance(logits)
 
-    def prefill_pieces(self, model, prompt_len: int, sliced: bool) -> list[tuple[int, int]]:
-        """The ``(start, end)`` prompt positions of each prefill forward (``prefill_pieces`` of this decoder)."""
+    def _shared_prefill(self, model, input_ids, attention_mask, position_ids, shared) -> torch.Tensor:
+        """The distinct prompts through the model once, against a cache of their own; every row's prompt keys and
+        values then written into the static cache from its prompt's; the rows' last logits [B, V]."""
+        from transformers import DynamicCache
+
+        ids, mask, positions = (t.index_select(0, shared.leaders) for t in (input_ids, attention_mask, position_ids))
+        prompts_cache = DynamicCache()
+        for start, end in self.prefill_pieces(model, ids.size(1), True, rows=shared.count):  # keys up to the end
+            logits = last_logits(model, ids[:, start:end], mask[:, :end], positions[:, start:end], prompts_cache,
+                                 self._cache_kw, self._logits_to_keep)
+        shared_prefill.fill(self.cache, prompts_cache, shared)
+        return logits.index_select(0, shared.place)
+
+    def prefill_pieces(self, model, prompt_len: int, sliced: bool, rows: int | None = None) -> list[tuple[int, int]]:
+        """The ``(start, end)`` prompt positions of each prefill forward (``prefill_pieces`` of this decoder) over
+        ``rows`` rows (default: the whole chunk)."""
         heads = getattr(base_model(model).config, "num_attention_heads", 1) or 1
-        return prefill_pieces(prompt_len, self.batch * heads * 4, self.cache_len, sliced)
+        return prefill_pieces(prompt_len, (rows or self.batch) * heads * 4, self.cache_len, sliced)
 
     def _advance(self, logits: torch.Tensor, compiled: Callable | None = None) -> None:
         """Logits [B, V] -> next token, written into the static buffers (``take_next_tokens``).

@@ -192,5 +192,9 @@ class WorkCounter:
         if perf.rates is None or self.work is None:
             return
         prompts, completions = [len(ids) for ids in prompt_ids], [len(ids) for ids in completion_ids]
-        perf.add("decode_bytes", self.work.decode_bytes(prompts, completions, chunk or len(prompts)))
-        perf.add("prefill_flops", self.work.prefill_flops(prompts))
+        chunk = chunk or len(prompts)
+        perf.add("decode_bytes", self.work.decode_bytes(prompts, completions, chunk))
+        # a chunk's rows of one prompt share its prefill (generation.shared_prefill): each counted once
+        distinct = [len(ids) for start in range(0, len(prompt_ids), chunk)
+                    for ids in {tuple(ids): ids for ids in prompt_ids[start:start + chunk]}.values()]
+        perf.add("prefill_flops", self.work.prefill_flops(distinct))

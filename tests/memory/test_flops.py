@@ -153,6 +153,8 @@ def test_the_trainer_reports_efficiency_only_where_rates_are_measured(tmp_path, 
     expected = (work.forward_flops(batch.tokens, batch.pairs, batch.scored)
                 + work.training_flops(batch.tokens, batch.pairs, batch.scored, recompute=False))
     assert stats["training_half_floor_s"] == pytest.approx(expected / 1e12)
+    # the prefill: each of the two prompts once (its four rows share it in the chunk)
+    assert all(prompt_ids[i] == prompt_ids[i // 4 * 4] for i in range(8)) and prompt_ids[0] != prompt_ids[4]
     assert stats["generation_floor_s"] == pytest.approx(
         work.decode_bytes([len(p) for p in prompt_ids], completions, 8) / 1e9 + work.prefill_flops(
-            [len(p) for p in prompt_ids]) / 1e12)
+            [len(prompt_ids[0]), len(prompt_ids[4])]) / 1e12)
