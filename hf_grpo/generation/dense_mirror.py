@@ -153,7 +153,7 @@ class DenseMirror:
                     done.add(id(target))
         return self.module
 
-    def restore(self) -> None:
+    def restore(self, overlap: bool = False) -> None:
         """Nothing to undo: the policy's own weights were only read."""
 
 

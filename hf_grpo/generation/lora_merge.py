@@ -13,7 +13,9 @@ memory for the whole run, which put a 1.5B LoRA run's peak above TRL's. Here the
 - ``restore`` writes the base weights back from a host copy taken when the view is built. Restoring by
   subtracting the delta again would not give the same bits back in bf16, and the frozen base would drift a
   rounding error every rollout; the copy makes it exact. The copy back is queued on the current stream
-  (pinned host memory), so it overlaps the host work that follows the rollout (decoding text, rewards).
+  (pinned host memory), so it overlaps the host work that follows the rollout (decoding text, rewards); with
+  ``overlap`` a decoder layer's weights are copied on a side stream and its next forward waits for them alone
+  (``layerwise_restore``), so the copy also overlaps the reference pass.
 
 The host copy holds the adapted base weights (``host_nbytes``, pinned where the host allows). A base weight that
 is itself trained (``requires_grad``) is copied to the host again before each merge.
@@ -33,8 +35,10 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime import upstream
+from ..runtime.regional_compile import decoder_layers
 from . import packed_weights
-from .base import is_zero3_param
+from .base import is_zero3_param, model_device
+from .layerwise_restore import LayerwiseRestore
 from .fused_projections import projection_groups
 from .weight_sources import add_lora_deltas, gathered, live_base, skeleton, unsupported_reason, walk
 
@@ -127,6 +131,9 @@ class InPlaceLoraMerge:
         # partitions, whose views here are not the tensors the optimizer writes)
         self.packed_groups = 0 if self._partitions else packed_weights.pack(projection_groups(self.module))
         self.host_nbytes = sum(a.original.numel() * a.original.element_size() for a in self._originals.values())
+        layers = decoder_layers(base)
+        self._layerwise = (LayerwiseRestore(layers, model_device(base)) if layers is not None and not self._partitions
+                           and model_device(base).type == "cuda" else None)
         self.module.eval()
         self.module.generation_config = copy.deepcopy(base.generation_config)
         self._merged: list[_Adapted] = []
@@ -135,6 +142,7 @@ class InPlaceLoraMerge:
     def refresh(self, model: torch.nn.Module) -> torch.nn.Module:
         """Merge ``model``'s active adapters into its base weights in place; return the plain model that reads them."""
         self.restore()  # a rollout that raised before its restore must not merge twice
+        self.settle()
         for live, view in self._partitions:
             if upstream.zero3_partition(live).data_ptr() != view.data_ptr():
                 raise RuntimeError(f"DeepSpeed moved a ZeRO-3 partition of shape {tuple(live.ds_shape)} after the "
@@ -167,8 +175,20 @@ class InPlaceLoraMerge:
             self._merged.append(adapted)
 
     @torch.no_grad()
-    def restore(self) -> None:
-        """Write the unmerged base weights back (queued on the current stream; later kernels see them)."""
-        for adapted in self._merged:
-            adapted.tensor.copy_(adapted.original, non_blocking=True)
+    def restore(self, overlap: bool = False) -> None:
+        """Write the unmerged base weights back, queued on the current stream (later kernels see them); with
+        ``overlap`` (on a GPU, every reader going through the decoder layers' forwards) each layer's on a side
+        stream, waited for by that layer's next forward."""
+        pairs = [(adapted.tensor, adapted.original) for adapted in self._merged]
         self._merged = []
+        if overlap and pairs and self._layerwise is not None:
+            self._layerwise.copy(pairs)
+            return
+        self.settle()
+        for tensor, original in pairs:
+            tensor.copy_(original, non_blocking=True)
+
+    def settle(self) -> None:
+        """Order every copy of an overlapped restore before what the current stream runs next."""
+        if self._layerwise is not None:
+            self._layerwise.settle()

@@ -63,7 +63,7 @@ def test_merged_view_shares_the_policys_tensors_equals_merge_and_unload_and_rest
         assert merged is view.module and not any("lora" in n for n, _ in merged.named_parameters())
         for (name, got), (_, want) in zip(merged.state_dict().items(), reference.state_dict().items(), strict=True):
             assert torch.equal(got, want), name
-        view.restore()
+        view.restore(overlap=True)  # on the CPU: at once, as without
         assert all(torch.equal(p, before[n]) for n, p in _base_weights(policy).items())
         assert torch.equal(policy(input_ids=ids).logits, logits_before)
 
@@ -147,8 +147,8 @@ def test_lora_run_from_a_checkpoint_generates_from_the_merged_weights(tmp_path, 
             rollouts.append(model(ids).logits)
         return generate(self, model, prompt_ids, **kwargs)
 
-    def checked_restore(self):
-        restore(self)
+    def checked_restore(self, **kwargs):
+        restore(self, **kwargs)
         if rollouts:  # the live policy (base weights back, adapters on) must compute what the rollout decoded from
             with torch.no_grad():
                 gaps.append((rollouts.pop() - trainer.model(input_ids=ids).logits).abs().max().item())
@@ -207,3 +207,34 @@ def test_greedy_lora_rollouts_from_the_merged_weights_equal_the_unmerged_model()
         from_adapters = HFGenerateBackend().generate(policy, prompts, **greedy)
         assert from_merged == from_adapters
     assert backend.num_captures == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_overlapped_restore_is_waited_for_by_each_layer_of_the_next_forward():
+    """The copies back run on a side stream, here held back behind a long matmul chain: the forward that follows
+    still computes from the restored weights (each layer waits for its own), while a read outside the layers'
+    forwards, made at once, still sees the merged ones (the test would see a forward that did not wait)."""
+    policy = _moved_lora(build_tiny_model(build_char_tokenizer(), dtype=torch.float32).cuda())
+    ids = torch.tensor([[5, 6, 7, 8, 9]], device="cuda")
+    with torch.no_grad():
+        logits_before = policy(input_ids=ids).logits
+    before = _base_weights(policy)
+    view = InPlaceLoraMerge(policy)
+    for _ in range(2):
+        view.refresh(policy)  # (the second one waits for the first restore's copies: settle)
+        busy = torch.randn(4096, 4096, device="cuda")
+        with torch.cuda.stream(view._layerwise._stream):  # hold the side stream back
+            for _ in range(200):
+                busy = busy @ busy / 64
+        view.restore(overlap=True)
+        assert view._layerwise.pending
+        name = next(n for n in before if "q_proj" in n and n.endswith("weight"))
+        early = dict(policy.named_parameters())[name].detach().clone()  # on the compute stream, without waiting
+        with torch.no_grad():
+            logits = policy(input_ids=ids).logits
+        assert not view._layerwise.pending  # every layer's hook ran and removed itself
+        torch.testing.assert_close(logits, logits_before, rtol=0, atol=0)
+        assert not torch.equal(early, before[name]), "the copies were done before the forward: nothing was tested"
+        view.settle()
+        assert all(torch.equal(p, before[n]) for n, p in _base_weights(policy).items())
