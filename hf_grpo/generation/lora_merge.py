@@ -141,8 +141,7 @@ class InPlaceLoraMerge:
     @torch.no_grad()
     def refresh(self, model: torch.nn.Module) -> torch.nn.Module:
         """Merge ``model``'s active adapters into its base weights in place; return the plain model that reads them."""
-        self.restore()  # a rollout that raised before its restore must not merge twice
-        self.settle()
+        self.restore()  # a rollout that raised before its restore must not merge twice; waits for an overlapped one
         for live, view in self._partitions:
             if upstream.zero3_partition(live).data_ptr() != view.data_ptr():
                 raise RuntimeError(f"DeepSpeed moved a ZeRO-3 partition of shape {tuple(live.ds_shape)} after the "
