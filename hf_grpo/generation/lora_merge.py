@@ -87,6 +87,12 @@ def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
+def layerwise_restore(base: torch.nn.Module) -> LayerwiseRestore | None:
+    """The side-stream restore of ``base``'s decoder layers, on a GPU (None: restored on the current stream)."""
+    layers, device = decoder_layers(base), model_device(base)
+    return LayerwiseRestore(layers, device) if layers is not None and device.type == "cuda" else None
+
+
 class InPlaceLoraMerge:
     """A plain model sharing ``model``'s tensors; ``refresh`` merges the LoRA adapters into them, ``restore`` undoes it.
 
@@ -131,9 +137,7 @@ class InPlaceLoraMerge:
         # partitions, whose views here are not the tensors the optimizer writes)
         self.packed_groups = 0 if self._partitions else packed_weights.pack(projection_groups(self.module))
         self.host_nbytes = sum(a.original.numel() * a.original.element_size() for a in self._originals.values())
-        layers = decoder_layers(base)
-        self._layerwise = (LayerwiseRestore(layers, model_device(base)) if layers is not None and not self._partitions
-                           and model_device(base).type == "cuda" else None)
+        self._layerwise = None if self._partitions else layerwise_restore(base)
         self.module.eval()
         self.module.generation_config = copy.deepcopy(base.generation_config)
         self._merged: list[_Adapted] = []

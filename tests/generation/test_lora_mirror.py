@@ -238,3 +238,59 @@ def test_an_overlapped_restore_is_waited_for_by_each_layer_of_the_next_forward()
         assert not torch.equal(early, before[name]), "the copies were done before the forward: nothing was tested"
         view.settle()
         assert all(torch.equal(p, before[n]) for n, p in _base_weights(policy).items())
+
+
+class _DeferredRestore:
+    """A CPU stand-in for the side-stream restore whose copies have not run yet when the next forward starts: each
+    layer's copies run in that layer's forward pre-hook, as the GPU's wait would order them. A forward that read a
+    layer without its hook would compute from the merged weights."""
+
+    def __init__(self, layers):
+        self.layers, self.pending, self.copied = layers, {}, 0
+        self._layer_of = {id(p): i for i, layer in enumerate(layers) for p in layer.parameters()}
+
+    def copy(self, pairs):
+        self.settle()
+        for tensor, source in pairs:
+            index = self._layer_of.get(id(tensor))
+            if index is None:
+                tensor.copy_(source)
+            else:
+                if index not in self.pending:
+                    hook = self.layers[index].register_forward_pre_hook(lambda module, args, i=index: self._run(i))
+                    self.pending[index] = (hook, [])
+                self.pending[index][1].append((tensor, source))
+
+    def _run(self, index):
+        hook, copies = self.pending.pop(index)
+        hook.remove()
+        for tensor, source in copies:
+            tensor.copy_(source)
+        self.copied += 1
+
+    def settle(self):
+        for index in list(self.pending):
+            self._run(index)
+
+
+def test_a_restore_left_to_each_layers_next_forward_trains_as_one_done_at_once(tmp_path, monkeypatch):
+    """The trainer's reference pass and policy forwards go through the hooked layers: a run whose restore is
+    deferred to each layer's next forward trains to the same adapters, bit for bit, as one restored at once."""
+    from hf_grpo.generation import lora_merge
+
+    checkpoint = save_tiny_checkpoint(tmp_path / "checkpoint")
+    adapters, deferred = {}, []
+    for overlapped in (False, True):
+        if overlapped:
+            monkeypatch.setattr(lora_merge, "layerwise_restore", lambda base: deferred.append(
+                _DeferredRestore(lora_merge.decoder_layers(base))) or deferred[-1])
+        torch.manual_seed(0)
+        trainer = _lora_trainer(tmp_path / str(overlapped), checkpoint)
+        for name, param in trainer.model.named_parameters():
+            if "lora_B" in name:  # adapters that add something: a forward reading merged weights would differ
+                torch.nn.init.normal_(param, std=0.1)
+        trainer.train()
+        adapters[overlapped] = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" in n}
+    assert deferred and deferred[0].copied >= 3 * 2  # every rollout's restore ran in the layers' hooks
+    for name, value in adapters[False].items():
+        assert torch.equal(value, adapters[True][name]), name
