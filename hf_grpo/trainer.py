@@ -290,8 +290,8 @@ class GRPOTrainer(trl.GRPOTrainer):
                     pad_token_id=upstream.tokenizer(self).pad_token_id, eos_token_ids=self.eos_token_ids,
                     pad_to_multiple_of=self.pad_to_multiple_of)
             finally:
-                if mirror is not None:  # LoRA merged in place: the base weights back before anything reads them
-                    mirror.restore(overlap=self.decisions.train_graphs is None)  # (a replay runs no layer's hook)
+                if mirror is not None:  # LoRA merged in place: the base weights back (overlapped: see ``restore``)
+                    mirror.restore(overlap=self.model.training and self.decisions.train_graphs is None)
         if self.args.release_generation_memory:
             backend.release(empty_cache=False)  # the training step reuses the blocks; the compile is kept
         if self.decisions.mirror is not None and self.decisions.mirror.freed_between_rollouts:

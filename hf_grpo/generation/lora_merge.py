@@ -180,8 +180,10 @@ class InPlaceLoraMerge:
     @torch.no_grad()
     def restore(self, overlap: bool = False) -> None:
         """Write the unmerged base weights back, queued on the current stream (later kernels see them); with
-        ``overlap`` (on a GPU, every reader going through the decoder layers' forwards) each layer's on a side
-        stream, waited for by that layer's next forward."""
+        ``overlap`` (on a GPU) each layer's on a side stream, waited for by that layer's next forward. The trainer
+        asks for it where every reader goes through the layers' forwards: a training rollout, followed by its step's
+        forwards, where no micro-batch is replayed from a CUDA graph (a replay runs no hook); not an evaluation's,
+        which a checkpoint save may follow."""
         pairs = [(adapted.tensor, adapted.original) for adapted in self._merged]
         self._merged = []
         if overlap and pairs and self._layerwise is not None:
