@@ -2,8 +2,8 @@
 every row that holds it.
 
 Why: GRPO decodes ``num_generations`` completions of every prompt, so a chunk of 32 rows holds 4 prompts 8 times
-each. Run as 32 rows, the prefill computes every prompt 8 times over: at 7B with prompts of up to 1k tokens,
-most of a second of every rollout on an H100, where the 4 prompts alone take a few hundredths.
+each. Run as 32 rows, the prefill computes every prompt 8 times over: at 7B, 32 rows of 544 tokens took 0.48-0.51 s
+on an H100 (``bench/decode_profile.py --rollout-timeline``), where the 4 prompts alone take a few hundredths.
 
 Here the distinct rows run through the model against a small ``DynamicCache`` of their own, then each layer of the
 decoder's static cache is written, through its own ``update``, with every row's prompt keys and values gathered
