@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.equal_rows import first_equal_row
+from ..ops.equal_rows import first_equal_prompt
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ def shared_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Shared
     """The distinct prompts of a left-padded chunk, or None where every row is its own (nothing to share)."""
     if input_ids.size(0) < 2:
         return None
-    first = first_equal_row(input_ids.masked_fill(attention_mask == 0, -1))
+    first = first_equal_prompt(input_ids, attention_mask)
     is_leader = first == torch.arange(first.numel(), device=first.device)
     leaders = is_leader.nonzero().squeeze(1)  # one host read a chunk
     if leaders.numel() == first.numel():

@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from ..ops.equal_rows import first_equal_row
+from ..ops.equal_rows import first_equal_prompt
 from .stats import PerformanceStats
 
 
@@ -127,10 +127,9 @@ class BatchTokens:
         """From TRL's batch: ``[prompt | completion]`` rows, prompts left-padded, the last ``logits_to_keep``
         columns the completions. Rows with the same prompt (ids and mask) share it. One host read."""
         prompt_mask = attention_mask[:, :-logits_to_keep] if logits_to_keep else attention_mask
-        prompt_ids = input_ids[:, :prompt_mask.shape[1]].masked_fill(~prompt_mask.bool(), -1)
         prompt_lengths = prompt_mask.sum(dim=1)
         completion_lengths = attention_mask[:, prompt_mask.shape[1]:].sum(dim=1)
-        group = first_equal_row(prompt_ids)  # rows of one prompt: the same group
+        group = first_equal_prompt(input_ids[:, :prompt_mask.shape[1]], prompt_mask)  # rows of one prompt: one group
         prompts, completions, groups = torch.stack([prompt_lengths, completion_lengths, group]).tolist()
         return cls.count(prompts, completions, groups)
 

@@ -34,3 +34,9 @@ def first_equal_row(rows: torch.Tensor) -> torch.Tensor:
     candidate = (hashes[:, None] == hashes[None, :]).to(torch.int8).argmax(dim=1)  # the first row of the same hash
     same = (rows == rows[candidate]).all(dim=1)
     return torch.where(same, candidate, index)
+
+
+def first_equal_prompt(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``first_equal_row`` of left-padded prompts ``ids`` ``[B, L]`` with their ``mask``: padded positions compared
+    as -1, so the pad id does not matter and rows padded differently differ."""
+    return first_equal_row(ids.masked_fill(mask == 0, -1))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..run_state import RunDecisions, RunFacts, RunSizes
-from ..ops.equal_rows import first_equal_row
+from ..ops.equal_rows import first_equal_prompt
 from . import padding_free
 
 # TRL 1.16's loss types whose micro-batch normalizer is its row count or the generation batch's token count
@@ -78,7 +78,7 @@ def regroup(micro_batches: list[dict]) -> list[dict] | None:
             return None
         if len(merged[key]) != rows:  # not one entry a row (images by grid): leave TRL's split as it is
             return None
-    first_row = first_equal_row(merged["prompt_ids"].masked_fill(merged["prompt_mask"] == 0, -1))
+    first_row = first_equal_prompt(merged["prompt_ids"], merged["prompt_mask"])
     order = torch.argsort(first_row * rows + torch.arange(rows, device=first_row.device))
     size = rows // len(micro_batches)
     regrouped = []

@@ -59,3 +59,10 @@ def test_a_hash_collision_loses_sharing_but_never_pairs_different_rows(monkeypat
     rows = _prompt_batch(5, 5, 3, 9)  # every hash collides
     got = first_equal_row(rows)
     assert all(torch.equal(rows[i], rows[j]) and j <= i for i, j in enumerate(got.tolist()))
+
+
+def test_prompts_compare_their_tokens_and_padding_not_the_pad_id():
+    ids = torch.tensor([[0, 5, 6], [9, 5, 6], [5, 5, 6], [7, 8, 9]])  # rows 0 and 1: other pad ids, same prompt
+    mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]])
+    assert equal_rows.first_equal_prompt(ids, mask).tolist() == [0, 0, 2, 3]  # row 2: 3 tokens, not the same
+    assert equal_rows.first_equal_prompt(ids, mask.bool()).tolist() == [0, 0, 2, 3]
