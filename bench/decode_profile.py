@@ -155,6 +155,7 @@ def main(argv=None) -> int:
                         help="also profile one whole warm rollout (kernel time per token, GPU idle per token)")
     parser.add_argument("--rollout-timeline", action="store_true",
                         help="also time one whole warm rollout with CUDA events (prefill, replays, gaps), no profiler")
+    parser.add_argument("--label", default=None, help="a name for this variant, kept in the row")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -242,7 +243,10 @@ def main(argv=None) -> int:
     layers = model.config.num_hidden_layers
     top = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[: args.top]
     record = {
-        "bench": "decode_profile", "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
+        "bench": "decode_profile", "label": args.label, "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        # inductor's settings from the environment (max-autotune, PDL...): they change the compiled step
+        "inductor_env": {key: value for key, value in sorted(os.environ.items()) if key.startswith("TORCHINDUCTOR_")},
         "shape": args.shape, "batch": args.batch, "prompt_len": args.prompt_len, "cache_len": decoder.cache_len,
         "compile": args.compile, "compile_scope": args.compile_scope, "fuse": args.fuse, "packed_groups": packed_groups,
         "fused_parts": decoder.fused.parts() if decoder.fused is not None else {},
