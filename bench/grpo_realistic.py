@@ -155,6 +155,8 @@ class StepTimer(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         cuda_sync(self.device)
         self.start = time.perf_counter()
+        # the wall clock: a run stopped mid-step still shows that step lasted at least until its limit
+        progress(f"STEP_BEGIN {state.global_step + 1} {time.time():.1f}")
 
     def on_step_end(self, args, state, control, **kwargs):
         cuda_sync(self.device)

@@ -109,8 +109,8 @@ for config in $CONFIGS; do
         bench/grpo_realistic.py $flags $SHAPE_FLAGS --max_steps "$run_steps" --max_seconds "$run_max_seconds" --phases \
         --launch_config "accelerate_configs/$config.yaml" --label "$label" --out "$JSONL" ${EXTRA:-} \
         > "$RESULTS/launch_configs_run.log" 2>&1
-    rc=$?
-    echo "=== $label: exit $rc after $(( $(date +%s) - start )) s (limit $run_timeout s, $run_steps steps)"
+    rc=$? ended=$(date +%s)
+    echo "=== $label: exit $rc after $(( ended - start )) s (limit $run_timeout s, $run_steps steps)"
     records_after=$( [ -f "$JSONL" ] && wc -l < "$JSONL" || echo 0 )
     if [ "$rc" -ne 0 ] && [ "$records_after" -gt "$records_before" ]; then
       # its training ended (--max_seconds) and its record is written; the limit stopped only its exit
@@ -118,19 +118,24 @@ for config in $CONFIGS; do
     elif [ "$rc" -ne 0 ]; then
       tail -n 25 "$RESULTS/launch_configs_run.log"
       # the run left no record: say so in the results, with where it came from
-      $PY - "$JSONL" "$config" "$impl" "$NUM_PROCESSES" "$rc" "$run_timeout" "$RESULTS/launch_configs_run.log" <<'EOF'
+      $PY - "$JSONL" "$config" "$impl" "$NUM_PROCESSES" "$rc" "$run_timeout" "$RESULTS/launch_configs_run.log" "$ended" <<'EOF'
 import json, sys
 sys.path.insert(0, "bench")
 from provenance import with_provenance
-path, config, impl, processes, rc, limit, log = sys.argv[1:]
+path, config, impl, processes, rc, limit, log, ended = sys.argv[1:]
 timed_out = rc in ("124", "137")
-# how far it got: grpo_realistic.py prints TRAIN_BEGIN, then STEP <n> <seconds> after each step
-lines = [line.split() for line in open(log, errors="replace") if line.startswith(("TRAIN_BEGIN", "STEP "))]
+# how far it got: grpo_realistic.py prints TRAIN_BEGIN, then STEP_BEGIN <n> <wall clock> before each step and
+# STEP <n> <seconds> after it
+lines = [line.split() for line in open(log, errors="replace") if line.startswith(("TRAIN_BEGIN", "STEP"))]
 steps = [float(words[2]) for words in lines if words[0] == "STEP" and len(words) == 3]
+begun = [words for words in lines if words[0] == "STEP_BEGIN" and len(words) == 3]
 row = dict(bench="grpo_realistic", impl=impl, launch=dict(config=f"accelerate_configs/{config}.yaml",
            world_size=int(processes)), failed=True, exit_code=int(rc), timed_out=timed_out,
            training_began=any(words[0] == "TRAIN_BEGIN" for words in lines), step_s_done=steps,
            note=f"passed its {limit} s limit" if timed_out else "exited with an error: see the call's output")
+if begun and int(begun[-1][1]) > len(steps):  # stopped inside a step: it took at least this long
+    row["unfinished_step"] = int(begun[-1][1])
+    row["unfinished_step_s_at_least"] = round(float(ended) - float(begun[-1][2]), 1)
 with open(path, "a") as handle:
     handle.write(json.dumps(with_provenance(row)) + "\n")
 EOF
@@ -154,6 +159,8 @@ for r in rows:
         began = "" if "training_began" not in r else (
             f" (training began; {len(done)} steps done" + (f", the first in {done[0]} s)" if done else ")")
             if r["training_began"] else " (before training began)")
+        if "unfinished_step_s_at_least" in r:
+            began += f"; step {r['unfinished_step']} ran {r['unfinished_step_s_at_least']} s and did not end"
         print(f"{config:28} {r['impl']:8} failed: {r['note']}{began}")
         continue
     later = r["step_s"][1:]
