@@ -81,6 +81,7 @@ def summary(out: str, variant: str, grads: dict, reference: tuple[str, dict] | N
     logged = json.load(open(os.path.join(out, variant, "logged.json")))
     chosen = json.load(open(os.path.join(out, variant, "chosen_rank0.json")))
     row = dict(bench="zero3_compile_probe", variant=variant, compiled_graphs=chosen["compiled_graphs"],
+               zero3_persistent=chosen.get("zero3_persistent"),  # [kept gathered, of all parameters]
                grad_norm=[r["grad_norm"] for r in logged], loss=[r["loss"] for r in logged])
     if reference is not None:
         name, want = reference

@@ -47,7 +47,7 @@ from .training import compiled_layers as training_compile, eager_packing, graphs
 from .training import lora_forward, prompt_groups, rollout_logprobs, true_on_policy
 from .checks import checkpoint_save, inputs as checks, output_lock, prompts as prompt_checks, resume, unscored
 from .config import GRPOConfig
-from .distributed import plain_to_zero, prepare_process, zero3_leaves
+from .distributed import plain_to_zero, prepare_process, zero3_leaves, zero3_one_process
 from .generation import GenerationBackend, backend_counts, compile_workers, decode_compile, dense_mirror, open_backend
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
@@ -128,14 +128,14 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ---- public ------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
-        """transformers' (inside ``Trainer.__init__``, ``self.model`` set), then under ZeRO-3 the decoder layers made
-        leaf modules (``distributed.zero3_leaves``): before DeepSpeed wraps the policy (in ``train``) and before TRL
-        prepares the reference later in its ``__init__`` from a copy of this DeepSpeed config (so with the names)."""
+        """transformers' (``self.model`` set), then under ZeRO-3 (``distributed``) the decoder layers made leaf modules
+        (``zero3_leaves``) and, with one process, every parameter kept gathered (``zero3_one_process``): in the
+        DeepSpeed config, before DeepSpeed wraps the policy (in ``train``) and TRL the reference (from a copy of it)."""
         super().create_accelerator_and_postprocess()
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        self.zero3_leaf_marking = zero3_leaves.mark_for_deepspeed(  # what was flagged (none outside ZeRO-3)
-            self.model, self.args.zero3_leaf_modules, None if plugin is None else plugin.deepspeed_config,
-            self.accelerator.is_main_process)
+        config = getattr(getattr(self.accelerator.state, "deepspeed_plugin", None), "deepspeed_config", None)
+        main, leaves = self.accelerator.is_main_process, self.args.zero3_leaf_modules
+        self.zero3_leaf_marking = zero3_leaves.mark_for_deepspeed(self.model, leaves, config, main)  # none: not ZeRO-3
+        zero3_one_process.apply(config, self.model, self.accelerator.num_processes, main)
 
     def batch_plan(self):
         """The batch plan with this run's real world size (and ZeRO-3's generation mirror, once decided)."""

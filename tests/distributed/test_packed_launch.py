@@ -94,6 +94,19 @@ def test_compiled_layers_with_packed_rows_under_zero3_train_as_eager_padded_ones
     assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled")
 
 
+def test_zero3_with_one_process_keeps_every_parameter_gathered_and_trains_as_before(tmp_path):
+    # One process: a partition holds the whole parameter, so DeepSpeed's per-module fetch and release are skipped
+    # (distributed.zero3_one_process); compiled layers with packed rows still train as eager padded ones.
+    checkpoint = saved_checkpoint(tmp_path)
+    result = launch("zero3", SCRIPT, tmp_path, checkpoint, "checkpointed", "compiled", processes=1)
+    assert "ZeRO-3 with one process: every parameter kept gathered" in result.stderr
+    for variant in ("checkpointed", "compiled"):
+        persistent, total = chosen(tmp_path / variant, 0)["zero3_persistent"]
+        assert persistent == total > 0
+    assert chosen(tmp_path / "compiled", 0)["compiled_graphs"] > 0
+    assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled")
+
+
 def launch_on_gpu(monkeypatch, tmp_path, config, *variants, processes=1):
     """The script's ``variants`` in one launch on the GPU (fp32), from a checkpoint saved in the test."""
     monkeypatch.setenv("EXACTNESS_ON_GPU", "1")

@@ -107,7 +107,10 @@ def main(out_dir, checkpoint, variant):
                   graph_captures=graphs and graphs.captures, graphs_hand_over=graphs and graphs.hand_over,
                   ddp_find_unused=getattr(trainer.model_wrapped, "find_unused_parameters", None),
                   compiled_graphs=trainer.decisions.train_layers and trainer.decisions.train_layers.compiles,
-                  compile_failure=trainer.decisions.train_layers and trainer.decisions.train_layers.failure, **counts)
+                  compile_failure=trainer.decisions.train_layers and trainer.decisions.train_layers.failure,
+                  # under ZeRO-3: how many parameters DeepSpeed keeps gathered (persistent), of how many
+                  zero3_persistent=[sum(bool(getattr(p, "ds_persist", False)) for p in trainer.model.parameters()),
+                                    sum(1 for _ in trainer.model.parameters())], **counts)
     with open(f"{out_dir}/chosen_rank{rank}.json", "w") as handle:
         json.dump(chosen, handle)
     state = trained_weights(trainer)
