@@ -33,7 +33,8 @@
 # it did not finish in 255 s (its generate gathers every layer at each token): give it a call of its own.
 # Records (one JSON line a run, rank 0's figures at the top level and every rank's under per_rank, with provenance)
 # are appended to $RESULTS/launch_configs.jsonl; a run that fails or passes its limit appends a line saying so, with
-# whether its training began and the steps it finished (read from its output: a lower bound on a slow baseline);
+# whether its training began, the steps it finished and how long its unfinished step had run when stopped
+# (unfinished_step_s_at_least: read from its output, a lower bound on a slow baseline's step);
 # one whose record was written before the limit came (during its shutdown) keeps that record alone. The summary
 # gives each run's first step beside its later ones: a slow baseline may finish only its first in the call's time.
 # Under DeepSpeed the optimizer step runs inside accelerator.backward: the phases charge it to "backward".
