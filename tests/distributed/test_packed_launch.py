@@ -20,11 +20,11 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def saved_checkpoint(tmp_path):
+def saved_checkpoint(tmp_path, **config_overrides):
     """A tiny model and its tokenizer saved in a directory, as a hub download lays them out."""
     checkpoint = tmp_path / "checkpoint"
     tokenizer = build_char_tokenizer()
-    build_tiny_model(tokenizer, seed=0).save_pretrained(checkpoint)
+    build_tiny_model(tokenizer, seed=0, **config_overrides).save_pretrained(checkpoint)
     tokenizer.save_pretrained(checkpoint)
     return checkpoint
 
@@ -94,16 +94,22 @@ def test_compiled_layers_with_packed_rows_under_zero3_train_as_eager_padded_ones
     assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled")
 
 
-def test_zero3_with_one_process_keeps_every_parameter_gathered_and_trains_as_before(tmp_path):
+def test_zero3_with_one_process_keeps_every_parameter_gathered_and_trains_as_when_released(tmp_path):
     # One process: a partition holds the whole parameter, so DeepSpeed's per-module fetch and release are skipped
-    # (distributed.zero3_one_process); compiled layers with packed rows still train as eager padded ones.
-    checkpoint = saved_checkpoint(tmp_path)
-    result = launch("zero3", SCRIPT, tmp_path, checkpoint, "checkpointed", "compiled", processes=1)
+    # (distributed.zero3_one_process). The run trains as one whose parameters DeepSpeed releases between uses, and
+    # compiled layers with packed rows train as eager padded ones.
+    # MLP weights of 64 x 1600 elements: above DeepSpeed's own persistence threshold (1e5), so released between uses
+    checkpoint = saved_checkpoint(tmp_path, intermediate_size=1600)
+    result = launch("zero3", SCRIPT, tmp_path, checkpoint, "checkpointed_released", "checkpointed", "compiled",
+                    processes=1)
     assert "ZeRO-3 with one process: every parameter kept gathered" in result.stderr
     for variant in ("checkpointed", "compiled"):
         persistent, total = chosen(tmp_path / variant, 0)["zero3_persistent"]
         assert persistent == total > 0
+    persistent, total = chosen(tmp_path / "checkpointed_released", 0)["zero3_persistent"]
+    assert persistent < total  # DeepSpeed's own threshold keeps only the small parameters
     assert chosen(tmp_path / "compiled", 0)["compiled_graphs"] > 0
+    assert_same_training(tmp_path / "checkpointed_released", tmp_path / "checkpointed")
     assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled")
 
 

@@ -9,8 +9,10 @@ logged losses and grad norms, its trained weights and what it chose.
 ``graphs`` (padded micro-batches replayed through hf_grpo.training.graphs, "recorded" by tests/scripts/eager_recorder.py
 on the CPU) or ``graphs_all_used`` (``graphs`` with ddp_find_unused_parameters=False, where DDP then does not look
 for unused parameters; the Trainer's default for a LoRA model looks), ``checkpointed`` (padded, activation
-checkpointing on) or ``compiled`` (``checkpointed`` with rows packed and the decoder layers compiled,
-compile_training="on"; on the CPU through AOTAutograd without code generation); each trains into
+checkpointing on), ``checkpointed_released`` (``checkpointed`` with DeepSpeed left to release ZeRO-3 parameters
+between uses, as it does without hf_grpo.distributed.zero3_one_process) or ``compiled`` (``checkpointed`` with rows
+packed and the decoder layers compiled, compile_training="on"; on the CPU through AOTAutograd without code
+generation); each trains into
 OUT_DIR/<variant>. With EXACTNESS_ON_GPU=1 the runs are on the GPU (fp32), ``graphs`` captures and replays real CUDA
 graphs and ``compiled`` compiles through inductor. Prompts of 2 to 12 tokens, completions of 1 to 5, several of
 each per prompt.
@@ -27,6 +29,7 @@ from peft import LoraConfig
 from transformers import PreTrainedTokenizerFast
 
 from hf_grpo import GRPOConfig, GRPOTrainer, close_distributed
+from hf_grpo.distributed import zero3_one_process
 from hf_grpo.generation import HFGenerateBackend
 from hf_grpo.generation.weight_sources import gathered
 from hf_grpo.training import compiled_layers, padding_free
@@ -81,17 +84,21 @@ def main(out_dir, checkpoint, variant):
         per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=GROUP, num_iterations=2,
         max_completion_length=6, beta=0.1, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
         save_strategy="no", logging_steps=1, disable_tqdm=True,
-        activation_checkpointing=variant in ("checkpointed", "compiled"),
+        activation_checkpointing=variant in ("checkpointed", "checkpointed_released", "compiled"),
         compile_training="on" if variant == "compiled" else "auto",
         padding_free=variant in ("packed", "compiled"),
         training_cuda_graphs="on" if variant.startswith("graphs") else "off",
         ddp_find_unused_parameters=False if variant == "graphs_all_used" else None,
     )
+    keep_gathered = zero3_one_process.keep_gathered
+    if variant == "checkpointed_released":  # DeepSpeed's own persistence threshold, as before the trainer raised it
+        zero3_one_process.keep_gathered = lambda *args, **kwargs: None
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
     trainer = GRPOTrainer(  # the model by its path, as users pass a checkpoint (loaded by TRL, fp32 as saved)
         model=checkpoint, reward_funcs=reward, args=args,
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=tokenizer, peft_config=lora,
     )
+    zero3_one_process.keep_gathered = keep_gathered  # decided in the trainer's __init__: the next variant's own again
     trainer.decisions.backend = FixedBackend(tokenizer)
     initial = trained_weights(trainer)
     counts = {"packed": 0, "shared": 0}
