@@ -113,10 +113,10 @@ def test_zero3_with_one_process_keeps_every_parameter_gathered_and_trains_as_whe
     assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled")
 
 
-def launch_on_gpu(monkeypatch, tmp_path, config, *variants, processes=1):
+def launch_on_gpu(monkeypatch, tmp_path, config, *variants, processes=1, **config_overrides):
     """The script's ``variants`` in one launch on the GPU (fp32), from a checkpoint saved in the test."""
     monkeypatch.setenv("EXACTNESS_ON_GPU", "1")
-    launch(config, SCRIPT, tmp_path, saved_checkpoint(tmp_path), *variants, processes=processes)
+    launch(config, SCRIPT, tmp_path, saved_checkpoint(tmp_path, **config_overrides), *variants, processes=processes)
 
 
 @pytest.mark.gpu
@@ -154,6 +154,17 @@ def test_packed_and_grouped_micro_batches_under_zero3_on_one_gpu_train_as_padded
     chose = chosen(tmp_path / "packed", 0)
     assert chose["eager_packed"] and chose["shared"] > 0
     assert_same_training(tmp_path / "padded", tmp_path / "packed", rtol=1e-4)  # GPU kernels sum in other orders
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_zero3_with_one_process_on_a_gpu_keeps_every_parameter_gathered_and_trains_as_when_released(tmp_path,
+                                                                                                   monkeypatch):
+    # The CPU test's run on the GPU (fp32), where DeepSpeed's fetches and releases run on their own streams.
+    launch_on_gpu(monkeypatch, tmp_path, "zero3", "checkpointed_released", "checkpointed", intermediate_size=1600)
+    persistent, total = chosen(tmp_path / "checkpointed", 0)["zero3_persistent"]
+    assert persistent == total > chosen(tmp_path / "checkpointed_released", 0)["zero3_persistent"][0]
+    assert_same_training(tmp_path / "checkpointed_released", tmp_path / "checkpointed", rtol=1e-4)
 
 
 @pytest.mark.gpu
