@@ -15,6 +15,8 @@ import logging
 
 import torch
 
+from .zero3_leaves import is_zero3_config
+
 KEY = "stage3_param_persistence_threshold"
 
 
@@ -27,9 +29,9 @@ def offloads_parameters(config: dict) -> bool:
 def keep_gathered(config: dict | None, model: torch.nn.Module | None, num_processes: int) -> int | None:
     """Raise ``config``'s persistence threshold above ``model``'s largest parameter where it is ZeRO-3 with one
     process, no parameter offload and the threshold left to DeepSpeed; returns the threshold set, or None."""
-    zero = (config or {}).get("zero_optimization") or {}
-    if model is None or num_processes != 1 or str(zero.get("stage")) != "3" or offloads_parameters(config):
+    if model is None or num_processes != 1 or not is_zero3_config(config) or offloads_parameters(config):
         return None
+    zero = config["zero_optimization"]
     if zero.get(KEY, "auto") != "auto":
         return None  # the user's own number
     # a parameter built under zero.Init is empty until gathered: its size is ds_numel
