@@ -12,13 +12,18 @@ The sweep in ``bench/results/decode_attention_sweep_h100.jsonl`` was taken with 
 kernel that split every cache, however short, over several programs per row; the kernel now splits only long
 caches (``filled_attention.splits``), and the 768-position shapes here run unsplit.
 
+``--rollout-sweep`` times the kernel's launch settings at the 7B full-length rollout's decode step (32 rows of
+Qwen2.5-7B's heads, a 3072-position cache filled to a 544-token prompt plus half and all of a 2048-token completion),
+the splits per (row, KV head) included (``programs_per_sm``).
+
 ``--lengths`` times long caches instead (reasoning-length rollouts): at each length L the cache is filled to
 L (the last decode step of a rollout) and to L / 2 (its average step), with 32 rows of 0.5B's heads and 8 rows
 of a 7B's (Qwen2.5-7B: 4 KV heads of 7 query heads, dim 128); ``filled`` is the kernel as a decoder runs it
 (split over ``filled_attention.splits`` programs per row and KV head), ``filled_one_program`` the kernel
 without splits. ``gb_per_s`` counts the admitted keys and values read once.
 
-    python bench/decode_attention.py [--sweep] [--caches N] [--lengths 1024,4096,16384,32768] [--out FILE]
+    python bench/decode_attention.py [--sweep | --rollout-sweep] [--caches N] [--lengths 1024,4096,16384,32768]
+        [--out FILE]
 """
 
 from __future__ import annotations
@@ -109,11 +114,55 @@ def _long_caches(lengths, caches, compiled_matmul) -> list[dict]:
     return records
 
 
+ROLLOUT_7B = (32, 4, 7, 128)  # rows, KV heads, query heads a KV head, head dim
+ROLLOUT_CACHE, ROLLOUT_FILLS = 3072, (544 + 1024, 544 + 2048)
+
+
+def rollout_configs() -> list[KernelConfig]:
+    """The launch settings ``--rollout-sweep`` times: the default first."""
+    configs = [KernelConfig()]
+    for block, warps, stages, per_sm in itertools.product((128, 64), (4, 8), (2, 3, 4), (2, 4, 8)):
+        config = KernelConfig(block=block, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
+        if config != configs[0] and (block == 128 or warps == 4):
+            configs.append(config)
+    return configs
+
+
+def _rollout_sweep(caches: int) -> list[dict]:
+    """Every ``rollout_configs`` setting at the 7B rollout's mean and last decode step."""
+    batch, kv_heads, groups, dim = ROLLOUT_7B
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    records = []
+    for filled in ROLLOUT_FILLS:
+        q, k, v, valid = _inputs(batch, kv_heads, groups, dim, filled, cache_len=ROLLOUT_CACHE)
+        keys = [k] + [k.clone() for _ in range(caches - 1)]
+        values = [v] + [v.clone() for _ in range(caches - 1)]
+        admitted_bytes = int(valid.sum()) * kv_heads * dim * 2 * 2
+        expected = reference_decode_attention(q, k, v, valid, dim**-0.5).float()
+        for config in rollout_configs():
+            filled_attention.CONFIG = config
+            got = filled_attention.filled_decode_attention(q, k, v, valid, dim**-0.5).float()
+            ms = _time_graph(lambda i: filled_attention.filled_decode_attention(  # noqa: B023
+                q, keys[i % caches], values[i % caches], valid, dim**-0.5))  # noqa: B023
+            records.append({"bench": "decode_attention_rollout_7b", "gpu": torch.cuda.get_device_name(0),
+                            "shape": "7b-x32", "cache_len": ROLLOUT_CACHE, "filled": filled, "caches": caches,
+                            "config": dataclasses.asdict(config),
+                            "splits": filled_attention.splits(batch, kv_heads, ROLLOUT_CACHE, sms, config),
+                            "max_abs_diff": round(float((got - expected).abs().max()), 5),
+                            "ms": round(ms, 4), "gb_per_s": round(admitted_bytes / ms / 1e6, 1)})
+        filled_attention.CONFIG = KernelConfig()
+        del q, k, v, valid, keys, values
+        torch.cuda.empty_cache()
+    return records
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch settings")
     parser.add_argument("--caches", type=int, default=4,
                         help="copies of the cache the timed calls cycle over (1: the same, L2-warm, cache each call)")
+    parser.add_argument("--rollout-sweep", action="store_true",
+                        help="time the kernel's launch settings at the 7B full-length rollout's decode step")
     parser.add_argument("--lengths", default=None,
                         help="comma-separated long cache lengths to time instead of the 768-position shapes")
     parser.add_argument("--out", default=None)
@@ -129,9 +178,11 @@ def main(argv=None) -> int:
     torch._dynamo.config.recompile_limit = 64  # one compile of the matmul attention per shape and length
     compiled_matmul = torch.compile(reference_decode_attention, dynamic=False)
     records = []
-    if args.lengths:
+    if args.rollout_sweep:
+        records = _rollout_sweep(args.caches)
+    elif args.lengths:
         records = _long_caches([int(n) for n in args.lengths.split(",")], args.caches, compiled_matmul)
-    for name, (batch, kv_heads, groups, dim) in ({} if args.lengths else SHAPES).items():
+    for name, (batch, kv_heads, groups, dim) in ({} if args.lengths or args.rollout_sweep else SHAPES).items():
         for filled in (320, CACHE_LEN):
             q, k, v, valid = _inputs(batch, kv_heads, groups, dim, filled)
             # Calls cycle over copies of the cache (--caches), as a decode step's layers each read their own:
