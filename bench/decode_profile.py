@@ -47,7 +47,6 @@ sys.path[:0] = [os.path.join(HERE, ".."), HERE]
 from rollout import EOS, PAD, VOCAB, build_model, build_tokenizer, trl_like_generation_config  # noqa: E402
 from hf_grpo.generation.cuda_graph import CudaGraphBackend  # noqa: E402
 from hf_grpo.generation import packed_weights  # noqa: E402
-from hf_grpo.generation import fused_projections  # noqa: E402
 from hf_grpo.generation.fused_projections import projection_groups  # noqa: E402
 
 
@@ -150,9 +149,6 @@ def main(argv=None) -> int:
     parser.add_argument("--pack", action="store_true",
                         help="freeze the weights and lay q/k/v and gate/up side by side first, as a LoRA run's "
                              "merge does (generation.packed_weights): both fused as views, no copy")
-    parser.add_argument("--skinny", default=None,
-                        help="products run on ops.skinny_linear's kernel: comma-separated of qkv,o,gate_up,down, "
-                             "or 'none' (default: fused_projections.SKINNY_PARTS)")
     parser.add_argument("--attention", default=None, help="decode_attention (default: the backend's)")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--rollout-profile", action="store_true",
@@ -172,8 +168,6 @@ def main(argv=None) -> int:
         model.requires_grad_(False)
         packed_groups = packed_weights.pack(projection_groups(model))
     fuse = () if args.fuse == "none" else tuple(args.fuse.split(","))
-    if args.skinny is not None:
-        fused_projections.SKINNY_PARTS = frozenset(() if args.skinny == "none" else args.skinny.split(","))
     extra = {} if args.attention is None else {"decode_attention": args.attention}
     backend = CudaGraphBackend(compile=args.compile == "on", compile_scope=args.compile_scope, fuse_projections=fuse,
                                **extra)
@@ -255,7 +249,6 @@ def main(argv=None) -> int:
         "inductor_env": {key: value for key, value in sorted(os.environ.items()) if key.startswith("TORCHINDUCTOR_")},
         "shape": args.shape, "batch": args.batch, "prompt_len": args.prompt_len, "cache_len": decoder.cache_len,
         "compile": args.compile, "compile_scope": args.compile_scope, "fuse": args.fuse, "packed_groups": packed_groups,
-        "skinny_parts": sorted(fused_projections.SKINNY_PARTS),
         "fused_parts": decoder.fused.parts() if decoder.fused is not None else {},
         "first_call_s": round(first_call_s, 2), "replay_ms": round(replay_ms, 3),
         "decode_attention": decoder.decode_attention,  # as the decoder resolved the backend's setting

@@ -16,9 +16,6 @@ Where a group's parameters already lie side by side in one buffer (a LoRA policy
 ``packed_weights``), the fused weight is a view of them: no copy and no refresh. Such groups are fused whether or
 not their part is asked for, since they cost nothing.
 
-In the fused forwards the products named in ``SKINNY_PARTS`` run ``ops.skinny_linear``'s kernel where it takes the
-call (CUDA, a few dozen rows): at the decode step's row counts cuBLAS leaves part of the bandwidth unused on them.
-
 Only classes whose forward is the Llama template (Llama, Qwen2, Qwen3, Mistral in transformers 5.x)
 are fused, and a class only when every instance's projections are plain ``nn.Linear``: LoRA-wrapped
 or quantized projections, and other families, keep their own forward.
@@ -34,7 +31,6 @@ from dataclasses import dataclass
 import torch
 from torch.nn import functional as F
 
-from ..ops import skinny_linear
 from ..runtime import upstream
 from .packed_weights import adjacent
 
@@ -42,21 +38,6 @@ PARTS = ("qkv", "gate_up")
 _WEIGHT = {"qkv": "hf_grpo_qkv_weight", "gate_up": "hf_grpo_gate_up_weight"}
 _BIAS = {"qkv": "hf_grpo_qkv_bias", "gate_up": "hf_grpo_gate_up_bias"}
 _SOURCES = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
-# The products the fused forwards run on ``skinny_linear``'s kernel, of "qkv", "o", "gate_up", "down"
-SKINNY_PARTS: frozenset[str] = frozenset()
-
-
-def _linear(part: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    if part in SKINNY_PARTS and x.is_cuda:
-        return skinny_linear.skinny_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
-
-
-def _project(part: str, module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``module(x)``; a plain ``nn.Linear`` through ``_linear``."""
-    if type(module) is torch.nn.Linear:
-        return _linear(part, x, module.weight, module.bias)
-    return module(x)
 
 
 def _no_sliding_window(attn) -> dict:
@@ -113,7 +94,7 @@ def _fused_attention_forward(cls: type, sliding: Callable) -> Callable:
         cache = cache if cache is not None else past_key_values
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
-        qkv = _linear("qkv", hidden_states, self.hf_grpo_qkv_weight, self.hf_grpo_qkv_bias)
+        qkv = F.linear(hidden_states, self.hf_grpo_qkv_weight, self.hf_grpo_qkv_bias)
         sizes = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
         query, key, value = (t.view(hidden_shape) for t in qkv.split(sizes, dim=-1))
         if getattr(self, "q_norm", None) is not None:  # Qwen3
@@ -130,15 +111,15 @@ def _fused_attention_forward(cls: type, sliding: Callable) -> Callable:
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling, **sliding(self), **kwargs,
         )
-        return _project("o", self.o_proj, out.reshape(*input_shape, -1).contiguous()), weights
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
 
     _FORWARDS[cls] = forward
     return forward
 
 
 def _fused_mlp_forward(self, x):
-    gate, up = _linear("gate_up", x, self.hf_grpo_gate_up_weight, self.hf_grpo_gate_up_bias).chunk(2, dim=-1)
-    return _project("down", self.down_proj, self.act_fn(gate) * up)
+    gate, up = F.linear(x, self.hf_grpo_gate_up_weight, self.hf_grpo_gate_up_bias).chunk(2, dim=-1)
+    return self.down_proj(self.act_fn(gate) * up)
 
 
 @dataclass

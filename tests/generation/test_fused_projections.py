@@ -12,13 +12,11 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from hf_grpo.generation import fused_projections
 from hf_grpo.generation.cuda_graph import CudaGraphBackend
 from hf_grpo.generation.fused_projections import FusedProjections
 from hf_grpo.runtime.regional_compile import CompiledLayers
 from hf_grpo.generation.sampling import SamplingSettings
 from hf_grpo.generation.static_decoder import StaticDecoder
-from hf_grpo.ops import skinny_linear
 from hf_grpo.recipe_support.tiny import build_char_tokenizer
 from tests.generation.test_regional_compile import (  # the same prompts, decoders and graph counter
     CountingBackend,
@@ -180,40 +178,3 @@ def test_a_cache_longer_than_a_sliding_window_goes_to_generate(tokenizer):
     gc = GenerationConfig(max_new_tokens=8, do_sample=False)
     assert backend._call_reason(model, gc, 32) == "cache length 32 exceeds the sliding window 16"
     assert backend._call_reason(model, gc, 16) is None
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_products_on_the_skinny_kernel_decode_the_tokens_of_cublas_ones(tokenizer, monkeypatch):
-    # hidden 256, intermediate 512: inner dimensions the kernel takes (multiples of its 128-element loop step)
-    config = AutoConfig.for_model(
-        "qwen2", vocab_size=len(tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
-        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=EOS,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval().to("cuda", torch.bfloat16)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(50)  # logits far apart: a last-bit difference cannot flip a greedy pick
-    ids, mask = (t.cuda() for t in _batch(tokenizer))
-    shapes = []
-    kernel = skinny_linear.run
-    monkeypatch.setattr(skinny_linear, "run", lambda x, w, *rest: shapes.append(tuple(w.shape)) or kernel(x, w, *rest))
-
-    def decode(parts):
-        monkeypatch.setattr(fused_projections, "SKINNY_PARTS", frozenset(parts))
-        torch._dynamo.reset()
-        decoder = _decoder(model, compiled_layers=CompiledLayers(backend=CountingBackend()),
-                           fuse_projections=("qkv", "gate_up"))
-        _decode(model, decoder, ids, mask, steps=6, routed=True)
-        return decoder
-
-    cublas = decode(())
-    assert shapes == []
-    skinny = decode(("qkv", "o", "gate_up", "down"))
-    assert set(shapes) == {(512, 256), (256, 256), (1024, 256), (256, 512)}  # q/k/v, o, gate/up, down
-    assert torch.equal(skinny.out, cublas.out)
-    for got, want in zip(skinny.cache.layers, cublas.cache.layers):
-        torch.testing.assert_close(got.keys, want.keys, rtol=2e-2, atol=2e-2)  # bf16, sums in another order
-        torch.testing.assert_close(got.values, want.values, rtol=2e-2, atol=2e-2)
