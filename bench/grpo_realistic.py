@@ -374,6 +374,9 @@ def parse_args(argv=None):
     parser.add_argument("--num_prompts", type=int, default=1024, help="dataset size (prompts)")
     parser.add_argument("--eos_prob", type=float, default=0.01,
                         help="EOS probability at an average position (0: leave the random-init model as it is)")
+    parser.add_argument("--full_length", action="store_true",
+                        help="every completion runs to --max_completion_length: EOS is blocked until then "
+                        "(generation_kwargs min_new_tokens, honoured by TRL's generate and hf_grpo's decoder alike)")
     parser.add_argument("--beta", type=float, default=0.04)
     parser.add_argument("--learning_rate", type=float, default=1e-6)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -508,6 +511,8 @@ def main(argv=None) -> int:
         save_strategy="no", report_to=[], bf16=args.bf16, disable_tqdm=True, seed=args.seed,
         num_iterations=args.num_iterations,
     )
+    if args.full_length:
+        common["generation_kwargs"] = {"min_new_tokens": args.max_completion_length}
     if device == "cpu":
         common["use_cpu"] = True
     if args.checkpointing != "default":
@@ -644,7 +649,7 @@ def main(argv=None) -> int:
         per_device_train_batch_size=args.per_device_train_batch_size, steps_per_generation=args.steps_per_generation,
         gradient_accumulation_steps=args.gradient_accumulation_steps, num_generations=args.num_generations,
         max_completion_length=args.max_completion_length, prompt_len_range=[args.min_prompt, args.max_prompt],
-        beta=args.beta, num_iterations=args.num_iterations, lora_r=args.lora_r,
+        beta=args.beta, num_iterations=args.num_iterations, lora_r=args.lora_r, full_length=args.full_length,
         padding_free=getattr(trainer.args, "padding_free", None),
         compile_training=decisions.train_layers is not None if decisions else None,
         compile_generation=getattr(trainer.args, "compile_generation", None),
