@@ -129,7 +129,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     # ---- public ------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         """transformers' (``self.model`` set), then under ZeRO-3 (``distributed``) the decoder layers made leaf modules
-        (``zero3_leaves``) and, with one process, every parameter kept gathered (``zero3_one_process``): in the
+        (``zero3_leaves``) and, with one process, every parameter made persistent (``zero3_one_process``): in the
         DeepSpeed config, before DeepSpeed wraps the policy (in ``train``) and TRL the reference (from a copy of it)."""
         super().create_accelerator_and_postprocess()
         config = getattr(getattr(self.accelerator.state, "deepspeed_plugin", None), "deepspeed_config", None)

@@ -94,15 +94,15 @@ def test_compiled_layers_with_packed_rows_under_zero3_train_as_eager_padded_ones
     assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled")
 
 
-def test_zero3_with_one_process_keeps_every_parameter_gathered_and_trains_as_when_released(tmp_path):
-    # One process: a partition holds the whole parameter, so DeepSpeed's per-module fetch and release are skipped
-    # (distributed.zero3_one_process). The run trains as one whose parameters DeepSpeed releases between uses, and
-    # compiled layers with packed rows train as eager padded ones.
+def test_zero3_with_one_process_makes_every_parameter_persistent_and_trains_as_when_released(tmp_path):
+    # One process: a partition holds the whole parameter, so every parameter is made persistent, which DeepSpeed
+    # does not release while its module trace is complete (distributed.zero3_one_process). The run trains as one
+    # whose parameters DeepSpeed releases between uses, and compiled layers with packed rows as eager padded ones.
     # MLP weights of 64 x 1600 elements: above DeepSpeed's own persistence threshold (1e5), so released between uses
     checkpoint = saved_checkpoint(tmp_path, intermediate_size=1600)
     result = launch("zero3", SCRIPT, tmp_path, checkpoint, "checkpointed_released", "checkpointed", "compiled",
                     processes=1)
-    assert "ZeRO-3 with one process: every parameter kept gathered" in result.stderr
+    assert "ZeRO-3 with one process: every parameter persistent" in result.stderr
     for variant in ("checkpointed", "compiled"):
         persistent, total = chosen(tmp_path / variant, 0)["zero3_persistent"]
         assert persistent == total > 0
@@ -158,8 +158,8 @@ def test_packed_and_grouped_micro_batches_under_zero3_on_one_gpu_train_as_padded
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_zero3_with_one_process_on_a_gpu_keeps_every_parameter_gathered_and_trains_as_when_released(tmp_path,
-                                                                                                   monkeypatch):
+def test_zero3_with_one_process_on_a_gpu_makes_every_parameter_persistent_and_trains_as_when_released(tmp_path,
+                                                                                                       monkeypatch):
     # The CPU test's run on the GPU (fp32), where DeepSpeed's fetches and releases run on their own streams.
     launch_on_gpu(monkeypatch, tmp_path, "zero3", "checkpointed_released", "checkpointed", intermediate_size=1600)
     persistent, total = chosen(tmp_path / "checkpointed", 0)["zero3_persistent"]

@@ -1,4 +1,4 @@
-"""ZeRO-3 with one process keeps every parameter gathered (``distributed.zero3_one_process``): DeepSpeed's persistence
+"""ZeRO-3 with one process makes every parameter persistent (``distributed.zero3_one_process``): DeepSpeed's persistence
 threshold raised above the largest parameter, where that costs no memory and the user left it to DeepSpeed."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def model():
 
 
 @pytest.mark.parametrize("given", [{}, {"stage3_param_persistence_threshold": "auto"}], ids=["unset", "auto"])
-def test_one_process_keeps_every_parameter_gathered(model, given):
+def test_one_process_makes_every_parameter_persistent(model, given):
     config = _config(**given)
     assert zero3_one_process.keep_gathered(config, model, num_processes=1) == _largest(model)
     assert config["zero_optimization"]["stage3_param_persistence_threshold"] == _largest(model)

@@ -662,14 +662,14 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
             GPU_BENCHMARK,
         'CONFIGS=multi_gpu PROCESS_COUNTS=2 IMPLS=trl RUN_TIMEOUT=320 STARTUP=120 bash bench/run_launch_configs.sh':
             GPU_BENCHMARK,
-        'SHAPE=7b-lora CONFIGS=zero2 IMPLS="hf_grpo trl" EXTRA="--eos_prob 0" STEPS=3 STEPS_trl=2 '
+        'SHAPE=7b-lora CONFIGS=zero2 IMPLS="hf_grpo trl" EXTRA="--eos_prob 0 --full_length" STEPS=3 STEPS_trl=2 '
         'RUN_TIMEOUT_hf_grpo=190 RUN_TIMEOUT_trl=300 bash bench/run_launch_configs.sh':
             GPU_BENCHMARK,
-        'SHAPE=7b-lora CONFIGS=zero2 IMPLS="hf_grpo trl_cb" EXTRA="--eos_prob 0" STEPS=3 STEPS_trl_cb=2 '
+        'SHAPE=7b-lora CONFIGS=zero2 IMPLS="hf_grpo trl_cb" EXTRA="--eos_prob 0 --full_length" STEPS=3 STEPS_trl_cb=2 '
         'RUN_TIMEOUT_hf_grpo=190 RUN_TIMEOUT_trl_cb=360 bash bench/run_launch_configs.sh':
             GPU_BENCHMARK,
-        'SHAPE=7b-lora CONFIGS=zero2 IMPLS=hf_grpo EXTRA="--eos_prob 0 --compile_training on" STEPS=3 RUN_TIMEOUT=220 '
-        'STARTUP=110 bash bench/run_launch_configs.sh':
+        'SHAPE=7b-lora CONFIGS=zero2 IMPLS=hf_grpo EXTRA="--eos_prob 0 --full_length --compile_training on" STEPS=3 '
+        'RUN_TIMEOUT=220 STARTUP=110 bash bench/run_launch_configs.sh':
             GPU_BENCHMARK,
         "bash bench/run_launch_configs.sh --tiny":
             NotRun("two CPU launches of minutes each (the smoke run of the GPU benchmark above)",
