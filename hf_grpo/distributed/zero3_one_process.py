@@ -32,7 +32,7 @@ def offloads_parameters(config: dict) -> bool:
     return str(device).lower() not in ("none", "")
 
 
-def keep_gathered(config: dict | None, model: torch.nn.Module | None, num_processes: int) -> int | None:
+def make_persistent(config: dict | None, model: torch.nn.Module | None, num_processes: int) -> int | None:
     """Raise ``config``'s persistence threshold above ``model``'s largest parameter where it is ZeRO-3 with one
     process, no parameter offload and the threshold left to DeepSpeed; returns the threshold set, or None."""
     if model is None or num_processes != 1 or not is_zero3_config(config) or offloads_parameters(config):
@@ -47,8 +47,8 @@ def keep_gathered(config: dict | None, model: torch.nn.Module | None, num_proces
 
 
 def apply(config: dict | None, model: torch.nn.Module | None, num_processes: int, main: bool) -> int | None:
-    """``keep_gathered``, logged on ``main`` where it applies."""
-    threshold = keep_gathered(config, model, num_processes)
+    """``make_persistent``, logged on ``main`` where it applies."""
+    threshold = make_persistent(config, model, num_processes)
     if threshold is not None and main:
         logging.getLogger("hf_grpo").info(
             "ZeRO-3 with one process: every parameter persistent (%s=%d, the largest parameter's elements): a "

@@ -26,7 +26,7 @@ def model():
 @pytest.mark.parametrize("given", [{}, {"stage3_param_persistence_threshold": "auto"}], ids=["unset", "auto"])
 def test_one_process_makes_every_parameter_persistent(model, given):
     config = _config(**given)
-    assert zero3_one_process.keep_gathered(config, model, num_processes=1) == _largest(model)
+    assert zero3_one_process.make_persistent(config, model, num_processes=1) == _largest(model)
     assert config["zero_optimization"]["stage3_param_persistence_threshold"] == _largest(model)
 
 
@@ -35,7 +35,7 @@ def test_the_size_of_a_parameter_built_under_zero_init_is_its_ds_numel(model):
     empty = torch.nn.Linear(4, 4)
     empty.weight = torch.nn.Parameter(torch.empty(0))
     empty.weight.ds_numel = 10**7
-    assert zero3_one_process.keep_gathered(_config(), empty, num_processes=1) == 10**7
+    assert zero3_one_process.make_persistent(_config(), empty, num_processes=1) == 10**7
 
 
 @pytest.mark.parametrize("config, processes", [
@@ -47,11 +47,11 @@ def test_the_size_of_a_parameter_built_under_zero_init_is_its_ds_numel(model):
 ], ids=["two-processes", "offloaded", "user-threshold", "zero2", "no-deepspeed"])
 def test_left_as_it_is_elsewhere(model, config, processes):
     before = None if config is None else {**config["zero_optimization"]}
-    assert zero3_one_process.keep_gathered(config, model, num_processes=processes) is None
+    assert zero3_one_process.make_persistent(config, model, num_processes=processes) is None
     if config is not None:
         assert config["zero_optimization"] == before
 
 
 def test_offload_to_none_is_no_offload(model):
     config = _config(offload_param={"device": "none"})
-    assert zero3_one_process.keep_gathered(config, model, num_processes=1) == _largest(model)
+    assert zero3_one_process.make_persistent(config, model, num_processes=1) == _largest(model)

@@ -90,15 +90,17 @@ def main(out_dir, checkpoint, variant):
         training_cuda_graphs="on" if variant.startswith("graphs") else "off",
         ddp_find_unused_parameters=False if variant == "graphs_all_used" else None,
     )
-    keep_gathered = zero3_one_process.keep_gathered
+    make_persistent = zero3_one_process.make_persistent
     if variant == "checkpointed_released":  # DeepSpeed's own persistence threshold, as before the trainer raised it
-        zero3_one_process.keep_gathered = lambda *args, **kwargs: None
+        zero3_one_process.make_persistent = lambda *args, **kwargs: None
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
-    trainer = GRPOTrainer(  # the model by its path, as users pass a checkpoint (loaded by TRL, fp32 as saved)
-        model=checkpoint, reward_funcs=reward, args=args,
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=tokenizer, peft_config=lora,
-    )
-    zero3_one_process.keep_gathered = keep_gathered  # decided in the trainer's __init__: the next variant's own again
+    try:
+        trainer = GRPOTrainer(  # the model by its path, as users pass a checkpoint (loaded by TRL, fp32 as saved)
+            model=checkpoint, reward_funcs=reward, args=args,
+            train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=tokenizer, peft_config=lora,
+        )
+    finally:  # decided in the trainer's __init__: the next variant's own again
+        zero3_one_process.make_persistent = make_persistent
     trainer.decisions.backend = FixedBackend(tokenizer)
     initial = trained_weights(trainer)
     counts = {"packed": 0, "shared": 0}
