@@ -13,11 +13,11 @@ transformers it reads go through ``hf_grpo.runtime.upstream``). Each is thin and
   ``_get_per_token_logps_and_entropies``: timed; no-grad scoring chunks of ``token_budget.scoring_rows``; the
   models' ``forward`` runs the log-softmax ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``); the old
   policy's pass answered by, or measured against, the sampler's log-probs (``training.rollout_logprobs``).
-- ``_prepare_inputs``: TRL's, then a prompt's rows kept in the same micro-batches where the gradient stays the same
-  (``training.prompt_groups``). ``_tokenize_prompts``: TRL's, then prompts of no token or past the model's positions
-  refused (``checks.prompts``); it sizes caches and probes (``_longest_prompt``).
+- ``_prepare_inputs``: ZeRO-3's hooks removed with one process (``zero3_one_process``), TRL's, then a prompt's rows
+  in the same micro-batches where the gradient stays the same (``training.prompt_groups``). ``_tokenize_prompts``:
+  TRL's, then prompts of no token or past the model's positions refused (``checks.prompts``); it sizes caches.
 - ``training_step`` (time; compiled layers, ``training.compiled_layers``), ``log`` (``perf/``), and
-  ``create_accelerator_and_postprocess`` (ZeRO-3 leaf modules), ``_save_rng_state`` (sizes and every rank's random
+  ``create_accelerator_and_postprocess`` (ZeRO-3's leaves or hooks), ``_save_rng_state`` (sizes and every rank's random
   state, before rank 0 marks a checkpoint complete), ``_save_checkpoint`` (a failed save named,
   ``checks.checkpoint_save``), ``_prepare_for_training`` (a checkpoint without ZeRO state, ``plain_to_zero``),
   ``_init_training_state`` (no epoch for a finished run, ``checks.resume``).
@@ -59,7 +59,7 @@ from .memory.stats import PerformanceStats
 from . import checkpointing, reference_copy, run_files
 from .plan import BatchPlan
 from .run_callbacks import RunCallbacks
-from .run_state import RunDecisions, RunFacts, RunSizes
+from .run_state import RunDecisions, RunFacts, RunSizes, is_moe
 from .runtime import collectives, upstream
 from .training.cudnn_attention import cudnn_attention
 
@@ -128,14 +128,13 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ---- public ------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
-        """transformers' (``self.model`` set), then under ZeRO-3 (``distributed``) the decoder layers made leaf modules
-        (``zero3_leaves``) and, with one process, every parameter made persistent (``zero3_one_process``): in the
-        DeepSpeed config, before DeepSpeed wraps the policy (in ``train``) and TRL the reference (from a copy of it)."""
+        """transformers', then under ZeRO-3 the DeepSpeed config set before DeepSpeed wraps the policy (in ``train``)
+        and TRL the reference: leaf modules, or with one process its hooks to go (``zero3_one_process.configure``)."""
         super().create_accelerator_and_postprocess()
-        config = getattr(getattr(self.accelerator.state, "deepspeed_plugin", None), "deepspeed_config", None)
-        main, leaves = self.accelerator.is_main_process, self.args.zero3_leaf_modules
-        self.zero3_leaf_marking = zero3_leaves.mark_for_deepspeed(self.model, leaves, config, main)  # none: not ZeRO-3
-        zero3_one_process.apply(config, self.model, self.accelerator.num_processes, main)
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        self.zero3_hooks_removed, self.zero3_leaf_marking = zero3_one_process.configure(  # (no marking: not ZeRO-3)
+            getattr(plugin, "deepspeed_config", None), self.model, self.accelerator.num_processes,
+            self.args.zero3_leaf_modules, self.accelerator.is_main_process)
 
     def batch_plan(self):
         """The batch plan with this run's real world size (and ZeRO-3's generation mirror, once decided)."""
@@ -230,6 +229,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         return token_budget.packed_loss(self.accelerator, model, inputs, budget, self.loss_type, compute)
 
     def _prepare_inputs(self, generation_batch):
+        if self.facts.zero3_hooks_removed:  # the model as a plain one from its first pass (zero3_one_process)
+            zero3_one_process.detach([self.model_wrapped, self.ref_model], self.accelerator.is_main_process)
         buffered = upstream.buffered_inputs(self)
         inputs = super()._prepare_inputs(generation_batch)
         rollout = upstream.buffered_inputs(self)
@@ -266,12 +267,12 @@ class GRPOTrainer(trl.GRPOTrainer):
             with self.perf.phase("generation"):  # not the plain path: TRL's
                 return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, *args,
                                                      **kwargs)
-        mirror = self._generation_mirror()
+        mirror = self._generation_mirror()  # ZeRO-3 whole in one process: no gather (TRL's puts its hooks back)
+        gather = self.args.ds3_gather_for_generation and mirror is None and not self.facts.zero3_hooks_removed
         with (
             self.perf.phase("generation"),
             unwrap_model_for_generation(  # with the mirror, ZeRO-3 weights are gathered into it layer by layer below
-                self.model_wrapped, self.accelerator,
-                gather_deepspeed3_params=self.args.ds3_gather_for_generation and mirror is None,
+                self.model_wrapped, self.accelerator, gather_deepspeed3_params=gather,
                 generation_kwargs=self.generation_kwargs,
                 gradient_checkpointing_kwargs=checkpointing.rollout_kwargs(self.args),  # TRL's argument
             ) as unwrapped_model,
@@ -343,7 +344,6 @@ class GRPOTrainer(trl.GRPOTrainer):
         """What the helpers read of this run, fixed once TRL has set it up (``hf_grpo.run_state``)."""
         args, model, accelerator = self.args, self.model, self.accelerator
         plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-        text = getattr(model.config, "get_text_config", lambda: model.config)()
         return RunFacts(
             device_type=accelerator.device.type, num_processes=accelerator.num_processes,
             distributed_type=accelerator.distributed_type.value, n_gpu=getattr(args, "n_gpu", 1),
@@ -351,7 +351,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             zero3=plugin is not None and zero3_leaves.is_zero3_config(plugin.deepspeed_config),
             attention=upstream.attention_implementation(model.config),
             half=bool(args.bf16 or args.fp16 or getattr(model, "dtype", None) in (torch.float16, torch.bfloat16)),
-            moe=any(getattr(text, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts")),
+            moe=is_moe(model.config), zero3_hooks_removed=self.zero3_hooks_removed,
             pad_token_id=getattr(upstream.tokenizer(self), "pad_token_id", None),
             activation_checkpointing=bool(args.activation_checkpointing), loss_type=self.loss_type,
             max_completion_length=self.max_completion_length,

@@ -13,6 +13,16 @@ What it saves is bounded by DeepSpeed: while it records a trace, DeepSpeed 0.19.
 module after use, persistent or not (``release_sub_module``). In a LoRA run with a reference pass the trace was
 seldom complete: over 3 steps of ``tests/scripts/packed_exactness_train.py``'s tiny run it released persistent
 parameters 347 times, against 389 releases at DeepSpeed's own threshold (``docs/performance.md``).
+
+So the hooks go (``detach``): at the first rollout of a run, every parameter is gathered (pointed at its
+partition) and DeepSpeed's fetch and release hooks are removed from the model's submodules, as TRL removes them
+for a rollout. The model then runs as a plain one: no host work per module, and CUDA graphs and compiled layers
+as under ZeRO-2 (a gathered parameter is a view of its partition, whose address the optimizer's step keeps). What
+DeepSpeed does outside the forward stays: its gradient hooks partition the gradients, its step updates the
+partitions, then gathers the persistent parameters again; a save's gather releases what it gathered, which the
+next micro-batch gathers back (``keep_whole``). Not with parameters offloaded or quantized (a gathered parameter
+would be a copy), nor for a mixture-of-experts model (DeepSpeed makes its expert blocks leaf modules, whose
+gradients it reduces in module hooks).
 """
 
 from __future__ import annotations
@@ -21,7 +31,9 @@ import logging
 
 import torch
 
-from .zero3_leaves import is_zero3_config
+from ..run_state import is_moe
+from ..runtime import upstream
+from .zero3_leaves import LeafMarking, is_zero3_config, mark_for_deepspeed
 
 KEY = "stage3_param_persistence_threshold"
 
@@ -30,6 +42,47 @@ def offloads_parameters(config: dict) -> bool:
     """Whether a DeepSpeed ``config`` offloads the parameters (to the host or NVMe)."""
     device = ((config.get("zero_optimization") or {}).get("offload_param") or {}).get("device", "none")
     return str(device).lower() not in ("none", "")
+
+
+def quantizes_weights(config: dict) -> bool:
+    """Whether a DeepSpeed ``config`` quantizes the ZeRO-3 weights it gathers (ZeRO++)."""
+    zero = config.get("zero_optimization") or {}
+    return bool(zero.get("zero_quantized_weights") or zero.get("zero_quantized_nontrainable_weights"))
+
+
+def removes_hooks(config: dict | None, num_processes: int, moe: bool) -> bool:
+    """Whether a run removes DeepSpeed's gathering hooks (``detach``): ZeRO-3 with one process, its parameters
+    neither offloaded nor quantized, not a mixture-of-experts model."""
+    return (num_processes == 1 and is_zero3_config(config) and not offloads_parameters(config)
+            and not quantizes_weights(config) and not moe)
+
+
+def detach(engines: list, main: bool) -> int:
+    """Every parameter of each ZeRO-3 engine in ``engines`` gathered and DeepSpeed's gathering hooks removed (once;
+    logged on ``main``), then any parameter DeepSpeed released since gathered again (``keep_whole``); returns how
+    many hooks were removed by this call."""
+    removed = 0
+    for engine in engines:
+        offload = upstream.zero3_gathering(engine)
+        if offload is None:
+            continue
+        if not getattr(offload, "hf_grpo_hooks_removed", False):
+            removed += upstream.remove_zero3_gathering_hooks(offload)
+            offload.hf_grpo_hooks_removed = True
+        keep_whole(engine.module)
+    if removed and main:
+        logging.getLogger("hf_grpo").info(
+            "ZeRO-3 with one process: DeepSpeed's %d gathering hooks removed, every parameter gathered in place (a "
+            "view of its partition): the model runs as a plain one", removed)
+    return removed
+
+
+def keep_whole(module: torch.nn.Module) -> int:
+    """Gather the parameters of ``module`` that DeepSpeed has released (after its step, or a save's gather); returns
+    how many. With one process a gather points a parameter at its partition: no copy, no memory."""
+    released = upstream.released_zero3(module.parameters())
+    upstream.gather_zero3(released)
+    return len(released)
 
 
 def make_persistent(config: dict | None, model: torch.nn.Module | None, num_processes: int) -> int | None:
@@ -55,3 +108,14 @@ def apply(config: dict | None, model: torch.nn.Module | None, num_processes: int
             "partition holds all of it, so DeepSpeed keeps it gathered while its module trace is complete", KEY,
             threshold)
     return threshold
+
+
+def configure(config: dict | None, model: torch.nn.Module | None, num_processes: int, leaf_setting: str,
+              main: bool) -> tuple[bool, LeafMarking]:
+    """What the trainer sets up in a DeepSpeed ``config`` before DeepSpeed wraps ``model``: ``(hooks to be removed,
+    leaf modules marked)``. With one process the hooks go, and no module is marked a leaf (a leaf's gradients are
+    reduced in a module hook, which a replayed graph would not run); elsewhere under ZeRO-3 ``leaf_setting``'s."""
+    removed = removes_hooks(config, num_processes, is_moe(getattr(model, "config", None)))
+    marking = mark_for_deepspeed(model, "off" if removed else leaf_setting, config, main)
+    apply(config, model, num_processes, main)
+    return removed, marking

@@ -25,6 +25,7 @@ import dataclasses
 import torch
 
 from ..ops.equal_rows import first_equal_prompt
+from ..run_state.facts import is_moe
 from .stats import PerformanceStats
 
 
@@ -52,7 +53,7 @@ class ModelWork:
         names = ("num_hidden_layers", "num_attention_heads", "hidden_size")
         if (text is None or not all(getattr(text, name, None) for name in names)
                 or getattr(text, "is_causal", True) is False or getattr(text, "is_encoder_decoder", False)
-                or any(getattr(text, name, None) for name in ("num_experts", "num_local_experts", "n_routed_experts"))):
+                or is_moe(text)):
             return None
         layers = _decoder_layers(model, text.num_hidden_layers)
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

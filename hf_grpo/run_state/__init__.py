@@ -13,7 +13,7 @@ May import: nothing of ``hf_grpo`` (every other package imports from here), no t
 """
 
 from .decisions import RunDecisions
-from .facts import RunFacts
+from .facts import RunFacts, is_moe
 from .sizes import SIZE_FIELDS, RunSizes
 
-__all__ = ["RunDecisions", "RunFacts", "RunSizes", "SIZE_FIELDS"]
+__all__ = ["RunDecisions", "RunFacts", "RunSizes", "SIZE_FIELDS", "is_moe"]

@@ -16,6 +16,8 @@ class RunFacts:
     n_gpu: int = 0  # GPUs of torch.nn.DataParallel in this process (transformers' args.n_gpu)
     deepspeed: bool = False  # any ZeRO stage
     zero3: bool = False  # ZeRO-3: the parameters partitioned across processes
+    # ZeRO-3 with one process: DeepSpeed's gathering hooks removed, every parameter whole (zero3_one_process)
+    zero3_hooks_removed: bool = False
     fsdp: bool = False
     attention: str | None = None  # the policy's attention implementation (config._attn_implementation)
     half: bool = False  # trains in fp16/bf16 (mixed precision, or a half-precision model)
@@ -33,10 +35,20 @@ class RunFacts:
 
     @property
     def sharding(self) -> str | None:
-        """What shards the policy's parameters across processes ("FSDP", "ZeRO-3"), or None."""
-        return "FSDP" if self.fsdp else "ZeRO-3" if self.zero3 else None
+        """What shards the policy's parameters across processes ("FSDP", "ZeRO-3"), or None (ZeRO-3 whose one process
+        holds every parameter whole, with no gathering hooks, runs as an unsharded model)."""
+        return "FSDP" if self.fsdp else "ZeRO-3" if self.zero3 and not self.zero3_hooks_removed else None
 
     @property
     def engine(self) -> str | None:
         """The engine that takes the batch sizes and manages the gradients ("DeepSpeed", "FSDP"), or None."""
         return "DeepSpeed" if self.deepspeed else "FSDP" if self.fsdp else None
+
+
+MOE_CONFIG_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def is_moe(config) -> bool:
+    """Whether a model's config (its text config, for a multimodal one) describes a mixture of experts."""
+    text = getattr(config, "get_text_config", lambda: config)()
+    return any(getattr(text, name, None) for name in MOE_CONFIG_FIELDS)

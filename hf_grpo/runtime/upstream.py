@@ -68,6 +68,11 @@ NAMES: tuple[Name, ...] = (
     Name(DEEPSPEED, "ZeRO-1/2 optimizer", "single_partition_of_fp32_groups"),
     Name(DEEPSPEED, "ZeRO-1/2 parameter", "_hp_mapping"),
     Name(DEEPSPEED, "ZeRO-3 parameter", "ds_tensor"),
+    Name(DEEPSPEED, "ZeRO-3 parameter", "ds_status"),
+    Name(DEEPSPEED, "ZeRO-3 parameter", "all_gather"),
+    Name(DEEPSPEED, "ZeRO-3 parameter offload", "_remove_module_hooks"),
+    Name(DEEPSPEED, "ZeRO-3 parameter offload", "forward_hooks"),
+    Name(DEEPSPEED, "ZeRO-3 parameter offload", "backward_hooks"),
     Name(DEEPSPEED, "deepspeed.ops", "__compatible_ops__"),
     Name(DEEPSPEED, "deepspeed.runtime.utils", "register_output_backward_hooks"),
     Name(DEEPSPEED, "deepspeed.runtime.base_optimizer", "ZeROOptimizer"),
@@ -300,6 +305,40 @@ def zero3_partition(param):
     """A ZeRO-3 parameter's own partition (this rank's flat slice of it), or None for another parameter
     (deepspeed 0.19.8: ``param.ds_tensor``)."""
     return getattr(param, "ds_tensor", None)
+
+
+def zero3_gathering(engine):
+    """What holds a ZeRO-3 engine's gathering hooks: its optimizer's ``parameter_offload``, or an engine built
+    without an optimizer (TRL's reference) the ``DeepSpeedZeRoOffload`` it has in its place; None for another engine
+    (deepspeed 0.19.8)."""
+    optimizer = getattr(engine, "optimizer", None)
+    offload = getattr(optimizer, "parameter_offload", optimizer)
+    return offload if hasattr(offload, "_remove_module_hooks") else None
+
+
+def remove_zero3_gathering_hooks(offload) -> int:
+    """Remove the fetch and release hooks ZeRO-3 put on every submodule (around its forward and its backward) and on
+    the model; returns how many submodule hooks there were (deepspeed 0.19.8: ``DeepSpeedZeRoOffload``'s
+    ``_remove_module_hooks``, ``forward_hooks`` and ``backward_hooks``; TRL's ``remove_hooks`` empties them too)."""
+    count = len(offload.forward_hooks) + len(offload.backward_hooks)
+    offload._remove_module_hooks()
+    offload.forward_hooks, offload.backward_hooks = [], []
+    return count
+
+
+def released_zero3(params) -> list:
+    """The ZeRO-3 parameters of ``params`` that are released (their data empty until gathered) (deepspeed 0.19.8:
+    ``param.ds_status`` ``NOT_AVAILABLE``)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [p for p in params if getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE]
+
+
+def gather_zero3(params: list) -> None:
+    """Gather released ZeRO-3 parameters, kept gathered until DeepSpeed releases them (deepspeed 0.19.8: the
+    parameter's ``all_gather``; with one process it points each at its partition, no copy)."""
+    if params:
+        params[0].all_gather(param_list=params)
 
 
 def compatible_ops() -> dict[str, bool]:

@@ -22,6 +22,7 @@ activation checkpointing's recompute). Compiled, each layer is a handful of fuse
   hook around its ``forward``, which is the compiled function: the graph reads them gathered, and the compiled
   backward recomputes from the parameters DeepSpeed gathers again before the layer's backward (``zero3_reason``).
   That trains as eager layers on the CPU, but not on a GPU, where they are refused (``ZERO3_CUDA_REASON``).
+  ZeRO-3 with one process has no hooks (``distributed.zero3_one_process``): its layers compile as under ZeRO-1/2.
   FSDP's hooks would be bypassed: never compiled there.
 * Compiling costs about 22 s once per run from a cold cache (6 graphs at 0.5B), about 7 s from a warm one,
   which a short run does not repay: ``choose``. Where "auto" chose to compile, a layer torch cannot compile
@@ -229,9 +230,10 @@ def sharding_reason(sharded: str) -> str:
 # ZeRO-3 compiled layers trained differently from eager ones - the first step's grad norm 0.157 against 0.190 - the
 # same through inductor or without code generation, packed or padded, with either LoRA forward or recompute; on the
 # GPU without DeepSpeed, and on the CPU under ZeRO-3, they train as eager ones. Until that is understood they run
-# eager on a GPU there.
-ZERO3_CUDA_REASON = ("ZeRO-3 on a GPU: the compiled layers did not train as eager ones there (the first step's grad "
-                     "norm 0.157 against 0.190 in tests/distributed/test_packed_launch.py), so the layers run eager")
+# eager on a GPU where the hooks stay (several processes; one process removes them: distributed.zero3_one_process).
+ZERO3_CUDA_REASON = ("ZeRO-3's gathering hooks on a GPU (several processes): the compiled layers did not train as "
+                     "eager ones there (the first step's grad norm 0.157 against 0.190 in "
+                     "tests/distributed/test_packed_launch.py), so the layers run eager")
 
 
 def zero3_reason(models: list[torch.nn.Module]) -> str | None:

@@ -23,7 +23,7 @@ How (``training_cuda_graphs``, "auto" by default):
   them to None after a step). The replay is an autograd node of the loss: TRL's loss, the Trainer's backward and
   the out-of-memory back-off work unchanged. Under DeepSpeed ZeRO-1/2 and DDP the node hands the buffers to
   autograd, whose accumulation runs their reduction hooks after the replay (``Replay`` handed over, amid their
-  forward's work: ``ddp_replay``; captured through views, ``parameter_aliases``). ZeRO-3 and FSDP: eager.
+  forward's work: ``ddp_replay``; captured through views, ``parameter_aliases``). ZeRO-3: one process (no hooks).
 * Every graph, training and scoring, shares one memory pool (they run one at a time). Between steps the pool
   keeps what the largest bucket needs at its peak, which the rollout does not get back: checkpointed, its layer
   inputs and one layer's recompute (0.6 GiB more reserved at the 0.5B shape of ``docs/performance.md``);
@@ -78,7 +78,7 @@ def unavailable_reason(facts: RunFacts, sizes: RunSizes, chunked_head: bool = Tr
         return reason
     if facts.fsdp:
         return "FSDP gathers and reduces each layer's parameters in hooks a graph cannot hold"
-    if facts.deepspeed and facts.zero3:
+    if facts.deepspeed and facts.zero3 and not facts.zero3_hooks_removed:  # (one process: no hooks, zero3_one_process)
         return "ZeRO-3 gathers each layer's parameters in hooks a graph cannot hold"
     if not facts.deepspeed and facts.n_gpu > 1:
         return "torch.nn.DataParallel copies the model to each GPU in every forward"

@@ -94,23 +94,30 @@ def test_compiled_layers_with_packed_rows_under_zero3_train_as_eager_padded_ones
     assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled")
 
 
-def test_zero3_with_one_process_makes_every_parameter_persistent_and_trains_as_when_released(tmp_path):
-    # One process: a partition holds the whole parameter, so every parameter is made persistent, which DeepSpeed
-    # does not release while its module trace is complete (distributed.zero3_one_process). The run trains as one
-    # whose parameters DeepSpeed releases between uses, and compiled layers with packed rows as eager padded ones.
+def test_zero3_with_one_process_runs_without_its_hooks_and_trains_as_with_them(tmp_path):
+    # One process: a partition holds the whole parameter, so DeepSpeed's gathering hooks are removed and every
+    # parameter stays gathered (distributed.zero3_one_process). The run trains as one whose parameters DeepSpeed's
+    # hooks release between uses; compiled layers with packed rows, and micro-batches replayed (graphs, stood in on
+    # the CPU), as eager padded ones.
     # MLP weights of 64 x 1600 elements: above DeepSpeed's own persistence threshold (1e5), so released between uses
     checkpoint = saved_checkpoint(tmp_path, intermediate_size=1600)
     result = launch("zero3", SCRIPT, tmp_path, checkpoint, "checkpointed_released", "checkpointed", "compiled",
-                    processes=1)
-    assert "ZeRO-3 with one process: every parameter persistent" in result.stderr
-    for variant in ("checkpointed", "compiled"):
-        persistent, total = chosen(tmp_path / variant, 0)["zero3_persistent"]
+                    "graphs", processes=1)
+    assert "ZeRO-3 with one process: DeepSpeed's" in result.stderr and "gathering hooks removed" in result.stderr
+    for variant in ("checkpointed", "compiled", "graphs"):
+        chose = chosen(tmp_path / variant, 0)
+        assert chose["zero3_hooks_removed"] is True
+        persistent, total = chose["zero3_persistent"]
         assert persistent == total > 0
-    persistent, total = chosen(tmp_path / "checkpointed_released", 0)["zero3_persistent"]
-    assert persistent < total  # DeepSpeed's own threshold keeps only the small parameters
+    released = chosen(tmp_path / "checkpointed_released", 0)
+    assert released["zero3_hooks_removed"] is False
+    assert released["zero3_persistent"][0] < released["zero3_persistent"][1]  # DeepSpeed's threshold: small ones
     assert chosen(tmp_path / "compiled", 0)["compiled_graphs"] > 0
+    graphs = chosen(tmp_path / "graphs", 0)
+    assert graphs["graphs_hand_over"] is True and graphs["graphs_failure"] is None and graphs["graph_captures"] > 0
     assert_same_training(tmp_path / "checkpointed_released", tmp_path / "checkpointed")
     assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled")
+    assert_same_training(tmp_path / "checkpointed_released", tmp_path / "graphs")
 
 
 def launch_on_gpu(monkeypatch, tmp_path, config, *variants, processes=1, **config_overrides):
@@ -158,22 +165,31 @@ def test_packed_and_grouped_micro_batches_under_zero3_on_one_gpu_train_as_padded
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_zero3_with_one_process_on_a_gpu_makes_every_parameter_persistent_and_trains_as_when_released(tmp_path,
-                                                                                                       monkeypatch):
-    # The CPU test's run on the GPU (fp32), where DeepSpeed's fetches and releases run on their own streams.
-    launch_on_gpu(monkeypatch, tmp_path, "zero3", "checkpointed_released", "checkpointed", intermediate_size=1600)
-    persistent, total = chosen(tmp_path / "checkpointed", 0)["zero3_persistent"]
-    assert persistent == total > chosen(tmp_path / "checkpointed_released", 0)["zero3_persistent"][0]
-    assert_same_training(tmp_path / "checkpointed_released", tmp_path / "checkpointed", rtol=1e-4)
+def test_zero3_with_one_process_on_a_gpu_runs_without_its_hooks_and_trains_as_with_them(tmp_path, monkeypatch):
+    # The CPU test's run on the GPU (fp32): DeepSpeed's fetches and releases on their own streams where its hooks
+    # are kept; without them, inductor's compiled layers and real CUDA-graph replays.
+    launch_on_gpu(monkeypatch, tmp_path, "zero3", "checkpointed_released", "checkpointed", "compiled", "graphs",
+                  intermediate_size=1600)
+    assert chosen(tmp_path / "checkpointed_released", 0)["zero3_hooks_removed"] is False
+    for variant in ("checkpointed", "compiled", "graphs"):
+        assert chosen(tmp_path / variant, 0)["zero3_hooks_removed"] is True
+    assert chosen(tmp_path / "compiled", 0)["compiled_graphs"] > 0
+    graphs = chosen(tmp_path / "graphs", 0)
+    assert graphs["graphs_hand_over"] is True and graphs["graphs_failure"] is None and graphs["graph_captures"] > 0
+    for variant in ("checkpointed", "compiled", "graphs"):  # GPU kernels sum in other orders
+        assert_same_training(tmp_path / "checkpointed_released", tmp_path / variant, rtol=1e-4)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_compiled_layers_asked_for_under_zero3_on_a_gpu_are_refused_and_the_run_trains_as_eager(tmp_path, monkeypatch):
-    # Compiled by inductor under ZeRO-3 on an H200, the layers trained differently from eager ones (fp32: the first
-    # step's grad norm 0.157 against 0.190; without DeepSpeed, and on the CPU, they train alike): refused there.
-    launch_on_gpu(monkeypatch, tmp_path, "zero3", "checkpointed", "compiled")
-    assert chosen(tmp_path / "compiled", 0)["compiled_graphs"] is None  # compile_training="on", not applied
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_compiled_layers_asked_for_under_zero3_on_two_gpus_are_refused_and_the_run_trains_as_eager(tmp_path,
+                                                                                                   monkeypatch):
+    # Compiled by inductor under ZeRO-3's hooks on an H200, the layers trained differently from eager ones (fp32: the
+    # first step's grad norm 0.157 against 0.190; without DeepSpeed, and on the CPU, they train alike): refused
+    # where the hooks stay, with several processes.
+    launch_on_gpu(monkeypatch, tmp_path, "zero3", "checkpointed", "compiled", processes=2)
+    for rank in (0, 1):
+        assert chosen(tmp_path / "compiled", rank)["compiled_graphs"] is None  # compile_training="on", not applied
     assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled", rtol=1e-4)  # GPU kernels sum in other orders
 
 

@@ -196,7 +196,7 @@ for stage in (2, 3):
         owners.update({"engine": engine, "ZeRO optimizer": engine.optimizer, "ZeRO-1/2 optimizer": engine.optimizer,
                        "ZeRO-1/2 parameter": param})
     else:
-        owners["ZeRO-3 parameter"] = param
+        owners.update({"ZeRO-3 parameter": param, "ZeRO-3 parameter offload": upstream.zero3_gathering(engine)})
 import deepspeed.ops, deepspeed.runtime.utils, deepspeed.runtime.base_optimizer
 owners.update({"deepspeed.ops": deepspeed.ops, "deepspeed.runtime.utils": deepspeed.runtime.utils,
                "deepspeed.runtime.base_optimizer": deepspeed.runtime.base_optimizer})

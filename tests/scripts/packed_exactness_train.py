@@ -9,8 +9,8 @@ logged losses and grad norms, its trained weights and what it chose.
 ``graphs`` (padded micro-batches replayed through hf_grpo.training.graphs, "recorded" by tests/scripts/eager_recorder.py
 on the CPU) or ``graphs_all_used`` (``graphs`` with ddp_find_unused_parameters=False, where DDP then does not look
 for unused parameters; the Trainer's default for a LoRA model looks), ``checkpointed`` (padded, activation
-checkpointing on), ``checkpointed_released`` (``checkpointed`` with DeepSpeed left to release ZeRO-3 parameters
-between uses, as it does without hf_grpo.distributed.zero3_one_process) or ``compiled`` (``checkpointed`` with rows
+checkpointing on), ``checkpointed_released`` (``checkpointed`` with DeepSpeed's ZeRO-3 hooks kept, releasing
+parameters between uses, as they do without hf_grpo.distributed.zero3_one_process) or ``compiled`` (``checkpointed`` with rows
 packed and the decoder layers compiled, compile_training="on"; on the CPU through AOTAutograd without code
 generation); each trains into
 OUT_DIR/<variant>. With EXACTNESS_ON_GPU=1 the runs are on the GPU (fp32), ``graphs`` captures and replays real CUDA
@@ -90,9 +90,10 @@ def main(out_dir, checkpoint, variant):
         training_cuda_graphs="on" if variant.startswith("graphs") else "off",
         ddp_find_unused_parameters=False if variant == "graphs_all_used" else None,
     )
-    make_persistent = zero3_one_process.make_persistent
-    if variant == "checkpointed_released":  # DeepSpeed's own persistence threshold, as before the trainer raised it
+    make_persistent, removes_hooks = zero3_one_process.make_persistent, zero3_one_process.removes_hooks
+    if variant == "checkpointed_released":  # DeepSpeed's hooks and persistence threshold, as without the trainer's
         zero3_one_process.make_persistent = lambda *args, **kwargs: None
+        zero3_one_process.removes_hooks = lambda *args, **kwargs: False
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM")
     try:
         trainer = GRPOTrainer(  # the model by its path, as users pass a checkpoint (loaded by TRL, fp32 as saved)
@@ -100,7 +101,7 @@ def main(out_dir, checkpoint, variant):
             train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}), processing_class=tokenizer, peft_config=lora,
         )
     finally:  # decided in the trainer's __init__: the next variant's own again
-        zero3_one_process.make_persistent = make_persistent
+        zero3_one_process.make_persistent, zero3_one_process.removes_hooks = make_persistent, removes_hooks
     trainer.decisions.backend = FixedBackend(tokenizer)
     initial = trained_weights(trainer)
     counts = {"packed": 0, "shared": 0}
@@ -119,7 +120,8 @@ def main(out_dir, checkpoint, variant):
                   compile_failure=trainer.decisions.train_layers and trainer.decisions.train_layers.failure,
                   # under ZeRO-3: how many parameters DeepSpeed keeps gathered (persistent), of how many
                   zero3_persistent=[sum(bool(getattr(p, "ds_persist", False)) for p in trainer.model.parameters()),
-                                    sum(1 for _ in trainer.model.parameters())], **counts)
+                                    sum(1 for _ in trainer.model.parameters())],
+                  zero3_hooks_removed=trainer.facts.zero3_hooks_removed, **counts)
     with open(f"{out_dir}/chosen_rank{rank}.json", "w") as handle:
         json.dump(chosen, handle)
     state = trained_weights(trainer)
