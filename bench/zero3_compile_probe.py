@@ -2,8 +2,9 @@
 
 ``tests/scripts/packed_exactness_train.py``'s run (a tiny saved checkpoint, LoRA, a reference, ``num_iterations`` 2,
 3 steps, fp32), one variant after another in one launch, each with a hook on every trained parameter that records
-its gradient's norm at each backward. Compiled layers are refused under ZeRO-3 on a GPU (``ZERO3_CUDA_REASON``); this
-lifts the refusal to see what goes wrong. On a GPU (``EXACTNESS_ON_GPU=1``):
+its gradient's norm at each backward. Compiled layers are refused under ZeRO-3's hooks on a GPU
+(``ZERO3_CUDA_REASON``); this keeps the hooks with one process (which removes them in a run) and lifts the refusal to
+see what goes wrong. On a GPU (``EXACTNESS_ON_GPU=1``):
 
     accelerate launch --num_processes 1 --config_file accelerate_configs/zero3.yaml --mixed_precision no \\
         bench/zero3_compile_probe.py OUT CHECKPOINT eager_packed compiled compiled_aot compiled_padded ...
@@ -33,6 +34,7 @@ from one_launch import release_for_the_next_run  # noqa: E402
 from provenance import with_provenance  # noqa: E402
 
 from hf_grpo import close_distributed  # noqa: E402
+from hf_grpo.distributed import zero3_one_process  # noqa: E402
 from hf_grpo.training import compiled_layers, lora_forward  # noqa: E402
 
 CONFIG, TRAINER = exactness.GRPOConfig, exactness.GRPOTrainer
@@ -67,6 +69,7 @@ def run_variant(out: str, checkpoint: str, variant: str):
                     param.register_hook(lambda g, name=name: grads[name].append(g.float().norm().item()) or None)
 
     compiled_layers.ZERO3_CUDA_REASON = None  # lifted: what the refusal guards against is measured here
+    zero3_one_process.removes_hooks = lambda *args, **kwargs: False  # the hooks kept, as with several processes
     compiled_layers.CompiledTrainingLayers.__init__ = (functools.partialmethod(LAYERS_INIT, backend=backend)
                                                        if backend else LAYERS_INIT)
     compiled_layers.compiler_checkpointing_available = RECOMPUTE_AVAILABLE if recompute else (lambda: False)
