@@ -36,13 +36,16 @@ def live_base(model: torch.nn.Module) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def gathered(params: list[torch.nn.Parameter]) -> Iterator[None]:
-    """ZeRO-3: gather ``params`` for reading (re-partitioned on exit); otherwise nothing to do."""
-    if not any(is_zero3_param(p) for p in params):
+    """ZeRO-3: gather those of ``params`` that are released, for reading (released again on exit); the others, and
+    parameters outside ZeRO-3, are read as they are (one that DeepSpeed keeps gathered stays so: ZeRO-3 with one
+    process keeps every parameter gathered, ``distributed.zero3_one_process``)."""
+    released = upstream.released_zero3(p for p in params if is_zero3_param(p))
+    if not released:
         yield
         return
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+    with deepspeed.zero.GatheredParameters(released, modifier_rank=None):
         yield
 
 
