@@ -55,3 +55,29 @@ def test_left_as_it_is_elsewhere(model, config, processes):
 def test_offload_to_none_is_no_offload(model):
     config = _config(offload_param={"device": "none"})
     assert zero3_one_process.make_persistent(config, model, num_processes=1) == _largest(model)
+
+
+def test_one_process_removes_the_hooks_of_a_zero3_run():
+    assert zero3_one_process.removes_hooks(_config(), num_processes=1, moe=False)
+    assert zero3_one_process.removes_hooks(_config(offload_param={"device": "none"}), num_processes=1, moe=False)
+
+
+@pytest.mark.parametrize("config, processes, moe", [
+    (_config(), 2, False),  # each process holds a share: the hooks fetch the rest
+    (_config(offload_param={"device": "cpu"}), 1, False),  # a gathered parameter would be a GPU copy of a host one
+    (_config(zero_quantized_weights=True), 1, False),  # a gathered parameter would be a dequantized copy
+    (_config(), 1, True),  # DeepSpeed reduces its expert blocks' gradients in their module hooks
+    ({"zero_optimization": {"stage": 2}}, 1, False),
+    (None, 1, False),
+], ids=["two-processes", "offloaded", "quantized", "moe", "zero2", "no-deepspeed"])
+def test_the_hooks_stay_elsewhere(config, processes, moe):
+    assert not zero3_one_process.removes_hooks(config, num_processes=processes, moe=moe)
+
+
+def test_no_leaf_module_is_marked_where_the_hooks_go(model):
+    # a leaf's gradients are reduced in a module hook that a replayed graph would not run
+    config = _config()
+    removed, marking = zero3_one_process.configure(config, model, 1, "auto", main=False)
+    assert removed and marking.count == 0
+    assert "leaf_module" not in config["zero_optimization"]
+    assert config["zero_optimization"]["stage3_param_persistence_threshold"] == _largest(model)
