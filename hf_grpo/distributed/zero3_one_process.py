@@ -16,8 +16,9 @@ parameters 347 times, against 389 releases at DeepSpeed's own threshold (``docs/
 
 So the hooks go (``detach``): at the first rollout of a run, every parameter is gathered (pointed at its
 partition) and DeepSpeed's fetch and release hooks are removed from the model's submodules, as TRL removes them
-for a rollout. The model then runs as a plain one: no host work per module, and CUDA graphs and compiled layers
-as under ZeRO-2 (a gathered parameter is a view of its partition, whose address the optimizer's step keeps). What
+for a rollout. The model then runs as a plain one: no host work per module, and micro-batches replayed from CUDA
+graphs as under ZeRO-2 (a gathered parameter is a view of its partition, whose address the optimizer's step keeps;
+compiled layers: ``training.compiled_layers.ZERO3_CUDA_REASON``). What
 DeepSpeed does outside the forward stays: its gradient hooks partition the gradients, its step updates the
 partitions, then gathers the persistent parameters again; a save's gather releases what it gathered, which the
 next micro-batch gathers back (``keep_whole``). Not with parameters offloaded or quantized (a gathered parameter

@@ -22,7 +22,8 @@ activation checkpointing's recompute). Compiled, each layer is a handful of fuse
   hook around its ``forward``, which is the compiled function: the graph reads them gathered, and the compiled
   backward recomputes from the parameters DeepSpeed gathers again before the layer's backward (``zero3_reason``).
   That trains as eager layers on the CPU, but not on a GPU, where they are refused (``ZERO3_CUDA_REASON``).
-  ZeRO-3 with one process has no hooks (``distributed.zero3_one_process``): its layers compile as under ZeRO-1/2.
+  ZeRO-3 with one process has no hooks (``distributed.zero3_one_process``): its layers compile and train as eager
+  ones on the CPU; on a GPU they stay eager until that is checked there.
   FSDP's hooks would be bypassed: never compiled there.
 * Compiling costs about 22 s once per run from a cold cache (6 graphs at 0.5B), about 7 s from a warm one,
   which a short run does not repay: ``choose``. Where "auto" chose to compile, a layer torch cannot compile
@@ -230,10 +231,13 @@ def sharding_reason(sharded: str) -> str:
 # ZeRO-3 compiled layers trained differently from eager ones - the first step's grad norm 0.157 against 0.190 - the
 # same through inductor or without code generation, packed or padded, with either LoRA forward or recompute; on the
 # GPU without DeepSpeed, and on the CPU under ZeRO-3, they train as eager ones. Until that is understood they run
-# eager on a GPU where the hooks stay (several processes; one process removes them: distributed.zero3_one_process).
-ZERO3_CUDA_REASON = ("ZeRO-3's gathering hooks on a GPU (several processes): the compiled layers did not train as "
-                     "eager ones there (the first step's grad norm 0.157 against 0.190 in "
-                     "tests/distributed/test_packed_launch.py), so the layers run eager")
+# eager on a GPU under ZeRO-3: with several processes, and with one, whose run removes DeepSpeed's hooks
+# (distributed.zero3_one_process) and trains compiled layers as eager ones on the CPU, but has not been checked on
+# a GPU yet (tests/distributed/test_packed_launch.py, -m gpu -k zero3_with_one_process).
+ZERO3_CUDA_REASON = ("ZeRO-3 on a GPU: the compiled layers did not train as eager ones there under DeepSpeed's "
+                     "hooks (the first step's grad norm 0.157 against 0.190 in "
+                     "tests/distributed/test_packed_launch.py), and without them (one process) they are not checked "
+                     "on a GPU yet, so the layers run eager")
 
 
 def zero3_reason(models: list[torch.nn.Module]) -> str | None:
@@ -263,6 +267,8 @@ def choose(setting: str, models: list[torch.nn.Module], device: torch.device, sh
             return None, reason
     elif sharded is not None:
         return None, sharding_reason(sharded)
+    elif device.type == "cuda" and any(upstream.zero3_partition(p) is not None for m in models for p in m.parameters()):
+        return None, ZERO3_CUDA_REASON  # one process, DeepSpeed's hooks removed (distributed.zero3_one_process)
     if setting == "auto" and device.type != "cuda":
         return None, f"compile_training='auto' compiles on CUDA only (device {device.type})"
     if setting == "auto" and planned_steps < AUTO_MIN_STEPS:

@@ -167,13 +167,14 @@ def test_packed_and_grouped_micro_batches_under_zero3_on_one_gpu_train_as_padded
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_zero3_with_one_process_on_a_gpu_runs_without_its_hooks_and_trains_as_with_them(tmp_path, monkeypatch):
     # The CPU test's run on the GPU (fp32): DeepSpeed's fetches and releases on their own streams where its hooks
-    # are kept; without them, inductor's compiled layers and real CUDA-graph replays.
+    # are kept; without them, real CUDA-graph replays. Compiled layers are asked for and, under ZeRO-3 on a GPU, not
+    # applied yet (training.compiled_layers.ZERO3_CUDA_REASON): the run trains as the eager one.
     launch_on_gpu(monkeypatch, tmp_path, "zero3", "checkpointed_released", "checkpointed", "compiled", "graphs",
                   intermediate_size=1600)
     assert chosen(tmp_path / "checkpointed_released", 0)["zero3_hooks_removed"] is False
     for variant in ("checkpointed", "compiled", "graphs"):
         assert chosen(tmp_path / variant, 0)["zero3_hooks_removed"] is True
-    assert chosen(tmp_path / "compiled", 0)["compiled_graphs"] > 0
+    assert chosen(tmp_path / "compiled", 0)["compiled_graphs"] is None
     graphs = chosen(tmp_path / "graphs", 0)
     assert graphs["graphs_hand_over"] is True and graphs["graphs_failure"] is None and graphs["graph_captures"] > 0
     for variant in ("checkpointed", "compiled", "graphs"):  # GPU kernels sum in other orders

@@ -259,6 +259,18 @@ def test_under_zero3_with_leaf_layers_on_compiles_on_the_cpu_and_never_on_a_gpu(
     assert chosen is None and "without its decoder layers as leaf modules" in why  # the reference's are not
 
 
+def test_zero3_with_one_process_compiles_on_the_cpu_and_not_yet_on_a_gpu():
+    # One process removes DeepSpeed's hooks (no sharding left to name): its compiled layers train as eager ones on
+    # the CPU (tests/distributed/test_packed_launch.py); on a GPU they stay eager until checked there.
+    model = build_tiny_model(build_char_tokenizer())
+    for param in model.parameters():
+        param.ds_tensor = param.detach()  # ZeRO-3's partition of the parameter: the whole of it, with one process
+    chosen, why = training_compile.choose("on", [model], torch.device("cpu"), None, 1000)
+    assert isinstance(chosen, training_compile.CompiledTrainingLayers) and why is None
+    assert training_compile.choose("on", [model], torch.device("cuda"), None, 1000) == (
+        None, training_compile.ZERO3_CUDA_REASON)
+
+
 @pytest.mark.parametrize(("setting", "steps"), [("auto", training_compile.AUTO_MIN_STEPS), ("on", 5)])
 def test_choose_compiles_long_cuda_runs_and_whatever_on_asks(setting, steps):
     model = build_tiny_model(build_char_tokenizer())
