@@ -156,10 +156,11 @@ def test_resume_continues_exactly(tmp_path):
 
 @pytest.mark.launch
 def test_zero3_with_one_process_saves_mid_run_and_resumes_exactly(tmp_path):
-    # One process under ZeRO-3 runs without DeepSpeed's gathering hooks (distributed.zero3_one_process). A save
-    # gathers the 16-bit weights and releases them after; the run trains on past it, and a resume from that
-    # checkpoint ends with the same weights and rewards.
-    common = [*QUICK, "--per_device_train_batch_size", 16, "--save_steps", 2, "--save_total_limit", 10]
+    # One process under ZeRO-3 runs without DeepSpeed's gathering hooks (distributed.zero3_one_process), the
+    # reference model's engine too (beta > 0). A save gathers the 16-bit weights and releases them after; the run
+    # trains on past it, and a resume from that checkpoint ends with the same weights and rewards.
+    common = [*QUICK, "--per_device_train_batch_size", 16, "--save_steps", 2, "--save_total_limit", 10,
+              "--beta", 0.04]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     result = launch("zero3", "recipes/quickstart.py", *common, "--output_dir", straight, "--max_steps", 4,
                     processes=1)
@@ -177,3 +178,5 @@ def test_zero3_with_one_process_saves_mid_run_and_resumes_exactly(tmp_path):
     lines = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines()]  # noqa: E731
     assert [r["step"] for r in lines(straight)] == [1, 2, 3, 4] and [r["step"] for r in lines(resumed)] == [3, 4]
     assert [r["reward"] for r in lines(resumed)] == [r["reward"] for r in lines(straight)][2:]
+    # step 1 samples from the policy as built: its reference, whole without its hooks, gives a KL of 0
+    assert abs(lines(straight)[0]["kl"]) < 1e-6 and all(math.isfinite(r["kl"]) for r in lines(straight))

@@ -379,7 +379,8 @@ def test_zero3_grpo_run_generates_from_a_layerwise_refreshed_mirror(zero3_mirror
         # keeps it (it peaks in its rollouts)
         assert found["freed_between_rollouts"] == (variant == "plain")
         assert ("held during rollouts only" in found["plan"]) == (variant == "plain")
-        assert found["gathers_per_refresh"] == {"plain": 5, "lora-tied": 4}[variant]
+        # at most one gather a unit: a unit whose parameters DeepSpeed keeps gathered (persistent) is read as it is
+        assert found["gathers_per_refresh"] <= {"plain": 5, "lora-tied": 4}[variant]
         assert "decoded from a dense mirror" in found["plan"]
     else:  # the partitions read in place: no copy, and no gather (one process keeps every parameter gathered)
         assert found["mirror_bytes"] == 0 and found["in_place"] and not found["freed_between_rollouts"]
