@@ -51,11 +51,15 @@ def quantizes_weights(config: dict) -> bool:
     return bool(zero.get("zero_quantized_weights") or zero.get("zero_quantized_nontrainable_weights"))
 
 
+def whole_in_one_process(config: dict | None, num_processes: int) -> bool:
+    """Whether each ZeRO-3 partition holds its whole parameter on the device: ZeRO-3, one process, no offload."""
+    return num_processes == 1 and is_zero3_config(config) and not offloads_parameters(config)
+
+
 def removes_hooks(config: dict | None, num_processes: int, moe: bool) -> bool:
     """Whether a run removes DeepSpeed's gathering hooks (``detach``): ZeRO-3 with one process, its parameters
     neither offloaded nor quantized, not a mixture-of-experts model."""
-    return (num_processes == 1 and is_zero3_config(config) and not offloads_parameters(config)
-            and not quantizes_weights(config) and not moe)
+    return whole_in_one_process(config, num_processes) and not quantizes_weights(config) and not moe
 
 
 def detach(engines: list, main: bool) -> int:
@@ -89,7 +93,7 @@ def keep_whole(module: torch.nn.Module) -> int:
 def make_persistent(config: dict | None, model: torch.nn.Module | None, num_processes: int) -> int | None:
     """Raise ``config``'s persistence threshold above ``model``'s largest parameter where it is ZeRO-3 with one
     process, no parameter offload and the threshold left to DeepSpeed; returns the threshold set, or None."""
-    if model is None or num_processes != 1 or not is_zero3_config(config) or offloads_parameters(config):
+    if model is None or not whole_in_one_process(config, num_processes):
         return None
     zero = config["zero_optimization"]
     if zero.get(KEY, "auto") != "auto":
