@@ -4,7 +4,8 @@
 3 steps, fp32), one variant after another in one launch, each with a hook on every trained parameter that records
 its gradient's norm at each backward. Compiled layers are refused under ZeRO-3's hooks on a GPU
 (``ZERO3_CUDA_REASON``); this keeps the hooks with one process (which removes them in a run) and lifts the refusal to
-see what goes wrong. On a GPU (``EXACTNESS_ON_GPU=1``):
+see what goes wrong; ``PROBE_HOOKS=remove`` leaves one process's run as it is (no hooks), to see whether compiled
+layers train as eager ones there. On a GPU (``EXACTNESS_ON_GPU=1``):
 
     accelerate launch --num_processes 1 --config_file accelerate_configs/zero3.yaml --mixed_precision no \\
         bench/zero3_compile_probe.py OUT CHECKPOINT eager_packed compiled compiled_aot compiled_padded ...
@@ -69,7 +70,8 @@ def run_variant(out: str, checkpoint: str, variant: str):
                     param.register_hook(lambda g, name=name: grads[name].append(g.float().norm().item()) or None)
 
     compiled_layers.ZERO3_CUDA_REASON = None  # lifted: what the refusal guards against is measured here
-    zero3_one_process.removes_hooks = lambda *args, **kwargs: False  # the hooks kept, as with several processes
+    if os.environ.get("PROBE_HOOKS", "keep") == "keep":
+        zero3_one_process.removes_hooks = lambda *args, **kwargs: False  # the hooks kept, as with several processes
     compiled_layers.CompiledTrainingLayers.__init__ = (functools.partialmethod(LAYERS_INIT, backend=backend)
                                                        if backend else LAYERS_INIT)
     compiled_layers.compiler_checkpointing_available = RECOMPUTE_AVAILABLE if recompute else (lambda: False)
@@ -84,6 +86,7 @@ def summary(out: str, variant: str, grads: dict, reference: tuple[str, dict] | N
     logged = json.load(open(os.path.join(out, variant, "logged.json")))
     chosen = json.load(open(os.path.join(out, variant, "chosen_rank0.json")))
     row = dict(bench="zero3_compile_probe", variant=variant, compiled_graphs=chosen["compiled_graphs"],
+               zero3_hooks=os.environ.get("PROBE_HOOKS", "keep"),
                zero3_persistent=chosen.get("zero3_persistent"),  # [kept gathered, of all parameters]
                grad_norm=[r["grad_norm"] for r in logged], loss=[r["loss"] for r in logged])
     if reference is not None:
@@ -103,6 +106,8 @@ def main() -> None:
     unknown = [v for v in variants if v not in VARIANTS]
     if not variants or unknown:
         raise SystemExit(f"variants must be some of {sorted(VARIANTS)}, got {variants}")
+    if os.environ.get("PROBE_HOOKS", "keep") not in ("keep", "remove"):
+        raise SystemExit(f"PROBE_HOOKS must be 'keep' or 'remove', got {os.environ['PROBE_HOOKS']!r}")
     reference = None
     for index, variant in enumerate(variants):
         trainer, grads = run_variant(out, checkpoint, variant)
