@@ -80,6 +80,8 @@ fi
 # The summary's later steps stand for a long run's: the decode step compiled, as compile_generation="auto" does in a
 # run that decodes 4096 steps or more (a few steps here would capture it eager)
 LONG_RUN="--compile_generation on"
+# each phase timed (the device synchronized at its boundaries); PHASES=0 times the steps alone
+PHASES_FLAG=$([ "${PHASES:-1}" = 0 ] && echo "" || echo "--phases")
 # a run's --max_seconds: MAX_SECONDS where given, else what its limit leaves after the start-up
 max_seconds() { echo "${MAX_SECONDS:-$(( $1 > STARTUP + 10 ? $1 - STARTUP : 10 ))}"; }
 echo "$runs runs, each under $RUN_TIMEOUT s (training stops after the step past $(max_seconds "$RUN_TIMEOUT") s);" \
@@ -107,7 +109,7 @@ for config in $CONFIGS; do
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) timeout -k 10 "$run_timeout" $PY -m accelerate.commands.launch \
         --config_file "accelerate_configs/$config.yaml" --num_processes "$NUM_PROCESSES" \
         $LAUNCH_FLAGS ${LAUNCH_EXTRA:-} \
-        bench/grpo_realistic.py $flags $SHAPE_FLAGS --max_steps "$run_steps" --max_seconds "$run_max_seconds" --phases \
+        bench/grpo_realistic.py $flags $SHAPE_FLAGS --max_steps "$run_steps" --max_seconds "$run_max_seconds" $PHASES_FLAG \
         --launch_config "accelerate_configs/$config.yaml" --label "$label" --out "$JSONL" ${EXTRA:-} \
         > "$RESULTS/launch_configs_run.log" 2>&1
     rc=$? ended=$(date +%s)
