@@ -28,9 +28,31 @@ def explicit_fields(explicit: Collection[str]) -> frozenset[str]:
 
 def fill_default(config: Any) -> None:
     """Checkpointing on, TRL's default, where neither name was given (nor set by a preset): under the current name,
-    so building a config warns about no deprecated one. ``GRPOConfig`` leaves the alias' default at None for this."""
+    so building a config warns about no deprecated one. ``GRPOConfig`` leaves the alias' default at None for this.
+    Also kept: the ``use_reentrant`` the user gave, before TRL rewrites it (``unforce_reentrant``)."""
     if getattr(config, FIELD) is None and getattr(config, ALIAS) is None:
         setattr(config, FIELD, True)
+    given = getattr(config, f"{FIELD}_kwargs", None) or getattr(config, f"{ALIAS}_kwargs", None) or {}
+    config.hf_grpo_user_reentrant = given.get("use_reentrant")
+
+
+def reentrant(args: Any) -> bool:
+    """Whether the run checkpoints activations reentrantly (``use_reentrant=True`` in TRL's kwargs): the backward
+    then reaches the parameters inside a checkpoint only through ``.grad``, never as ``torch.autograd.grad`` inputs."""
+    return bool(getattr(args, ALIAS, False) and (getattr(args, f"{ALIAS}_kwargs", None) or {}).get("use_reentrant"))
+
+
+def unforce_reentrant(args: Any) -> bool:
+    """Non-reentrant checkpointing again where TRL 1.16 forced ``use_reentrant=True`` (PEFT under ZeRO-3: DeepSpeed
+    gathers and releases parameters inside the recompute) and the user did not ask for it. For a run whose ZeRO-3
+    hooks are removed (every parameter whole, ``distributed.zero3_one_process``): the recompute then reads the same
+    parameters, and a replayed graph's backward can ask for their gradients. Returns whether it changed."""
+    if not reentrant(args) or getattr(args, "hf_grpo_user_reentrant", None) is True:
+        return False
+    for name in (f"{ALIAS}_kwargs", f"{FIELD}_kwargs"):  # transformers mirrors the alias (a copy or the same dict)
+        if isinstance(getattr(args, name, None), dict):
+            getattr(args, name)["use_reentrant"] = False
+    return True
 
 
 def set_checkpointing(config: Any, value: bool) -> None:

@@ -133,8 +133,8 @@ class GRPOTrainer(trl.GRPOTrainer):
         super().create_accelerator_and_postprocess()
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         self.zero3_hooks_removed, self.zero3_leaf_marking = zero3_one_process.configure(  # (no marking: not ZeRO-3)
-            getattr(plugin, "deepspeed_config", None), self.model, self.accelerator.num_processes,
-            self.args.zero3_leaf_modules, self.accelerator.is_main_process)
+            getattr(plugin, "deepspeed_config", None), self.model, self.accelerator.num_processes, self.args,
+            self.accelerator.is_main_process)
 
     def batch_plan(self):
         """The batch plan with this run's real world size (and ZeRO-3's generation mirror, once decided)."""
@@ -352,9 +352,9 @@ class GRPOTrainer(trl.GRPOTrainer):
             attention=upstream.attention_implementation(model.config),
             half=bool(args.bf16 or args.fp16 or getattr(model, "dtype", None) in (torch.float16, torch.bfloat16)),
             moe=is_moe(model.config), zero3_hooks_removed=self.zero3_hooks_removed,
-            pad_token_id=getattr(upstream.tokenizer(self), "pad_token_id", None),
-            activation_checkpointing=bool(args.activation_checkpointing), loss_type=self.loss_type,
-            max_completion_length=self.max_completion_length,
+            pad_token_id=getattr(upstream.tokenizer(self), "pad_token_id", None), loss_type=self.loss_type,
+            activation_checkpointing=bool(args.activation_checkpointing),
+            max_completion_length=self.max_completion_length, reentrant_checkpointing=checkpointing.reentrant(args),
             entropy_per_micro_batch=self.top_entropy_quantile < 1.0 or upstream.entropy_bonus_enabled(self),
             off_policy_mask=self.off_policy_mask_threshold is not None,
             aux_loss_enabled=bool(getattr(self, "aux_loss_enabled", False)),

@@ -32,6 +32,7 @@ import logging
 
 import torch
 
+from .. import checkpointing
 from ..run_state import is_moe
 from ..runtime import upstream
 from .zero3_leaves import LeafMarking, is_zero3_config, mark_for_deepspeed
@@ -115,12 +116,18 @@ def apply(config: dict | None, model: torch.nn.Module | None, num_processes: int
     return threshold
 
 
-def configure(config: dict | None, model: torch.nn.Module | None, num_processes: int, leaf_setting: str,
+def configure(config: dict | None, model: torch.nn.Module | None, num_processes: int, args,
               main: bool) -> tuple[bool, LeafMarking]:
     """What the trainer sets up in a DeepSpeed ``config`` before DeepSpeed wraps ``model``: ``(hooks to be removed,
-    leaf modules marked)``. With one process the hooks go, and no module is marked a leaf (a leaf's gradients are
-    reduced in a module hook, which a replayed graph would not run); elsewhere under ZeRO-3 ``leaf_setting``'s."""
+    leaf modules marked)``. With one process the hooks go, no module is marked a leaf (a leaf's gradients are
+    reduced in a module hook, which a replayed graph would not run) and activation checkpointing is non-reentrant
+    again where TRL made it reentrant for the hooks (``checkpointing.unforce_reentrant``); elsewhere under ZeRO-3
+    ``args.zero3_leaf_modules``' leaves."""
     removed = removes_hooks(config, num_processes, is_moe(getattr(model, "config", None)))
-    marking = mark_for_deepspeed(model, "off" if removed else leaf_setting, config, main)
+    marking = mark_for_deepspeed(model, "off" if removed else args.zero3_leaf_modules, config, main)
     apply(config, model, num_processes, main)
+    if removed and checkpointing.unforce_reentrant(args) and main:
+        logging.getLogger("hf_grpo").info(
+            "ZeRO-3 with one process: activation checkpointing non-reentrant (TRL makes it reentrant for PEFT under "
+            "ZeRO-3, whose hooks gather parameters in the recompute; they are removed here)")
     return removed, marking

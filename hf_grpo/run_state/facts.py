@@ -24,6 +24,7 @@ class RunFacts:
     moe: bool = False  # a mixture-of-experts model (routes tokens with data-dependent shapes)
     pad_token_id: int | None = None  # the tokenizer's
     activation_checkpointing: bool = False
+    reentrant_checkpointing: bool = False  # use_reentrant=True: parameters in a checkpoint unreachable by autograd.grad
     loss_type: str = "grpo"
     max_completion_length: int = 256
     entropy_per_micro_batch: bool = False  # the entropy mask's quantile or the entropy bonus, per micro-batch

@@ -1,36 +1,32 @@
 """The training micro-batch's forward and backward replayed from CUDA graphs, one pair per shape bucket.
 
-At 0.5B on an H200 the training half of a step is bound by the host (``docs/performance.md``): a CUDA graph
-launches a whole forward or backward (checkpointing's recompute included) as one unit. One micro-batch of 8 x 640
-tokens (``bench/training_graph_probe.py``): 133-150 ms eager, 67 ms replayed, 44 ms compiled and replayed.
+At 0.5B the training half is bound by the host (``docs/performance.md``): a graph launches a whole forward or
+backward as one unit. 8 x 640 tokens on an H200: 133-150 ms eager, 67 ms replayed (``bench/training_graph_probe.py``).
 
 How (``training_cuda_graphs``, "auto" by default):
 
 * A micro-batch is brought to a static shape (``graph_inputs``): padded to a bucket, or with ``padding_free`` its
   rows packed into one sequence of a bucketed length, with the row bounds in a device tensor. Each (rows, layout,
   length, scored width) gets one forward graph and one backward graph, captured on a side stream (after an eager
-  warm-up pass for the run's first capture, and for every bucket's with compiled layers: ``WARMUP_PASSES``), with
-  the random stream restored after: at its first micro-batch, or, packed, after its first few where a captured
-  larger shape fits them (``shape_reuse``: most shapes of a short run come once or twice).
+  warm-up pass for the run's first capture, and for every bucket's with compiled layers: ``WARMUP_PASSES``), the
+  random stream restored after; packed, after its first few where a larger captured shape fits (``shape_reuse``).
 * The forward graph computes the completion's log-probs (and entropies) through the model's chunked head in its
   static-shape form (``scored_window``: a fixed number of positions, unscored ones zeroed), since selecting scored
   tokens by mask has a data-dependent size that a graph cannot hold. Padded, that is the completion window; packed,
   the scored tokens gathered in a power-of-two width. Outside the graph they go back to TRL's layout (``spread``).
-* The rollout's scoring without gradients (reference, old policy) replays forward-only graphs (``scorer``) in the
-  same static forms and head: at equal weights its log-probs are the training replay's (no KL at the first step).
-* The backward graph accumulates into the ``.grad`` tensors it was captured with (``grad_buffers``, allocated
-  once, so kept through the rollout), made the parameters' gradients again before each replay (the Trainer sets
-  them to None after a step). The replay is an autograd node of the loss: TRL's loss, the Trainer's backward and
-  the out-of-memory back-off work unchanged. Under DeepSpeed ZeRO-1/2 and DDP the node hands the buffers to
-  autograd, whose accumulation runs their reduction hooks after the replay (``Replay`` handed over, amid their
-  forward's work: ``ddp_replay``; captured through views, ``parameter_aliases``). ZeRO-3: one process (no hooks).
-* Every graph, training and scoring, shares one memory pool (they run one at a time). Between steps the pool
-  keeps what the largest bucket needs at its peak, which the rollout does not get back: checkpointed, its layer
-  inputs and one layer's recompute (0.6 GiB more reserved at the 0.5B shape of ``docs/performance.md``);
+* The rollout's no-grad scoring (reference, old policy) replays forward-only graphs in those forms (``scorer``).
+* The backward graph accumulates into the ``.grad`` tensors it was captured with (``grad_buffers``, kept through
+  the rollout), the parameters' gradients again before each replay. The replay is an autograd node of the loss:
+  TRL's loss, the Trainer's backward and the out-of-memory back-off work unchanged. Under DeepSpeed and DDP the
+  node hands the buffers to autograd, whose accumulation runs their reduction hooks after the replay (``Replay``
+  handed over, amid their forward's work: ``ddp_replay``; through views, ``parameter_aliases``). ZeRO-3: with one
+  process (no hooks), and non-reentrant checkpointing (autograd.grad reaches no parameter in a reentrant one).
+* Every graph shares one memory pool (they run one at a time), which keeps through the rollout what the largest
+  bucket needs at its peak: checkpointed, its layer inputs and a layer's recompute (0.6 GiB more reserved at 0.5B);
   without, a whole micro-batch's activations, so "auto" leaves such runs eager.
-* Graphs are dropped when a parameter moves (``weights_signature``). A failed capture (an operation that waits on
-  the host, a model a graph cannot hold, out of memory) ends a run with "on", sends one with "auto" on eagerly.
-* The device sits behind ``CudaGraphRecorder``; the tests run everything else on a CPU through an eager stand-in.
+* Graphs are dropped when a parameter moves (``weights_signature``). A failed capture (a host wait, a model a graph
+  cannot hold, out of memory) ends a run with "on", sends one with "auto" on eagerly. The device sits behind
+  ``CudaGraphRecorder``; the tests run everything else on a CPU through an eager stand-in.
 """
 
 from __future__ import annotations
@@ -80,6 +76,8 @@ def unavailable_reason(facts: RunFacts, sizes: RunSizes, chunked_head: bool = Tr
         return "FSDP gathers and reduces each layer's parameters in hooks a graph cannot hold"
     if facts.deepspeed and facts.zero3 and not facts.zero3_hooks_removed:  # (one process: no hooks, zero3_one_process)
         return "ZeRO-3 gathers each layer's parameters in hooks a graph cannot hold"
+    if facts.reentrant_checkpointing and (facts.deepspeed or facts.num_processes > 1):  # (handed over: Replay)
+        return "reentrant activation checkpointing (use_reentrant=True): its parameters' gradients are not handed over"
     if not facts.deepspeed and facts.n_gpu > 1:
         return "torch.nn.DataParallel copies the model to each GPU in every forward"
     if sizes.max_tokens_per_micro_batch is not None:
@@ -424,6 +422,8 @@ class TrainingGraphs:
                 grads = torch.autograd.grad(scored["outputs"][0], scored["views"], entry.grad_logps,
                                             allow_unused=True)
             reached = [grad is not None for grad in grads]
+            if not any(reached):  # (a reentrant checkpoint, say): a replay would hand nothing over
+                raise RuntimeError("the captured backward reaches no trained parameter")
             if self._reached is not None and reached != self._reached:
                 raise RuntimeError("a bucket's backward reaches other parameters than the first bucket's")
             self._reached = reached

@@ -97,14 +97,16 @@ def test_compiled_layers_with_packed_rows_under_zero3_train_as_eager_padded_ones
 def test_zero3_with_one_process_runs_without_its_hooks_and_trains_as_with_them(tmp_path):
     # One process: a partition holds the whole parameter, so DeepSpeed's gathering hooks are removed and every
     # parameter stays gathered (distributed.zero3_one_process). The run trains as one whose parameters DeepSpeed's
-    # hooks release between uses; compiled layers with packed rows, and micro-batches replayed (graphs, stood in on
-    # the CPU), as eager padded ones.
+    # hooks release between uses; compiled layers with packed rows, and checkpointed micro-batches replayed (graphs,
+    # stood in on the CPU), as eager padded ones. Checkpointing is non-reentrant again (TRL makes it reentrant for
+    # LoRA under ZeRO-3, where a replay's backward would reach no parameter).
     # MLP weights of 64 x 1600 elements: above DeepSpeed's own persistence threshold (1e5), so released between uses
     checkpoint = saved_checkpoint(tmp_path, intermediate_size=1600)
     result = launch("zero3", SCRIPT, tmp_path, checkpoint, "checkpointed_released", "checkpointed", "compiled",
-                    "graphs", processes=1)
+                    "graphs_checkpointed", processes=1)
     assert "ZeRO-3 with one process: DeepSpeed's" in result.stderr and "gathering hooks removed" in result.stderr
-    for variant in ("checkpointed", "compiled", "graphs"):
+    assert "activation checkpointing non-reentrant" in result.stderr
+    for variant in ("checkpointed", "compiled", "graphs_checkpointed"):
         chose = chosen(tmp_path / variant, 0)
         assert chose["zero3_hooks_removed"] is True
         persistent, total = chose["zero3_persistent"]
@@ -113,11 +115,11 @@ def test_zero3_with_one_process_runs_without_its_hooks_and_trains_as_with_them(t
     assert released["zero3_hooks_removed"] is False
     assert released["zero3_persistent"][0] < released["zero3_persistent"][1]  # DeepSpeed's threshold: small ones
     assert chosen(tmp_path / "compiled", 0)["compiled_graphs"] > 0
-    graphs = chosen(tmp_path / "graphs", 0)
+    graphs = chosen(tmp_path / "graphs_checkpointed", 0)
     assert graphs["graphs_hand_over"] is True and graphs["graphs_failure"] is None and graphs["graph_captures"] > 0
     assert_same_training(tmp_path / "checkpointed_released", tmp_path / "checkpointed")
     assert_same_training(tmp_path / "checkpointed", tmp_path / "compiled")
-    assert_same_training(tmp_path / "checkpointed_released", tmp_path / "graphs")
+    assert_same_training(tmp_path / "checkpointed_released", tmp_path / "graphs_checkpointed")
 
 
 def launch_on_gpu(monkeypatch, tmp_path, config, *variants, processes=1, **config_overrides):
@@ -169,15 +171,16 @@ def test_zero3_with_one_process_on_a_gpu_runs_without_its_hooks_and_trains_as_wi
     # The CPU test's run on the GPU (fp32): DeepSpeed's fetches and releases on their own streams where its hooks
     # are kept; without them, real CUDA-graph replays. Compiled layers are asked for and, under ZeRO-3 on a GPU, not
     # applied yet (training.compiled_layers.ZERO3_CUDA_REASON): the run trains as the eager one.
-    launch_on_gpu(monkeypatch, tmp_path, "zero3", "checkpointed_released", "checkpointed", "compiled", "graphs",
-                  intermediate_size=1600)
+    variants = ("checkpointed", "compiled", "graphs", "graphs_checkpointed")
+    launch_on_gpu(monkeypatch, tmp_path, "zero3", "checkpointed_released", *variants, intermediate_size=1600)
     assert chosen(tmp_path / "checkpointed_released", 0)["zero3_hooks_removed"] is False
-    for variant in ("checkpointed", "compiled", "graphs"):
+    for variant in variants:
         assert chosen(tmp_path / variant, 0)["zero3_hooks_removed"] is True
     assert chosen(tmp_path / "compiled", 0)["compiled_graphs"] is None
-    graphs = chosen(tmp_path / "graphs", 0)
-    assert graphs["graphs_hand_over"] is True and graphs["graphs_failure"] is None and graphs["graph_captures"] > 0
-    for variant in ("checkpointed", "compiled", "graphs"):  # GPU kernels sum in other orders
+    for variant in ("graphs", "graphs_checkpointed"):
+        graphs = chosen(tmp_path / variant, 0)
+        assert graphs["graphs_hand_over"] is True and graphs["graphs_failure"] is None and graphs["graph_captures"] > 0
+    for variant in variants:  # GPU kernels sum in other orders
         assert_same_training(tmp_path / "checkpointed_released", tmp_path / variant, rtol=1e-4)
 
 

@@ -8,7 +8,8 @@ logged losses and grad norms, its trained weights and what it chose.
 (or multi_gpu.yaml, zero3.yaml). A variant is ``padded`` (padding_free=False), ``packed`` (padding_free=True),
 ``graphs`` (padded micro-batches replayed through hf_grpo.training.graphs, "recorded" by tests/scripts/eager_recorder.py
 on the CPU) or ``graphs_all_used`` (``graphs`` with ddp_find_unused_parameters=False, where DDP then does not look
-for unused parameters; the Trainer's default for a LoRA model looks), ``checkpointed`` (padded, activation
+for unused parameters; the Trainer's default for a LoRA model looks), ``graphs_checkpointed`` (``graphs`` with
+activation checkpointing: with LoRA under ZeRO-3, TRL makes it reentrant), ``checkpointed`` (padded, activation
 checkpointing on), ``checkpointed_released`` (``checkpointed`` with DeepSpeed's ZeRO-3 hooks kept, releasing
 parameters between uses, as they do without hf_grpo.distributed.zero3_one_process) or ``compiled`` (``checkpointed`` with rows
 packed and the decoder layers compiled, compile_training="on"; on the CPU through AOTAutograd without code
@@ -84,7 +85,8 @@ def main(out_dir, checkpoint, variant):
         per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=GROUP, num_iterations=2,
         max_completion_length=6, beta=0.1, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
         save_strategy="no", logging_steps=1, disable_tqdm=True,
-        activation_checkpointing=variant in ("checkpointed", "checkpointed_released", "compiled"),
+        activation_checkpointing=variant in ("checkpointed", "checkpointed_released", "compiled",
+                                             "graphs_checkpointed"),
         compile_training="on" if variant == "compiled" else "auto",
         padding_free=variant in ("packed", "compiled"),
         training_cuda_graphs="on" if variant.startswith("graphs") else "off",
