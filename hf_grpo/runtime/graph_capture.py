@@ -8,7 +8,8 @@ May import: torch only (no backend, no model class): the callers hand in the ste
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -38,6 +39,25 @@ def deepspeed_hooks_lifted(model: torch.nn.Module):
         for hooks, original in saved:
             hooks.clear()
             hooks.update(original)
+
+
+@contextmanager
+def collection_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside the block (as it was after it): for a CUDA-graph capture.
+
+    Since torch 2.9 ``torch.cuda.graph`` no longer collects before a capture, so a collection that starts inside
+    one can destroy an earlier graph left in a reference cycle (a replaced decoder's, a dropped training bucket's)
+    or unload a compiled kernel, calls a capture forbids: the capture fails as "operation failed due to a previous
+    error during capture", at random (pytorch/pytorch#161037). What becomes garbage meanwhile waits for the next
+    collection, outside the capture.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
@@ -70,7 +90,7 @@ def capture_graph(step: Callable[[], object], model: torch.nn.Module, device: to
             step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with deepspeed_hooks_lifted(model), torch.cuda.graph(graph, stream=stream):
+    with deepspeed_hooks_lifted(model), collection_paused(), torch.cuda.graph(graph, stream=stream):
         output = step()
     return graph, output
 

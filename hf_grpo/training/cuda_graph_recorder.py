@@ -9,6 +9,8 @@ from contextlib import contextmanager
 
 import torch
 
+from ..runtime.graph_capture import collection_paused
+
 logger = logging.getLogger("hf_grpo.training.graphs")
 
 
@@ -18,7 +20,7 @@ def end_broken_capture() -> None:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
+        with collection_paused(), torch.cuda.graph(graph):
             pass
     except Exception as err:  # noqa: BLE001 - the generator's state is what matters; say so if it stays wrong
         logger.debug("an empty capture after a failed one raised %s", err)
@@ -61,7 +63,7 @@ class CudaGraphRecorder:
         # without both (capture_begin/capture_end) was timed on an H200: no faster over a run, 0.5 GiB more reserved
         # (docs/performance.md, "The capture's own cost").
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=self.stream()):
+        with collection_paused(), torch.cuda.graph(graph, pool=pool, stream=self.stream()):  # (graph_capture's why)
             outputs = fn()
         return graph.replay, outputs
 
