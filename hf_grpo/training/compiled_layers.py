@@ -1,8 +1,8 @@
 """The training forward's decoder layers compiled: one ``torch.compile`` per layer class, dynamic shapes.
 
-Measured on an H200 (``bench/phase_timer.py``, ``docs/performance.md``), a 0.5B model's training half of a GRPO step is bound by
-the host, not the GPU: the GPU is busy for about a fifth of it, and the rest is Python and kernel launches of
-eager layers (norms, rotary embeddings, activations and residual adds a few kernels each, run again by
+Measured on an H200 (``bench/phase_timer.py``, ``docs/performance.md``), a 0.5B model's training half of a GRPO step
+is bound by the host, not the GPU: the GPU is busy for about a fifth of it, and the rest is Python and kernel
+launches of eager layers (norms, rotary embeddings, activations and residual adds a few kernels each, run again by
 activation checkpointing's recompute). Compiled, each layer is a handful of fused kernels and one call.
 
 * One compile serves every layer of a class (parameters are graph inputs, as in the decode step's
@@ -267,7 +267,8 @@ def choose(setting: str, models: list[torch.nn.Module], device: torch.device, sh
             return None, reason
     elif sharded is not None:
         return None, sharding_reason(sharded)
-    elif device.type == "cuda" and any(upstream.zero3_partition(p) is not None for m in models for p in m.parameters()):
+    elif device.type == "cuda" and ZERO3_CUDA_REASON is not None and any(  # (None: lifted, bench/zero3_compile_probe)
+            upstream.zero3_partition(p) is not None for m in models for p in m.parameters()):
         return None, ZERO3_CUDA_REASON  # one process, DeepSpeed's hooks removed (distributed.zero3_one_process)
     if setting == "auto" and device.type != "cuda":
         return None, f"compile_training='auto' compiles on CUDA only (device {device.type})"
