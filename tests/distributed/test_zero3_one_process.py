@@ -1,17 +1,27 @@
 """ZeRO-3 with one process makes every parameter persistent (``distributed.zero3_one_process``): DeepSpeed's persistence
-threshold raised above the largest parameter, where that costs no memory and the user left it to DeepSpeed."""
+threshold raised above the largest parameter, where that costs no memory and the user left it to DeepSpeed; its
+hooks go, and with them TRL's reason for reentrant activation checkpointing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from hf_grpo import GRPOConfig
 from hf_grpo.distributed import zero3_one_process
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 
 def _config(**zero):
     return {"zero_optimization": {"stage": 3, **zero}}
+
+
+def _args(tmp_path, **fields):
+    """A config as TRL 1.16 leaves it for a PEFT model under ZeRO-3: ``use_reentrant`` forced to True."""
+    args = GRPOConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, **fields)
+    args.gradient_checkpointing_kwargs = args.gradient_checkpointing_kwargs or {}
+    args.gradient_checkpointing_kwargs["use_reentrant"] = True
+    return args
 
 
 def _largest(model) -> int:
@@ -74,10 +84,27 @@ def test_the_hooks_stay_elsewhere(config, processes, moe):
     assert not zero3_one_process.removes_hooks(config, num_processes=processes, moe=moe)
 
 
-def test_no_leaf_module_is_marked_where_the_hooks_go(model):
+def test_no_leaf_module_is_marked_where_the_hooks_go(model, tmp_path):
     # a leaf's gradients are reduced in a module hook that a replayed graph would not run
     config = _config()
-    removed, marking = zero3_one_process.configure(config, model, 1, "auto", main=False)
+    removed, marking = zero3_one_process.configure(config, model, 1, _args(tmp_path), main=False)
     assert removed and marking.count == 0
     assert "leaf_module" not in config["zero_optimization"]
     assert config["zero_optimization"]["stage3_param_persistence_threshold"] == _largest(model)
+
+
+def test_checkpointing_is_non_reentrant_again_where_the_hooks_go(model, tmp_path):
+    # TRL forces reentrant checkpointing for the hooks' gathers in the recompute; a replayed backward asks
+    # autograd.grad for the parameters' gradients, which reaches none inside a reentrant checkpoint
+    args = _args(tmp_path)
+    zero3_one_process.configure(_config(), model, 1, args, main=False)
+    assert args.gradient_checkpointing_kwargs["use_reentrant"] is False
+
+
+def test_reentrant_checkpointing_stays_where_the_hooks_stay_or_the_user_asked_for_it(model, tmp_path):
+    two_processes = _args(tmp_path / "two")
+    zero3_one_process.configure(_config(), model, 2, two_processes, main=False)
+    assert two_processes.gradient_checkpointing_kwargs["use_reentrant"] is True
+    asked = _args(tmp_path / "asked", gradient_checkpointing_kwargs={"use_reentrant": True})
+    zero3_one_process.configure(_config(), model, 1, asked, main=False)
+    assert asked.gradient_checkpointing_kwargs["use_reentrant"] is True

@@ -407,6 +407,31 @@ def test_a_failed_capture_mid_step_keeps_the_steps_gradients_and_lets_go_of_the_
         strict.logps(score, first[0], first[1], 9, compute_entropy=False)
 
 
+def test_a_capture_whose_handed_over_backward_reaches_no_trained_parameter_goes_on_eagerly():
+    # Reentrant checkpointing (TRL's for a PEFT model under ZeRO-3): handed over, the backward asks autograd.grad for
+    # the parameters' gradients, which reaches none inside a reentrant checkpoint. A replay would hand nothing over
+    # (DeepSpeed then refused the loss); the capture fails instead, and "auto" goes on with eager micro-batches.
+    model = build_tiny_model(build_char_tokenizer(), attn_implementation="sdpa")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    for name, param in model.named_parameters():
+        param.requires_grad_(".layers." in name)  # trained weights inside the checkpointed layers only, as LoRA's
+    model.train()
+    install_chunked_lm_head(model, temperature=0.7, chunk_rows=5, return_entropy=True)
+    graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, recorder=EagerRecorder(), hand_over=True)
+    ids, mask, _ = batch(4, prompt=13, completion=9, seed=1)
+    assert graphs.logps(windowed_score(model), ids, mask, 9, compute_entropy=False) is None
+    assert "reaches no trained parameter" in graphs.failure
+
+
+def test_reentrant_checkpointing_keeps_handed_over_micro_batches_eager():
+    handed_over = RunFacts(device_type="cuda", deepspeed=True, attention="sdpa", reentrant_checkpointing=True)
+    assert "reentrant activation checkpointing" in training_graphs.unavailable_reason(handed_over, trainer_sizes())
+    # one GPU, no DeepSpeed: the backward accumulates into .grad, which a reentrant checkpoint reaches
+    plain = dataclasses.replace(handed_over, deepspeed=False)
+    assert training_graphs.unavailable_reason(plain, trainer_sizes()) is None
+
+
 def test_the_diffusion_trainer_says_it_scores_its_own_way():
     from hf_grpo.diffusion.trainer import DiffuGRPOTrainer
 
