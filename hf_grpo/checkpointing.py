@@ -13,6 +13,7 @@ May import: nothing of ``hf_grpo``; no torch at import (``hf_grpo.config`` reads
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Collection, Iterator
 from typing import Any
 
@@ -33,7 +34,12 @@ def fill_default(config: Any) -> None:
     if getattr(config, FIELD) is None and getattr(config, ALIAS) is None:
         setattr(config, FIELD, True)
     given = getattr(config, f"{FIELD}_kwargs", None) or getattr(config, f"{ALIAS}_kwargs", None) or {}
-    config.hf_grpo_user_reentrant = given.get("use_reentrant")
+    if isinstance(given, str):  # JSON from a command line, which transformers parses after this
+        try:
+            given = json.loads(given)
+        except ValueError:
+            given = {}  # transformers names the field and the bad value
+    config.hf_grpo_user_reentrant = given.get("use_reentrant") if isinstance(given, dict) else None
 
 
 def reentrant(args: Any) -> bool:

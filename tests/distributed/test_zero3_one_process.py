@@ -105,6 +105,7 @@ def test_reentrant_checkpointing_stays_where_the_hooks_stay_or_the_user_asked_fo
     two_processes = _args(tmp_path / "two")
     zero3_one_process.configure(_config(), model, 2, two_processes, main=False)
     assert two_processes.gradient_checkpointing_kwargs["use_reentrant"] is True
-    asked = _args(tmp_path / "asked", gradient_checkpointing_kwargs={"use_reentrant": True})
-    zero3_one_process.configure(_config(), model, 1, asked, main=False)
-    assert asked.gradient_checkpointing_kwargs["use_reentrant"] is True
+    for given in ({"use_reentrant": True}, '{"use_reentrant": true}'):  # the second as a command line gives it
+        asked = _args(tmp_path / "asked", gradient_checkpointing_kwargs=given)
+        zero3_one_process.configure(_config(), model, 1, asked, main=False)
+        assert asked.gradient_checkpointing_kwargs["use_reentrant"] is True
