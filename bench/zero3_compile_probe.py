@@ -41,6 +41,7 @@ from hf_grpo.training import compiled_layers, lora_forward  # noqa: E402
 CONFIG, TRAINER = exactness.GRPOConfig, exactness.GRPOTrainer
 LAYERS_INIT, RECOMPUTE_AVAILABLE = compiled_layers.CompiledTrainingLayers.__init__, \
     compiled_layers.compiler_checkpointing_available
+HOOKS = os.environ.get("PROBE_HOOKS", "keep")  # "remove": the one-process run as it is, without DeepSpeed's hooks
 # variant: (the script's own variant, config fields changed, compile backend, fused LoRA forced, compiler's recompute)
 VARIANTS = {
     "eager_packed": ("packed", {}, None, False, True),
@@ -70,7 +71,7 @@ def run_variant(out: str, checkpoint: str, variant: str):
                     param.register_hook(lambda g, name=name: grads[name].append(g.float().norm().item()) or None)
 
     compiled_layers.ZERO3_CUDA_REASON = None  # lifted: what the refusal guards against is measured here
-    if os.environ.get("PROBE_HOOKS", "keep") == "keep":
+    if HOOKS == "keep":
         zero3_one_process.removes_hooks = lambda *args, **kwargs: False  # the hooks kept, as with several processes
     compiled_layers.CompiledTrainingLayers.__init__ = (functools.partialmethod(LAYERS_INIT, backend=backend)
                                                        if backend else LAYERS_INIT)
@@ -86,7 +87,7 @@ def summary(out: str, variant: str, grads: dict, reference: tuple[str, dict] | N
     logged = json.load(open(os.path.join(out, variant, "logged.json")))
     chosen = json.load(open(os.path.join(out, variant, "chosen_rank0.json")))
     row = dict(bench="zero3_compile_probe", variant=variant, compiled_graphs=chosen["compiled_graphs"],
-               zero3_hooks=os.environ.get("PROBE_HOOKS", "keep"),
+               zero3_hooks=HOOKS,
                zero3_persistent=chosen.get("zero3_persistent"),  # [kept gathered, of all parameters]
                grad_norm=[r["grad_norm"] for r in logged], loss=[r["loss"] for r in logged])
     if reference is not None:
@@ -106,8 +107,8 @@ def main() -> None:
     unknown = [v for v in variants if v not in VARIANTS]
     if not variants or unknown:
         raise SystemExit(f"variants must be some of {sorted(VARIANTS)}, got {variants}")
-    if os.environ.get("PROBE_HOOKS", "keep") not in ("keep", "remove"):
-        raise SystemExit(f"PROBE_HOOKS must be 'keep' or 'remove', got {os.environ['PROBE_HOOKS']!r}")
+    if HOOKS not in ("keep", "remove"):
+        raise SystemExit(f"PROBE_HOOKS must be 'keep' or 'remove', got {HOOKS!r}")
     reference = None
     for index, variant in enumerate(variants):
         trainer, grads = run_variant(out, checkpoint, variant)
