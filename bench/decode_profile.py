@@ -13,6 +13,9 @@ rollout (compile + capture, timed as ``first_call_s``), then:
   GPU time, and the top ones by time with their share. ``kernels_per_layer`` divides by the layers.
 * ``floor``: the time to read the weights and the rows' filled caches (prompt + completion) once at the
   copy bandwidth measured in the same run, and ``replay_ms`` over it.
+* ``rollout_floor`` (with ``--rollout-timeline``): what the run's decode efficiency counts, a step reading the layers'
+  and the head's weights (not the input embeddings) and each row's cache at the rollout's mean fill, and
+  ``of_copy_bandwidth``: that floor over the timeline's mean replay.
 * ``rollout_profile`` (with ``--rollout-profile``): one whole warm rollout under the profiler (the
   replays' kernels included): per generated token, its wall time, the GPU time its kernels took, the
   difference (the GPU idle or waiting on the host), and the top kernels by time per token. This is
@@ -155,12 +158,18 @@ def main(argv=None) -> int:
                         help="also profile one whole warm rollout (kernel time per token, GPU idle per token)")
     parser.add_argument("--rollout-timeline", action="store_true",
                         help="also time one whole warm rollout with CUDA events (prefill, replays, gaps), no profiler")
+    parser.add_argument("--pdl", choices=["on", "off"], default="on",
+                        help="the backend's overlap_launches (programmatic dependent launch, Hopper)")
+    parser.add_argument("--blas", choices=["default", "cublaslt"], default="default",
+                        help="torch.backends.cuda.preferred_blas_library for the whole process")
     parser.add_argument("--label", default=None, help="a name for this variant, kept in the row")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("decode_profile needs a CUDA device")
 
+    if args.blas != "default":
+        torch.backends.cuda.preferred_blas_library(args.blas)
     tokenizer = build_tokenizer()
     model = build_model(args.shape, tokenizer).eval()
     packed_groups = 0
@@ -170,7 +179,7 @@ def main(argv=None) -> int:
     fuse = () if args.fuse == "none" else tuple(args.fuse.split(","))
     extra = {} if args.attention is None else {"decode_attention": args.attention}
     backend = CudaGraphBackend(compile=args.compile == "on", compile_scope=args.compile_scope, fuse_projections=fuse,
-                               **extra)
+                               overlap_launches=args.pdl == "on", **extra)
     gc = trl_like_generation_config(args.completion_len)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(2, VOCAB, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
@@ -249,6 +258,7 @@ def main(argv=None) -> int:
         "inductor_env": {key: value for key, value in sorted(os.environ.items()) if key.startswith("TORCHINDUCTOR_")},
         "shape": args.shape, "batch": args.batch, "prompt_len": args.prompt_len, "cache_len": decoder.cache_len,
         "compile": args.compile, "compile_scope": args.compile_scope, "fuse": args.fuse, "packed_groups": packed_groups,
+        "pdl": args.pdl, "pdl_codegen": decoder.pdl_codegen, "blas": args.blas,
         "fused_parts": decoder.fused.parts() if decoder.fused is not None else {},
         "first_call_s": round(first_call_s, 2), "replay_ms": round(replay_ms, 3),
         "decode_attention": decoder.decode_attention,  # as the decoder resolved the backend's setting
@@ -273,6 +283,17 @@ def main(argv=None) -> int:
     record["floor"] = {"copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "weights_gb": round(weight_bytes / 1e9, 2),
                        "filled_cache_gb": round(cache_bytes / 1e9, 2), "floor_ms": round(floor_ms, 3),
                        "replay_over_floor": round(replay_ms / floor_ms, 3)}
+    if timeline_record is not None:
+        # What the run's decode efficiency counts: the layers' and the head's weights (not the input embeddings, of
+        # which a step reads 32 rows) and each row's cache as it fills, at the rollout's mean fill.
+        embedding = model.get_input_embeddings().weight
+        tied = embedding is model.get_output_embeddings().weight
+        read = weight_bytes - (0 if tied else embedding.numel() * embedding.element_size())
+        mean_cache = args.batch * (args.prompt_len + args.completion_len / 2) * cache_bytes_per_position(model.config)
+        mean_floor_ms = (read + mean_cache) / bandwidth * 1e3
+        record["rollout_floor"] = {"weights_read_gb": round(read / 1e9, 2), "mean_cache_gb": round(mean_cache / 1e9, 2),
+                                   "floor_ms": round(mean_floor_ms, 3),
+                                   "of_copy_bandwidth": round(mean_floor_ms / timeline_record["replay_ms_mean"], 4)}
     record = with_provenance(record)
     print(json.dumps(record))
     if args.out:

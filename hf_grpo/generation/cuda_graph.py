@@ -80,6 +80,7 @@ from .base import (
 )
 from .fused_projections import validate_parts
 from .hf import HFGenerateBackend
+from . import launch_overlap
 from .sampling import SamplingSettings, effective_generation_config, unsupported_generation_setting
 from .attention_routing import GQA_DECODE_ATTENTION
 from ..memory.decode_sizes import cache_len_ladder, cache_positions
@@ -158,6 +159,8 @@ class CudaGraphBackend(GenerationBackend):
             while a decoder lives) and "gate_up" (about two thirds of the MLP weights' memory), or ().
             Unless it is (), groups whose weights lie side by side (a LoRA policy's, ``packed_weights``)
             are fused too, as views at no cost.
+        overlap_launches: compile the decode step's kernels with programmatic dependent launch where the GPU and
+            torch have it (Hopper; ``launch_overlap``): each small kernel starts while the one before it ends.
     """
 
     name = "cuda_graph"
@@ -173,6 +176,7 @@ class CudaGraphBackend(GenerationBackend):
         compile_scope: str = "layers",
         decode_attention: str = "filled",
         fuse_projections: tuple[str, ...] = ("qkv",),
+        overlap_launches: bool = True,
     ) -> None:
         if check_every < 1:
             raise ValueError(f"check_every must be >= 1, got {check_every}")
@@ -197,8 +201,10 @@ class CudaGraphBackend(GenerationBackend):
             )
         self.decode_attention = decode_attention
         self.fuse_projections = validate_parts(fuse_projections)
+        self.overlap_launches = overlap_launches
         self._compiled_fn = None
         self._compiled_select = None
+        self._compile_options: dict | None = None  # torch.compile's, set at the first compile (launch_overlap)
         self.compile_error: str | None = None  # why compiling failed, once it has
         self._entries: OrderedDict[tuple, StaticDecoder] = OrderedDict()
         self._fallback = HFGenerateBackend()
@@ -411,10 +417,13 @@ class CudaGraphBackend(GenerationBackend):
             self.num_compiles += 1
             self._warn_past_recompile_limit()
         if self._compiled_select is None:
-            self._compiled_select = torch.compile(
-                take_next_tokens, dynamic=False, backend=self._compiled_layers.backend
-            )
-        step = {"compiled_select": self._compiled_select}
+            backend = self._compiled_layers.backend
+            self._compile_options = launch_overlap.compile_options(backend, model_device(model)) if (
+                self.overlap_launches) else None
+            self._compiled_layers.options = self._compile_options
+            self._compiled_select = torch.compile(take_next_tokens, dynamic=False, backend=backend,
+                                                  options=self._compile_options)
+        step = {"compiled_select": self._compiled_select, "pdl_codegen": self._compile_options is not None}
         if self.compile_scope == "layers":
             reason = CompiledLayers.unavailable_reason(base_model(model))
             if reason is None:
@@ -425,7 +434,7 @@ class CudaGraphBackend(GenerationBackend):
         if self._compiled_fn is None:
             # Shapes are fixed per decoder (batch, cache length), so no dynamic shapes; the ladder
             # (or one reserved length) keeps the number of shapes, and so of recompiles, small.
-            self._compiled_fn = torch.compile(last_logits, dynamic=False)
+            self._compiled_fn = torch.compile(last_logits, dynamic=False, options=self._compile_options)
         return {**step, "compiled_forward": self._compiled_fn}
 
     def _warn_past_recompile_limit(self) -> None:

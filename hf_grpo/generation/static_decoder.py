@@ -46,7 +46,7 @@ from ..memory.decode_sizes import prefill_pieces
 from ..runtime.graph_capture import capture_graph
 from ..runtime.model_wrappers import base_model
 from ..runtime.regional_compile import CompiledLayers
-from . import filled_attention, fused_norms, shared_prefill
+from . import filled_attention, fused_norms, launch_overlap, shared_prefill
 from .attention_routing import decode_attention, is_sdpa, prefill_keys
 from .base import model_device
 from .fused_projections import FusedProjections
@@ -122,6 +122,8 @@ class StaticDecoder:
         fuse_projections: parts of ``fused_projections.PARTS`` to fuse in the captured step ("qkv",
             "gate_up"); the fused copies cost about that share of the weights' memory while the decoder lives.
             Unless it is empty, groups already side by side (``packed_weights``) are fused as views, at no cost.
+        pdl_codegen: the compiled functions were made with PDL (``launch_overlap``): their compile, at the first
+            capture, runs under ``launch_overlap.codegen_waits_first``.
     """
 
     def __init__(
@@ -136,6 +138,7 @@ class StaticDecoder:
         decode_attention: str | None = None,
         compiled_select: Callable | None = None,
         fuse_projections: tuple[str, ...] = (),
+        pdl_codegen: bool = False,
     ) -> None:
         device = model_device(model)
         base = base_model(model)
@@ -145,6 +148,7 @@ class StaticDecoder:
         self.sampling = sampling
         self.compiled_forward = compiled_forward
         self.compiled_layers = compiled_layers
+        self.pdl_codegen = pdl_codegen
         self.compile_error: str | None = None  # why compiling failed, once it has
         if decode_attention == "filled" and not filled_attention.serves(batch, kv_heads(base.config), device, cache_len):
             decode_attention = "matmul"  # too few rows and too short a cache to fill the GPU with the kernel's programs
@@ -375,7 +379,11 @@ class StaticDecoder:
             yield
 
     def _capture(self, model) -> None:
-        """Warm up the decode step on a side stream, then capture it (the state it leaves is reset after)."""
+        """Compile and warm up the decode step, then capture it (the state it leaves is reset after)."""
+        with launch_overlap.codegen_waits_first() if self.pdl_codegen else contextlib.nullcontext():
+            self._compile_and_capture(model)
+
+    def _compile_and_capture(self, model) -> None:
         if self.compiles:
             try:  # the first call compiles; do it outside the capture
                 with self._compiled_step(model):

@@ -88,8 +88,9 @@ class CompiledLayers:
     more compile of one layer.
     """
 
-    def __init__(self, backend: str | object = "inductor") -> None:
+    def __init__(self, backend: str | object = "inductor", options: dict | None = None) -> None:
         self.backend = backend  # torch.compile's backend (tests count graphs through their own)
+        self.options = options  # torch.compile's options, read at each class's first compile
         self._compiled: dict[type, object] = {}
 
     @staticmethod
@@ -107,7 +108,8 @@ class CompiledLayers:
     def compiled_forward(self, layer: torch.nn.Module):
         cls = type(layer)
         if cls not in self._compiled:
-            self._compiled[cls] = torch.compile(cls.forward, backend=self.backend, dynamic=False)
+            self._compiled[cls] = torch.compile(cls.forward, backend=self.backend, dynamic=False,
+                                                options=self.options)
         return self._compiled[cls]
 
     @contextmanager

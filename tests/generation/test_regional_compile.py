@@ -152,13 +152,16 @@ def test_lora_layers_share_one_graph_too(tokenizer):
 def test_a_layer_with_a_replaced_forward_is_compiled_whole(tokenizer):
     model = _model(tokenizer)
     backend = CudaGraphBackend(compile=True)
-    assert set(backend._compiled_step(model, 3, 32, torch.float32)) == {"compiled_layers", "compiled_select"}
+    step = backend._compiled_step(model, 3, 32, torch.float32)
+    assert set(step) == {"compiled_layers", "compiled_select", "pdl_codegen"}
+    assert step["pdl_codegen"] is False  # a CPU model: no programmatic dependent launch
 
     layer = decoder_layers(model)[2]
     layer.forward = lambda *args, **kwargs: type(layer).forward(layer, *args, **kwargs)  # an offloading hook, say
     assert "replaced" in CompiledLayers.unavailable_reason(model)
     fresh = CudaGraphBackend(compile=True)
-    assert set(fresh._compiled_step(model, 3, 32, torch.float32)) == {"compiled_forward", "compiled_select"}
+    assert set(fresh._compiled_step(model, 3, 32, torch.float32)) == {"compiled_forward", "compiled_select",
+                                                                       "pdl_codegen"}
     assert fresh.num_compiles == 1
 
 
