@@ -320,18 +320,18 @@ class TrainingGraphs:
     def _reached_params(self, tensors: list) -> list:
         return [tensor for tensor, reached in zip(tensors, self._reached) if reached]
 
-    def give_up(self, reason: str) -> None:
+    def give_up(self, reason: str, err: Exception | None = None) -> None:
         self.failure = reason
         self._recover()
         logger.warning("training_cuda_graphs: capturing the training step failed (%s); the run goes on with "
-                       "eager micro-batches (training_cuda_graphs='off' skips the attempt)", reason)
+                       "eager micro-batches (training_cuda_graphs='off' skips the attempt)", reason, exc_info=err)
 
     def _failed(self, err: Exception) -> None:
         """A capture failed: raise it again with "on"; with "auto" give graphs up for the rest of the run."""
         if not self.eager_on_failure:
             self._recover()
             raise err
-        self.give_up(f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}")
+        self.give_up(f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}", err)
 
     def _recover(self) -> None:
         """After a failed capture: no graphs (their pool and, once the Trainer lets go of them, the gradient
