@@ -27,6 +27,20 @@ def end_broken_capture() -> None:
     del graph
 
 
+def first_of_each_shape(params: list[torch.Tensor], most: int = 1 << 27) -> list[int]:
+    """The index of the first of ``params`` of each shape and dtype, none over ``most`` elements (an embedding's or
+    a head's gradient would be a second copy of a large table); the last where none is that small.
+
+    A later bucket's warm-up asks for these gradients only: every weight-gradient product's shape then runs once at
+    the bucket's size before its capture. A kernel first launched inside a capture (cuBLAS picks another for a
+    longer product) is first loaded there, and that is what the capture must not do."""
+    firsts: dict[tuple, int] = {}
+    for index, param in enumerate(params):
+        if param.numel() <= most:
+            firsts.setdefault((tuple(param.shape), param.dtype), index)
+    return sorted(firsts.values()) or [len(params) - 1]
+
+
 class CudaGraphRecorder:
     """What ``TrainingGraphs`` asks of the device: record a function once, replay it. (A test stands in an eager
     recorder with the same interface, to run the rest on a CPU.)"""

@@ -42,7 +42,7 @@ from ..distributed import ddp_replay
 from ..run_state import RunDecisions, RunFacts, RunSizes
 from ..runtime.graph_capture import weights_signature
 from . import eager_packing, graph_inputs, padding_free, rank_shapes, shape_reuse
-from .cuda_graph_recorder import CudaGraphRecorder
+from .cuda_graph_recorder import CudaGraphRecorder, first_of_each_shape
 from .graph_buckets import Bucket, Replay, chunked_scoring
 from .parameter_aliases import ParameterAliases
 from .shape_reuse import Shape
@@ -347,12 +347,11 @@ class TrainingGraphs:
 
     # ---- capture ---------------------------------------------------------------------------------------------
     def _warm_up(self, score: Callable, entry: Bucket, window: int) -> None:
-        """Eager passes before a capture. The run's first computes every gradient (nothing is accumulated yet);
-        a later one, mid-step, would need a second set of gradients beside the step's own, so its backward asks
-        only for an early small parameter's (through every layer, without the weight gradients)."""
+        """Eager passes before a capture: the run's first computes every gradient (nothing is accumulated yet); a
+        later one, mid-step, only the first parameter's of each shape (``first_of_each_shape``)."""
         first = "train" not in self._warmed
         self._warmed.add("train")
-        early = next((i for i, p in enumerate(self.params) if p.numel() <= 1 << 24), len(self.params) - 1)
+        some = first_of_each_shape(self.params)
         for _ in range(self.warmup_passes[0 if first else 1]):
             # handed over, as the capture runs: through views, never a backward into DeepSpeed's .grad and hooks
             with self._aliases.swapped() if self.hand_over else nullcontext(self.params) as targets:
@@ -364,7 +363,8 @@ class TrainingGraphs:
                     for param in self.params:
                         param.grad = None
                 else:
-                    torch.autograd.grad(logps.sum(), targets if first else [targets[early]], allow_unused=True)
+                    torch.autograd.grad(logps.sum(), targets if first else [targets[i] for i in some],
+                                        allow_unused=True)
 
     @contextmanager
     def _random_stream_kept(self) -> Iterator[None]:
