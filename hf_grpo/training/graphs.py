@@ -51,9 +51,9 @@ logger = logging.getLogger(__name__)
 
 SETTINGS = ("auto", "on", "off")
 # Eager passes on the capture stream before a capture (the run's first, a later bucket's): the first loads the
-# kernels and sets up cuBLAS for the stream. Eager layers need no more for another shape (a later pass cost 0.25 s
-# and 0.6 GiB of peak); compiled layers may compile or tune again for a new shape, impossible inside a capture.
-WARMUP_PASSES = {"eager": (1, 0), "compiled": (2, 1)}
+# kernels and sets up cuBLAS for the stream. A new shape may take kernels not yet loaded (cuBLAS picks by size), and
+# a first load inside a capture ends it, so every bucket gets one (compiled layers may also compile again).
+WARMUP_PASSES = {"eager": (1, 1), "compiled": (2, 1)}
 # Captured shapes kept per table (training, scoring), the least recently used dropped beyond: packed rows meet ~30
 # shapes at prompts of 32-384 tokens, ~100 at 64-1024 (95% of micro-batches in the 64 most used); each is small.
 MAX_BUCKETS = 64

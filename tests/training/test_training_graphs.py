@@ -17,6 +17,7 @@ from hf_grpo.training import graphs as training_graphs
 
 from tests.project_files import load_bench
 from tests.scripts.eager_recorder import EagerRecorder
+from hf_grpo.training.cuda_graph_recorder import first_of_each_shape
 from tests.training.test_training_compile import batch
 from tests.tolerances import backward_terms, reordered
 
@@ -274,6 +275,35 @@ def trainer_sizes(**sizes):
     values = dict(per_device_train_batch_size=2, gradient_accumulation_steps=1, steps_per_generation=1,
                   per_device_generation_batch_size=None, tensor_batch_size=None, max_tokens_per_micro_batch=None)
     return RunSizes(**{**values, **sizes})
+
+
+def test_first_of_each_shape_names_one_parameter_a_shape_and_skips_large_tables():
+    params = [torch.zeros(300, 8), torch.zeros(4, 8), torch.zeros(4, 8), torch.zeros(8, 4), torch.zeros(4, 8,
+              dtype=torch.float64), torch.zeros(8)]
+    assert first_of_each_shape(params, most=1000) == [1, 3, 4, 5]  # 300 x 8 is past most; one (4, 8) a dtype
+    assert first_of_each_shape(params[:1], most=10) == [0]  # none small enough: the last, as before
+
+
+def test_a_later_buckets_warm_up_runs_a_gradient_of_every_shape_before_its_capture(monkeypatch):
+    # A weight-gradient product first run inside a capture loads its kernel there, which ends the capture (seen
+    # at a 1.5B run's fourth step, a longer bucket). A later bucket's warm-up asks for one gradient of each shape.
+    model = checkpointed_model()
+    graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, recorder=EagerRecorder(), hand_over=True)
+    asked = []
+    grad = torch.autograd.grad
+
+    def spy(outputs, inputs, *args, **kwargs):
+        asked.append([tuple(t.shape) for t in inputs])
+        return grad(outputs, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+    score = windowed_score(model)
+    for ids, mask, _ in [batch(4, prompt=13, completion=9, seed=1), batch(4, prompt=80, completion=9, seed=2)]:
+        graphs.logps(score, ids, mask, 9, compute_entropy=False)[0].sum().backward()
+    assert graphs.failure is None and graphs.captures == 2
+    shapes = {tuple(p.shape) for p in graphs.params}
+    partial = [call for call in asked if len(call) < len(graphs.params)]
+    assert partial and all(sorted(call) == sorted(shapes) for call in partial)  # every shape, once
 
 
 def test_a_cpu_run_says_why_no_graphs(tmp_path, caplog):
