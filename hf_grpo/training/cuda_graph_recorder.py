@@ -6,12 +6,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 
 from ..runtime.graph_capture import collection_paused
 
 logger = logging.getLogger("hf_grpo.training.graphs")
+T = TypeVar("T")
 
 
 def end_broken_capture() -> None:
@@ -25,6 +27,28 @@ def end_broken_capture() -> None:
     except Exception as err:  # noqa: BLE001 - the generator's state is what matters; say so if it stays wrong
         logger.debug("an empty capture after a failed one raised %s", err)
     del graph
+
+
+def capture_twice(capture: Callable[[bool], T], recover: Callable[[], None],
+                  failed: Callable[[Exception], None]) -> T | None:
+    """``capture(warm)``, and after a failure ``recover()`` and once more with an eager pass first (``warm``); where
+    that fails too, ``failed(error)`` (which gives graphs up, or raises) and None.
+
+    Why: on an H100 a 1.5B run's first capture of a longer bucket, at its fourth step, failed with "operation failed
+    due to a previous error during capture" under ZeRO-2 and ZeRO-3 alike, in two calls (not on another host).
+    Something inside the capture ended it without an error of its own: a kernel first loaded there, or another
+    thread's call that a capture forbids. Given up for good, the run's training half doubled for every later step;
+    a second attempt, the kernel loaded, the moment passed, costs one eager pass and the graphs captured so far."""
+    try:
+        return capture(False)
+    except Exception as err:  # noqa: BLE001 - whatever the cause, one more attempt
+        logger.info("training_cuda_graphs: a capture failed (%s); trying once more", err, exc_info=err)
+        recover()
+    try:
+        return capture(True)
+    except Exception as err:  # noqa: BLE001 - the caller decides: eager from now on ("auto"), or raised ("on")
+        failed(err)
+        return None
 
 
 def first_of_each_shape(params: list[torch.Tensor], most: int = 1 << 27) -> list[int]:

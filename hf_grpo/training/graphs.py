@@ -24,8 +24,8 @@ How (``training_cuda_graphs``, "auto" by default):
 * Every graph shares one memory pool (they run one at a time), which keeps through the rollout what the largest
   bucket needs at its peak: checkpointed, its layer inputs and a layer's recompute (0.6 GiB more reserved at 0.5B);
   without, a whole micro-batch's activations, so "auto" leaves such runs eager.
-* Graphs are dropped when a parameter moves (``weights_signature``). A failed capture (a host wait, a model a graph
-  cannot hold, out of memory) ends a run with "on", sends one with "auto" on eagerly. The device sits behind
+* Graphs are dropped when a parameter moves (``weights_signature``). A capture that fails twice (a host wait, a model
+  a graph cannot hold, out of memory) ends a run with "on", sends one with "auto" on eagerly. The device sits behind
   ``CudaGraphRecorder``; the tests run everything else on a CPU through an eager stand-in.
 """
 
@@ -42,7 +42,7 @@ from ..distributed import ddp_replay
 from ..run_state import RunDecisions, RunFacts, RunSizes
 from ..runtime.graph_capture import weights_signature
 from . import eager_packing, graph_inputs, padding_free, rank_shapes, shape_reuse
-from .cuda_graph_recorder import CudaGraphRecorder, first_of_each_shape
+from .cuda_graph_recorder import CudaGraphRecorder, capture_twice, first_of_each_shape
 from .graph_buckets import Bucket, Replay, chunked_scoring
 from .parameter_aliases import ParameterAliases
 from .shape_reuse import Shape
@@ -51,9 +51,10 @@ logger = logging.getLogger(__name__)
 
 SETTINGS = ("auto", "on", "off")
 # Eager passes on the capture stream before a capture (the run's first, a later bucket's): the first loads the
-# kernels and sets up cuBLAS for the stream. A new shape may take kernels not yet loaded (cuBLAS picks by size), and
-# a first load inside a capture ends it, so every bucket gets one (compiled layers may also compile again).
-WARMUP_PASSES = {"eager": (1, 1), "compiled": (2, 1)}
+# kernels and sets up cuBLAS for the stream. Eager layers need no more for another shape (a later pass cost 0.25 s
+# and 0.6 GiB of peak); compiled layers may compile or tune again for a new shape, impossible inside a capture. A
+# capture that fails is tried once more after an eager pass (``capture_twice``).
+WARMUP_PASSES = {"eager": (1, 0), "compiled": (2, 1)}
 # Captured shapes kept per table (training, scoring), the least recently used dropped beyond: packed rows meet ~30
 # shapes at prompts of 32-384 tokens, ~100 at 64-1024 (95% of micro-batches in the 64 most used); each is small.
 MAX_BUCKETS = 64
@@ -235,10 +236,9 @@ class TrainingGraphs:
         shape = Shape(rows, *batch.key, batch.window, compute_entropy)
         entry = self._entries.get(shape)
         if entry is None:
-            try:
-                entry = self._capture(score, batch.inputs, batch.window, shape)
-            except Exception as err:  # noqa: BLE001 - any capture failure: eager for the rest of the run ("auto")
-                self._failed(err)
+            entry = capture_twice(lambda warm: self._capture(score, batch.inputs, batch.window, shape, warm),
+                                  self._recover, self._failed)
+            if entry is None:  # eager for the rest of the run ("auto")
                 return None
         else:
             self._entries.move_to_end(shape)
@@ -270,10 +270,9 @@ class TrainingGraphs:
                 return score(batch.inputs, batch.window)
             entry = self._scoring.get(key)
             if entry is None:
-                try:
-                    entry = self._capture_scoring(score, batch.inputs, batch.window, key)
-                except Exception as err:  # noqa: BLE001 - as a training capture's failure
-                    self._failed(err)
+                entry = capture_twice(lambda warm: self._capture_scoring(score, batch.inputs, batch.window, key, warm),
+                                      self._recover, self._failed)
+                if entry is None:
                     return score(batch.inputs, batch.window)
             else:
                 self._scoring.move_to_end(key)
@@ -346,13 +345,13 @@ class TrainingGraphs:
             self._rng_before_capture = None
 
     # ---- capture ---------------------------------------------------------------------------------------------
-    def _warm_up(self, score: Callable, entry: Bucket, window: int) -> None:
+    def _warm_up(self, score: Callable, entry: Bucket, window: int, warm: bool) -> None:
         """Eager passes before a capture: the run's first computes every gradient (nothing is accumulated yet); a
         later one, mid-step, only the first parameter's of each shape (``first_of_each_shape``)."""
         first = "train" not in self._warmed
         self._warmed.add("train")
         some = first_of_each_shape(self.params)
-        for _ in range(self.warmup_passes[0 if first else 1]):
+        for _ in range(max(self.warmup_passes[0 if first else 1], int(warm))):
             # handed over, as the capture runs: through views, never a backward into DeepSpeed's .grad and hooks
             with self._aliases.swapped() if self.hand_over else nullcontext(self.params) as targets:
                 logps, _ = score(entry.inputs, window)
@@ -382,11 +381,11 @@ class TrainingGraphs:
             table.popitem(last=False)
         return entry
 
-    def _capture_scoring(self, score: Callable, inputs: dict, window: int, key: tuple) -> Bucket:
+    def _capture_scoring(self, score: Callable, inputs: dict, window: int, key: tuple, warm: bool) -> Bucket:
         entry = Bucket(inputs)
         if self._pool is None:
             self._pool = self.recorder.new_pool()
-        passes = self.warmup_passes[1 if "score" in self._warmed else 0]
+        passes = max(self.warmup_passes[1 if "score" in self._warmed else 0], int(warm))
         self._warmed.add("score")
         with self._random_stream_kept():
             with self.recorder.side_stream():
@@ -396,7 +395,7 @@ class TrainingGraphs:
                 lambda: score(entry.inputs, window), self._pool)
         return self._kept(self._scoring, key, entry)
 
-    def _capture(self, score: Callable, inputs: dict, window: int, shape: tuple) -> Bucket:
+    def _capture(self, score: Callable, inputs: dict, window: int, shape: tuple, warm: bool) -> Bucket:
         recorder = self.recorder
         if self.grad_buffers is None:
             self.grad_buffers = [torch.zeros_like(p) for p in self.params]
@@ -434,7 +433,7 @@ class TrainingGraphs:
         with self._random_stream_kept():
             try:
                 with recorder.side_stream():
-                    self._warm_up(score, entry, window)
+                    self._warm_up(score, entry, window, warm)
                 if not self.hand_over:
                     for param, buffer in zip(self.params, self.grad_buffers):
                         param.grad = buffer  # the backward graph accumulates into these addresses
