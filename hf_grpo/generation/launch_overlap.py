@@ -4,7 +4,7 @@ At 32 rows of a 7B model a decode step runs about 16 kernels a layer, of which t
 nearly all the bytes; the other ten or so each do a few kilobytes of work, so their launch and ramp-up are most of
 their time. On Hopper (compute capability 9), inductor can launch its Triton kernels with PDL: a kernel is
 scheduled while the one before it runs, and waits (``gdc_wait``) inside for that one's writes. In a captured 7B decode
-step this took 2.4% off a replay (H100, ``bench/results/decode_launch_overlap_h100_7b.jsonl``).
+step this took 2.1% off a replay (H100, ``bench/results/decode_launch_overlap_h100_7b.jsonl``).
 
 Inductor's own placement of the wait (``triton.enable_pdl``) is lazy: a kernel waits before its first access to a
 buffer the kernel just before it wrote or read, and otherwise only after its first load. A kernel that never loads
@@ -45,7 +45,8 @@ def unavailable_reason(device: torch.device) -> str | None:
     if not hasattr(config.triton, "enable_pdl") or not hasattr(TritonKernel, "_handle_pdl_before_access"):
         return f"torch {torch.__version__}'s inductor has no PDL code generation to make wait first"
     if config.post_grad_custom_pre_pass is not None:
-        return "a post-grad custom pass is set (torch._inductor.config.post_grad_custom_pre_pass), which the cache key needs"
+        return ("a post-grad custom pass is set (torch._inductor.config.post_grad_custom_pre_pass): the waiting rule's "
+                "cache key takes its place")
     return None
 
 

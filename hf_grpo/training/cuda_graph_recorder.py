@@ -37,8 +37,9 @@ def capture_twice(capture: Callable[[bool], T], recover: Callable[[], None],
     Why: on an H100 a 1.5B run's first capture of a longer bucket, at its fourth step, failed with "operation failed
     due to a previous error during capture" under ZeRO-2 and ZeRO-3 alike, in two calls (not on another host).
     Something inside the capture ended it without an error of its own: a kernel first loaded there, or another
-    thread's call that a capture forbids. Given up for good, the run's training half doubled for every later step;
-    a second attempt, the kernel loaded, the moment passed, costs one eager pass and the graphs captured so far."""
+    thread's call that a capture forbids. Given up for good, the run's training half doubled for every later step.
+    A second attempt finds the kernel loaded, or the other call gone; it costs one eager pass, and the graphs
+    captured so far, let go by ``recover``, are captured again when next met."""
     try:
         return capture(False)
     except Exception as err:  # noqa: BLE001 - whatever the cause, one more attempt
@@ -55,9 +56,9 @@ def first_of_each_shape(params: list[torch.Tensor], most: int = 1 << 27) -> list
     """The index of the first of ``params`` of each shape and dtype, none over ``most`` elements (an embedding's or
     a head's gradient would be a second copy of a large table); the last where none is that small.
 
-    A later bucket's warm-up asks for these gradients only: every weight-gradient product's shape then runs once at
-    the bucket's size before its capture. A kernel first launched inside a capture (cuBLAS picks another for a
-    longer product) is first loaded there, and that is what the capture must not do."""
+    A warm-up mid-step (a compiled layer's later bucket, a capture's second attempt) asks for these gradients only:
+    every weight-gradient product's shape then runs once at the bucket's size before the capture, without a second
+    set of gradients. A kernel first launched inside a capture (cuBLAS picks kernels by size) is first loaded there."""
     firsts: dict[tuple, int] = {}
     for index, param in enumerate(params):
         if param.numel() <= most:
