@@ -34,14 +34,13 @@ Prints one JSON object; ``--out FILE`` appends it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance.py
-from provenance import with_provenance  # noqa: E402
+from provenance import emit, with_provenance  # noqa: E402
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -294,11 +293,7 @@ def main(argv=None) -> int:
         record["rollout_floor"] = {"weights_read_gb": round(read / 1e9, 2), "mean_cache_gb": round(mean_cache / 1e9, 2),
                                    "floor_ms": round(mean_floor_ms, 3),
                                    "of_copy_bandwidth": round(mean_floor_ms / timeline_record["replay_ms_mean"], 4)}
-    record = with_provenance(record)
-    print(json.dumps(record))
-    if args.out:
-        with open(args.out, "a") as fh:
-            fh.write(json.dumps(record) + "\n")
+    emit(with_provenance(record), args.out)
     return 0
 
 

@@ -61,3 +61,14 @@ def bytecode() -> str:
 def with_provenance(record: dict) -> dict:
     """``record`` with the provenance fields it does not set itself (a script's own ``gpu`` wins)."""
     return {**record, **{key: value for key, value in provenance().items() if key not in record}}
+
+
+def emit(record: dict, out: str | None) -> None:
+    """Print ``record`` as one JSON line, and append it to ``out`` where given."""
+    import json
+
+    line = json.dumps(record)
+    print(line, flush=True)
+    if out:
+        with open(out, "a") as fh:
+            fh.write(line + "\n")

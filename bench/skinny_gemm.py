@@ -20,12 +20,11 @@ Prints one JSON object a product and formulation; ``--out FILE`` appends them.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance.py, long_context.py
-from provenance import with_provenance  # noqa: E402
+from provenance import emit, with_provenance  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
@@ -121,10 +120,7 @@ def main(argv=None) -> int:
                 "weight_gb_s": round(read / us / 1e3, 1), "of_copy_bandwidth": round(read / (us * 1e-6) / bandwidth, 3),
                 "copy_tb_s": round(bandwidth / 1e12, 3),
                 "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("CUBLAS", "TORCH_BLAS"))}})
-            print(json.dumps(row), flush=True)
-            if args.out:
-                with open(args.out, "a") as fh:
-                    fh.write(json.dumps(row) + "\n")
+            emit(row, args.out)
     return 0
 
 
