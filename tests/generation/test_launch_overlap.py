@@ -16,6 +16,12 @@ def test_off_on_the_cpu_with_the_reason():
     assert launch_overlap.compile_options("inductor", torch.device("cpu")) is None
 
 
+def test_the_environment_turns_it_off_before_anything_is_asked_of_the_gpu(monkeypatch):
+    monkeypatch.setenv("HF_GRPO_DECODE_PDL", "0")
+    assert launch_overlap.unavailable_reason(torch.device("cuda")) == "HF_GRPO_DECODE_PDL=0"
+    assert launch_overlap.compile_options("inductor", torch.device("cuda")) is None
+
+
 def test_options_turn_pdl_on_and_put_the_waiting_rule_in_the_cache_key(monkeypatch):
     monkeypatch.setattr(launch_overlap, "unavailable_reason", lambda device: None)
     options = launch_overlap.compile_options("inductor", torch.device("cuda"))
