@@ -350,7 +350,6 @@ class TrainingGraphs:
         later one, mid-step, only the first parameter's of each shape (``first_of_each_shape``)."""
         first = "train" not in self._warmed
         self._warmed.add("train")
-        some = first_of_each_shape(self.params)
         for _ in range(max(self.warmup_passes[0 if first else 1], int(warm))):
             # handed over, as the capture runs: through views, never a backward into DeepSpeed's .grad and hooks
             with self._aliases.swapped() if self.hand_over else nullcontext(self.params) as targets:
@@ -362,8 +361,8 @@ class TrainingGraphs:
                     for param in self.params:
                         param.grad = None
                 else:
-                    torch.autograd.grad(logps.sum(), targets if first else [targets[i] for i in some],
-                                        allow_unused=True)
+                    some = targets if first else [targets[i] for i in first_of_each_shape(self.params)]
+                    torch.autograd.grad(logps.sum(), some, allow_unused=True)
 
     @contextmanager
     def _random_stream_kept(self) -> Iterator[None]:
