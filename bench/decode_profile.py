@@ -13,8 +13,9 @@ rollout (compile + capture, timed as ``first_call_s``), then:
   GPU time, and the top ones by time with their share. ``kernels_per_layer`` divides by the layers.
 * ``floor``: the time to read the weights and the rows' filled caches (prompt + completion) once at the
   copy bandwidth measured in the same run, and ``replay_ms`` over it.
-* ``rollout_floor`` (with ``--rollout-timeline``): what the run's decode efficiency counts, a step reading the layers'
-  and the head's weights (not the input embeddings) and each row's cache at the rollout's mean fill, and
+* ``rollout_floor`` (with ``--rollout-timeline``): what the run's decode efficiency counts (``ModelWork``), a step
+  reading the layers' matmul weights and the head (not the input embeddings) and each row's cache at the rollout's
+  mean fill, and
   ``of_copy_bandwidth``: that floor over the timeline's mean replay.
 * ``rollout_profile`` (with ``--rollout-profile``): one whole warm rollout under the profiler (the
   replays' kernels included): per generated token, its wall time, the GPU time its kernels took, the
@@ -50,6 +51,7 @@ from rollout import EOS, PAD, VOCAB, build_model, build_tokenizer, trl_like_gene
 from hf_grpo.generation.cuda_graph import CudaGraphBackend  # noqa: E402
 from hf_grpo.generation import packed_weights  # noqa: E402
 from hf_grpo.generation.fused_projections import projection_groups  # noqa: E402
+from hf_grpo.memory.flops import ModelWork  # noqa: E402
 
 
 def kernel_times(prof) -> dict[str, list[float]]:
@@ -283,15 +285,13 @@ def main(argv=None) -> int:
                        "filled_cache_gb": round(cache_bytes / 1e9, 2), "floor_ms": round(floor_ms, 3),
                        "replay_over_floor": round(replay_ms / floor_ms, 3)}
     if timeline_record is not None:
-        # What the run's decode efficiency counts: the layers' and the head's weights (not the input embeddings, of
-        # which a step reads 32 rows) and each row's cache as it fills, at the rollout's mean fill.
-        embedding = model.get_input_embeddings().weight
-        tied = embedding is model.get_output_embeddings().weight
-        read = weight_bytes - (0 if tied else embedding.numel() * embedding.element_size())
-        mean_cache = args.batch * (args.prompt_len + args.completion_len / 2) * cache_bytes_per_position(model.config)
-        mean_floor_ms = (read + mean_cache) / bandwidth * 1e3
-        record["rollout_floor"] = {"weights_read_gb": round(read / 1e9, 2), "mean_cache_gb": round(mean_cache / 1e9, 2),
-                                   "floor_ms": round(mean_floor_ms, 3),
+        # What the run's decode efficiency counts (hf_grpo.memory.flops.ModelWork, as the trainer's perf/ fields):
+        # the layers' matmul weights and the head once a step, and each row's keys and values at the mean fill.
+        work = ModelWork.from_model(model)
+        mean_cache = args.batch * (args.prompt_len + args.completion_len / 2) * work.kv_bytes_per_token
+        mean_floor_ms = (work.decode_weight_bytes + mean_cache) / bandwidth * 1e3
+        record["rollout_floor"] = {"weights_read_gb": round(work.decode_weight_bytes / 1e9, 2),
+                                   "mean_cache_gb": round(mean_cache / 1e9, 2), "floor_ms": round(mean_floor_ms, 3),
                                    "of_copy_bandwidth": round(mean_floor_ms / timeline_record["replay_ms_mean"], 4)}
     emit(with_provenance(record), args.out)
     return 0
