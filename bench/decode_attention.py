@@ -14,7 +14,8 @@ caches (``filled_attention.splits``), and the 768-position shapes here run unspl
 
 ``--rollout-sweep`` times the kernel's launch settings at the 7B full-length rollout's decode step (32 rows of
 Qwen2.5-7B's heads, a 3072-position cache filled to a 544-token prompt plus half and all of a 2048-token completion),
-the splits per (row, KV head) included (``programs_per_sm``).
+the splits per (row, KV head) included (``programs_per_sm``); then the same with the run's own layout, four prompts
+of 64 to 1024 tokens left-padded to the longest, whose rows' spans differ by up to 960 positions.
 
 ``--lengths`` times long caches instead (reasoning-length rollouts): at each length L the cache is filled to
 L (the last decode step of a rollout) and to L / 2 (its average step), with 32 rows of 0.5B's heads and 8 rows
@@ -49,12 +50,13 @@ LONG_SHAPES = {"0.5b-x32": (32, 2, 7, 64), "7b-x8": (8, 4, 7, 128)}
 CACHE_LEN = 768
 
 
-def _inputs(batch, kv_heads, groups, dim, filled, cache_len=CACHE_LEN):
+def _inputs(batch, kv_heads, groups, dim, filled, cache_len=CACHE_LEN, pads=None):
     g = torch.Generator(device="cuda").manual_seed(0)
     query = torch.randn(batch, kv_heads, groups, dim, generator=g, device="cuda").bfloat16()
     key = torch.randn(batch, kv_heads, cache_len, dim, generator=g, device="cuda").bfloat16()
     value = torch.randn(batch, kv_heads, cache_len, dim, generator=g, device="cuda").bfloat16()
-    pads = torch.randint(0, 48, (batch,), generator=g, device="cuda").cpu()
+    if pads is None:
+        pads = torch.randint(0, 48, (batch,), generator=g, device="cuda").cpu()
     pos = torch.arange(cache_len)
     valid = ((pos[None, :] >= pads[:, None]) & (pos[None, :] < filled)).cuda()
     return query, key, value, valid
@@ -116,25 +118,33 @@ def _long_caches(lengths, caches, compiled_matmul) -> list[dict]:
 
 ROLLOUT_7B = (32, 4, 7, 128)  # rows, KV heads, query heads a KV head, head dim
 ROLLOUT_CACHE, ROLLOUT_FILLS = 3072, (544 + 1024, 544 + 2048)
+# The run's own layout: 4 prompts of 64 to 1024 tokens (mean 544), 8 rows each, left-padded to the longest.
+RAGGED_PROMPTS, RAGGED_FILLS = (64, 384, 704, 1024), (1024 + 1024, 1024 + 2048)
 
 
 def rollout_configs() -> list[KernelConfig]:
     """The launch settings ``--rollout-sweep`` times: the default first."""
     configs = [KernelConfig()]
-    for block, warps, stages, per_sm in itertools.product((128, 64), (4, 8), (2, 3, 4), (2, 4, 8)):
+    settings = [(128, warps, stages, per_sm)
+                for warps, stages, per_sm in itertools.product((4, 8), (2, 3), (1, 2, 3, 4))]
+    settings += [(64, 4, 3, 2), (64, 4, 3, 4)]
+    for block, warps, stages, per_sm in settings:
         config = KernelConfig(block=block, num_warps=warps, num_stages=stages, programs_per_sm=per_sm)
-        if config != configs[0] and (block == 128 or warps == 4):
+        if config != configs[0]:
             configs.append(config)
     return configs
 
 
-def _rollout_sweep(caches: int) -> list[dict]:
-    """Every ``rollout_configs`` setting at the 7B rollout's mean and last decode step."""
+def _rollout_sweep(caches: int, ragged: bool) -> list[dict]:
+    """Every ``rollout_configs`` setting at the 7B rollout's mean and last decode step: rows of one 544-token
+    prompt, or (``ragged``) the run's prompts of 64 to 1024 tokens, whose rows' spans differ by up to 960."""
     batch, kv_heads, groups, dim = ROLLOUT_7B
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     records = []
-    for filled in ROLLOUT_FILLS:
-        q, k, v, valid = _inputs(batch, kv_heads, groups, dim, filled, cache_len=ROLLOUT_CACHE)
+    pads = torch.tensor([max(RAGGED_PROMPTS) - n for n in RAGGED_PROMPTS]).repeat_interleave(batch // 4)
+    for filled in RAGGED_FILLS if ragged else ROLLOUT_FILLS:
+        q, k, v, valid = _inputs(batch, kv_heads, groups, dim, filled, cache_len=ROLLOUT_CACHE,
+                                 pads=pads if ragged else None)
         keys = [k] + [k.clone() for _ in range(caches - 1)]
         values = [v] + [v.clone() for _ in range(caches - 1)]
         admitted_bytes = int(valid.sum()) * kv_heads * dim * 2 * 2
@@ -146,8 +156,10 @@ def _rollout_sweep(caches: int) -> list[dict]:
                 q, keys[i % caches], values[i % caches], valid, dim**-0.5))  # noqa: B023
             records.append({"bench": "decode_attention_rollout_7b", "gpu": torch.cuda.get_device_name(0),
                             "shape": "7b-x32", "cache_len": ROLLOUT_CACHE, "filled": filled, "caches": caches,
+                            "prompts": "64-1024 (ragged)" if ragged else "544",
                             "config": dataclasses.asdict(config),
                             "splits": filled_attention.splits(batch, kv_heads, ROLLOUT_CACHE, sms, config),
+                            "mean_admitted": round(float(valid.sum(1).float().mean()), 1),
                             "max_abs_diff": round(float((got - expected).abs().max()), 5),
                             "ms": round(ms, 4), "gb_per_s": round(admitted_bytes / ms / 1e6, 1)})
         filled_attention.CONFIG = KernelConfig()
@@ -179,7 +191,7 @@ def main(argv=None) -> int:
     compiled_matmul = torch.compile(reference_decode_attention, dynamic=False)
     records = []
     if args.rollout_sweep:
-        records = _rollout_sweep(args.caches)
+        records = _rollout_sweep(args.caches, ragged=False) + _rollout_sweep(args.caches, ragged=True)
     elif args.lengths:
         records = _long_caches([int(n) for n in args.lengths.split(",")], args.caches, compiled_matmul)
     for name, (batch, kv_heads, groups, dim) in ({} if args.lengths or args.rollout_sweep else SHAPES).items():

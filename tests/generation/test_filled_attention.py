@@ -176,3 +176,46 @@ def test_the_op_compiles_as_one_opaque_call():
 
     compiled = torch.compile(attend, fullgraph=True, dynamic=False)
     torch.testing.assert_close(compiled(query, key, value, valid), attend(query, key, value, valid))
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_layers_that_write_the_cache_then_attend_read_every_write_under_replay():
+    """A decode step's order, many times over in one graph: a kernel writes this token's keys, values and query,
+    the attention reads them next (launched with PDL on Hopper: it must wait for those writes). Every layer's
+    result equals the reference, and the split's arrival counts are back at zero after each replay."""
+    layers, length, filled = 12, 6000, 2500  # long enough that each (row, KV head) is split
+    query, key, value, valid, _ = _case(16, 4, 7, 128, length, torch.bfloat16, "cuda", seed=8)
+    valid[:, :filled] = True
+    valid[:, filled:] = False
+    keys = [key.clone() for _ in range(layers)]
+    values = [value.clone() for _ in range(layers)]
+    new_kv = torch.randn(layers, 2, 16, 4, 128, device="cuda").bfloat16()
+    new_q = torch.randn(layers, *query.shape, device="cuda").bfloat16()
+    queries = [query.clone() for _ in range(layers)]
+
+    def step():
+        outs = []
+        for i in range(layers):
+            keys[i][:, :, filled - 1].copy_(new_kv[i, 0] * 2.0)  # written by the kernel just before the attention
+            values[i][:, :, filled - 1].copy_(new_kv[i, 1] * 2.0)
+            queries[i].copy_(new_q[i])
+            outs.append(filled_decode_attention(queries[i], keys[i], values[i], valid, 128**-0.5))
+        return outs
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for replay in range(3):
+        new_kv.normal_()
+        new_q.normal_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert int(filled_attention.arrival_counts(query.device, 16 * 4)[: 16 * 4].abs().sum()) == 0
+        for i in range(layers):
+            expected = reference_decode_attention(queries[i].float(), keys[i].float(), values[i].float(), valid,
+                                                  128**-0.5)
+            torch.testing.assert_close(outs[i].float(), expected, rtol=2e-2, atol=2e-2)
+        assert torch.equal(keys[0][:, :, filled - 1], new_kv[0, 0] * 2.0)
