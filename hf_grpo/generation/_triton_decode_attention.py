@@ -1,6 +1,6 @@
-"""The Triton kernel of ``filled_attention``'s decode attention: attention over the admitted span of each row,
-split over several programs on a long cache, the splits reduced by the last of them to finish. Imported on first
-use only (``filled_attention._kernels``), so that importing ``hf_grpo.generation`` never needs Triton.
+"""The Triton kernels of ``filled_attention``'s decode attention: the split attention over the admitted span of
+each row, and the reduction of its splits. Imported on first use only (``filled_attention._kernels``), so that
+importing ``hf_grpo.generation`` never needs Triton.
 """
 
 from __future__ import annotations
@@ -11,15 +11,12 @@ import triton.language as tl
 
 @triton.jit
 def attend(
-    Q, K, V, VALID, OUT, PARTIAL, STATS, ARRIVED, scale, length,
+    Q, K, V, VALID, OUT, PARTIAL, STATS, scale, length,
     sq_b, sq_h, sq_g, sq_d, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv_l, sv_d, sm_b, sm_l,
     so_b, so_h, so_g, so_d,
     GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr,
     BLOCK: tl.constexpr, SCAN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-    WAIT_FIRST: tl.constexpr,
 ):
-    if WAIT_FIRST:  # launched with PDL: the kernel before this one may still be writing the cache and the query
-        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -28,8 +25,6 @@ def attend(
     g_ok = g < GROUPS
     d_ok = d < DIM
     # The row's first and last admitted positions, read at replay time (a captured graph serves every step).
-    # SCAN covers the cache in one load up to 8192 positions: each further pass is a load's latency that every
-    # program waits out before its first block.
     first = length
     end = 0
     for scan in range(0, length, SCAN):
@@ -66,48 +61,46 @@ def attend(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    if WAIT_FIRST:  # the next kernel may be scheduled now; it waits for this one's end before it reads
-        tl.extra.cuda.gdc_launch_dependents()
-    out_at = OUT + b * so_b + h * so_h + g[:, None] * so_g + d[None, :] * so_d
     if SPLITS == 1:
         result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # a row that attends nowhere gives zeros
-        tl.store(out_at, result.to(OUT.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(OUT + b * so_b + h * so_h + g[:, None] * so_g + d[None, :] * so_d,
+                 result.to(OUT.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
     else:  # contiguous [B, H, SPLITS, GROUPS, DIM] and [2, B, H, SPLITS, GROUPS]
         heads = tl.num_programs(1)
-        pair = b * heads + h
-        row = pair * SPLITS + split
-        second = tl.num_programs(0) * heads * SPLITS * GROUPS  # where the denominators start in STATS
-        tl.store(PARTIAL + (row * GROUPS + g[:, None]) * DIM + d[None, :], acc, mask=g_ok[:, None] & d_ok[None, :])
+        row = (b * heads + h) * SPLITS + split
+        tl.store(PARTIAL + (row * GROUPS + g[:, None]) * DIM + d[None, :], acc,
+                 mask=g_ok[:, None] & d_ok[None, :])
         tl.store(STATS + row * GROUPS + g, m_i, mask=g_ok)
-        tl.store(STATS + second + row * GROUPS + g, l_i, mask=g_ok)
-        # Every thread's stores are issued before the count is raised; the count's release (and the last
-        # program's acquire) makes them visible to whichever program of this (row, KV head) arrives last.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(ARRIVED + pair, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLITS - 1:  # the last split of this (row, KV head): it reduces them all
-            _reduce_splits(PARTIAL, STATS, out_at, pair * SPLITS, second, g, d, g_ok, d_ok,
-                           GROUPS, GROUPS_P, DIM, DIM_P, SPLITS)
-            tl.store(ARRIVED + pair, 0)  # counted from zero again by the next call (a captured graph replays it)
+        tl.store(STATS + (tl.num_programs(0) * heads * SPLITS + row) * GROUPS + g, l_i, mask=g_ok)
 
 
 @triton.jit
-def _reduce_splits(PARTIAL, STATS, out_at, base, second, g, d, g_ok, d_ok, GROUPS: tl.constexpr,
-                   GROUPS_P: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr, SPLITS: tl.constexpr):
-    # The other splits' sums were written by other SMs in this kernel: read past L1 (".cg").
+def reduce_splits(
+    PARTIAL, STATS, OUT, so_b, so_h, so_g, so_d,
+    GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr, SPLITS: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    heads = tl.num_programs(1)
+    second = tl.num_programs(0) * heads * SPLITS * GROUPS  # where the denominators start in STATS
+    g = tl.arange(0, GROUPS_P)
+    d = tl.arange(0, DIM_P)
+    g_ok = g < GROUPS
+    d_ok = d < DIM
+    base = (b * heads + h) * SPLITS
     m_max = tl.full((GROUPS_P,), float("-inf"), tl.float32)
     for split in range(SPLITS):
-        m_max = tl.maximum(m_max, tl.load(STATS + (base + split) * GROUPS + g, mask=g_ok, other=float("-inf"),
-                                          cache_modifier=".cg"))
+        m_max = tl.maximum(m_max, tl.load(STATS + (base + split) * GROUPS + g, mask=g_ok, other=float("-inf")))
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
     total = tl.zeros((GROUPS_P,), tl.float32)
     acc = tl.zeros((GROUPS_P, DIM_P), tl.float32)
     for split in range(SPLITS):
         row = base + split
-        weight = tl.exp(tl.load(STATS + row * GROUPS + g, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
-                        - m_safe)
-        total += weight * tl.load(STATS + second + row * GROUPS + g, mask=g_ok, other=0.0, cache_modifier=".cg")
+        weight = tl.exp(tl.load(STATS + row * GROUPS + g, mask=g_ok, other=float("-inf")) - m_safe)
+        total += weight * tl.load(STATS + second + row * GROUPS + g, mask=g_ok, other=0.0)
         part = tl.load(PARTIAL + (row * GROUPS + g[:, None]) * DIM + d[None, :],
-                       mask=g_ok[:, None] & d_ok[None, :], other=0.0, cache_modifier=".cg")
+                       mask=g_ok[:, None] & d_ok[None, :], other=0.0)
         acc += weight[:, None] * part
     result = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_at, result.to(out_at.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(OUT + b * so_b + h * so_h + g[:, None] * so_g + d[None, :] * so_d,
+             result.to(OUT.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])

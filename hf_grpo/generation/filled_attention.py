@@ -19,9 +19,7 @@ compiled step calls it as one opaque kernel:
 
 On CUDA with Triton it runs the block-skipping kernel (an online softmax in float32, as flash attention
 computes it), one program per (row, KV head) and, over a long cache, per share of its filled span
-(``splits``: flash-decoding), the shares' partial sums then reduced by whichever program of that row and
-head finishes last (a count per (row, KV head), ``arrival_counts``), so a call is one kernel. On Hopper it
-is launched with programmatic dependent launch (``overlaps_launches``). Elsewhere the op computes the same
+(``splits``: flash-decoding), the shares' partial sums then reduced by a second kernel; elsewhere the same
 math as the ``matmul`` decode attention, in torch. A decoder takes this attention only where the kernel has
 at least one program per SM (``serves``): with fewer, over a short cache, the matmul attention was as fast
 (32 rows of Qwen2-0.5B at 768 positions, H100, ``bench/results/decode_attention_sweep_h100.jsonl``) and needs
@@ -34,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import os
 
 import torch
 
@@ -146,9 +143,6 @@ def _pow2_at_least_16(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-SCAN_MAX = 8192  # mask positions read in one load when each program finds its row's span (a power of two)
-
-
 def _triton_decode_attention(query, key, value, valid, scale):
     batch, kv_heads, groups, dim = query.shape
     length = key.size(2)
@@ -156,62 +150,28 @@ def _triton_decode_attention(query, key, value, valid, scale):
     split = splits(batch, kv_heads, length, _sms(query.device.index), config)
     valid_bytes = valid.view(torch.uint8)  # same strides; Triton reads uint8 where bool pointers vary by version
     out = torch.empty_like(query)
-    if split > 1:  # each split's unnormalised sum and its softmax's max and denominator, reduced in the kernel
+    if split > 1:  # each split's unnormalised sum and its softmax's max and denominator, reduced below
         partial = query.new_empty((batch, kv_heads, split, groups, dim), dtype=torch.float32)
         stats = query.new_empty((2, batch, kv_heads, split, groups), dtype=torch.float32)
-        arrived = arrival_counts(query.device, batch * kv_heads)
     else:
-        partial = stats = arrived = out  # unused: the one split writes the result itself
-    _kernels()[(batch, kv_heads, split)](
-        query, key, value, valid_bytes, out, partial, stats, arrived, scale, length,
+        partial = stats = out  # unused: the one split writes the result itself
+    shape = dict(GROUPS=groups, GROUPS_P=_pow2_at_least_16(groups), DIM=dim, DIM_P=_pow2_at_least_16(dim))
+    _kernels()[0][(batch, kv_heads, split)](
+        query, key, value, valid_bytes, out, partial, stats, scale, length,
         *query.stride(), *key.stride(), *value.stride(), *valid_bytes.stride(), *out.stride(),
-        GROUPS=groups, GROUPS_P=_pow2_at_least_16(groups), DIM=dim, DIM_P=_pow2_at_least_16(dim),
-        BLOCK=config.block, SCAN=min(SCAN_MAX, _pow2_at_least_16(length)), SPLITS=split,
-        PRECISION="ieee" if query.dtype == torch.float32 else "tf32", WAIT_FIRST=overlaps_launches(query.device),
-        num_warps=config.num_warps, num_stages=config.num_stages, launch_pdl=overlaps_launches(query.device),
+        **shape, BLOCK=config.block, SCAN=min(1024, _pow2_at_least_16(length)), SPLITS=split,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
+    if split > 1:
+        _kernels()[1][(batch, kv_heads)](partial, stats, out, *out.stride(), **shape, SPLITS=split)
     return out
-
-
-_arrival_counts: dict[torch.device, torch.Tensor] = {}
-_superseded: list[torch.Tensor] = []  # smaller buffers that graphs captured earlier may still replay
-
-
-def arrival_counts(device: torch.device, pairs: int) -> torch.Tensor:
-    """Zeroed int32 counts, one per (row, KV head), of the splits that have finished: the last to finish reduces
-    them and sets its count back to zero. One buffer per device serves every later call (calls on a device run one
-    after another), so a captured graph replays a buffer that is zero at each call's start; a larger call gets a
-    new one. Made outside any capture: the capture's warm-up calls make it."""
-    counts = _arrival_counts.get(device)
-    if counts is None or counts.numel() < pairs:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                f"filled_decode_attention: first called for {pairs} (row, KV head) pairs inside a CUDA graph capture; "
-                "call it once at that size before capturing (a capture's warm-up does) so that its arrival counts "
-                "are made outside the graph"
-            )
-        if counts is not None:
-            _superseded.append(counts)
-        counts = _arrival_counts[device] = torch.zeros(max(pairs, 1024), dtype=torch.int32, device=device)
-    return counts
-
-
-@functools.cache
-def overlaps_launches(device: torch.device) -> bool:
-    """Whether the kernel is launched with programmatic dependent launch (Hopper and later): scheduled while the
-    kernel before it ends, it waits for that kernel's writes before it reads anything. ``HF_GRPO_DECODE_PDL=0``
-    turns it off, as it does for the rest of the decode step (``launch_overlap``)."""
-    from .launch_overlap import OFF_SWITCH
-
-    if os.environ.get(OFF_SWITCH, "").strip() == "0" or torch.version.hip:
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @functools.cache
 def _kernels():
-    """The attention kernel (``_triton_decode_attention``), compiled on first use: imported here so that importing
-    this module never needs Triton."""
-    from ._triton_decode_attention import attend
+    """The attention kernel and the reduction of its splits (``_triton_decode_attention``), compiled on first use:
+    imported here so that importing this module never needs Triton."""
+    from . import _triton_decode_attention as kernels
 
-    return attend
+    return kernels.attend, kernels.reduce_splits

@@ -182,8 +182,7 @@ def test_the_op_compiles_as_one_opaque_call():
 @needs_triton
 def test_layers_that_write_the_cache_then_attend_read_every_write_under_replay():
     """A decode step's order, many times over in one graph: a kernel writes this token's keys, values and query,
-    the attention reads them next (launched with PDL on Hopper: it must wait for those writes). Every layer's
-    result equals the reference, and the split's arrival counts are back at zero after each replay."""
+    the attention (split, and reduced) reads them next. Every layer's result equals the reference at every replay."""
     layers, length, filled = 12, 6000, 2500  # long enough that each (row, KV head) is split
     query, key, value, valid, _ = _case(16, 4, 7, 128, length, torch.bfloat16, "cuda", seed=8)
     valid[:, :filled] = True
@@ -208,12 +207,11 @@ def test_layers_that_write_the_cache_then_attend_read_every_write_under_replay()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         outs = step()
-    for replay in range(3):
+    for _ in range(3):
         new_kv.normal_()
         new_q.normal_()
         graph.replay()
         torch.cuda.synchronize()
-        assert int(filled_attention.arrival_counts(query.device, 16 * 4)[: 16 * 4].abs().sum()) == 0
         for i in range(layers):
             expected = reference_decode_attention(queries[i].float(), keys[i].float(), values[i].float(), valid,
                                                   128**-0.5)
