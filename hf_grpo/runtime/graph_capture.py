@@ -16,8 +16,9 @@ import torch
 
 
 @contextmanager
-def deepspeed_hooks_lifted(model: torch.nn.Module):
-    """Lift DeepSpeed's forward hooks off ``model`` while a step is captured, and put them back after.
+def deepspeed_hooks_lifted(model: torch.nn.Module, origin: str = "deepspeed"):
+    """Lift DeepSpeed's forward hooks (those defined under the package ``origin``) off ``model`` while a step is
+    captured, and put them back after.
 
     A DeepSpeed engine (ZeRO-1/2) hooks the module it wraps, and its throughput timer calls
     ``torch.cuda.synchronize`` there: illegal while a stream captures ("operation not permitted when
@@ -28,7 +29,7 @@ def deepspeed_hooks_lifted(model: torch.nn.Module):
     for module in model.modules():
         for hooks in (module._forward_pre_hooks, module._forward_hooks):
             kept = {key: hook for key, hook in hooks.items()
-                    if not (getattr(hook, "__module__", None) or "").startswith("deepspeed")}
+                    if not (getattr(hook, "__module__", None) or "").startswith(origin)}
             if len(kept) != len(hooks):
                 saved.append((hooks, dict(hooks)))
                 hooks.clear()
@@ -39,6 +40,12 @@ def deepspeed_hooks_lifted(model: torch.nn.Module):
         for hooks, original in saved:
             hooks.clear()
             hooks.update(original)
+
+
+def deepspeed_engine_hooks_lifted(model: torch.nn.Module):
+    """``deepspeed_hooks_lifted`` for the engine's own forward hooks alone (its timers, ``deepspeed.runtime.engine``),
+    for a training capture: the parameter hooks of ZeRO-3, where a run keeps them, stay."""
+    return deepspeed_hooks_lifted(model, "deepspeed.runtime.engine")
 
 
 @contextmanager

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TypeVar
 
 import torch
 
-from ..runtime.graph_capture import collection_paused
+from ..runtime.graph_capture import collection_paused, deepspeed_engine_hooks_lifted
 
 logger = logging.getLogger("hf_grpo.training.graphs")
 T = TypeVar("T")
@@ -96,13 +96,18 @@ class CudaGraphRecorder:
             yield
         torch.cuda.current_stream().wait_stream(stream)
 
-    def record(self, fn: Callable, pool) -> tuple[Callable[[], None], object]:
-        """``(replay, outputs)``: ``fn`` captured once; ``replay()`` runs it again, writing into ``outputs``."""
+    def record(self, fn: Callable, pool, model: torch.nn.Module | None = None) -> tuple[Callable[[], None], object]:
+        """``(replay, outputs)``: ``fn`` captured once; ``replay()`` runs it again, writing into ``outputs``.
+
+        ``model``, the module ``fn`` runs, is captured without the forward hooks of a DeepSpeed engine that wraps it:
+        from its third optimizer step on, the engine's throughput timer synchronizes the device in them, which ends
+        any capture ("operation not permitted when stream is capturing"). A replay runs no Python hook anyway."""
         # torch.cuda.graph waits for the device and empties the allocator's cache before each capture. Capturing
         # without both (capture_begin/capture_end) was timed on an H200: no faster over a run, 0.5 GiB more reserved
         # (docs/performance.md, "The capture's own cost").
         graph = torch.cuda.CUDAGraph()
-        with collection_paused(), torch.cuda.graph(graph, pool=pool, stream=self.stream()):  # (graph_capture's why)
+        lifted = deepspeed_engine_hooks_lifted(model) if model is not None else nullcontext()
+        with lifted, collection_paused(), torch.cuda.graph(graph, pool=pool, stream=self.stream()):  # (graph_capture)
             outputs = fn()
         return graph.replay, outputs
 

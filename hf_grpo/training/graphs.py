@@ -270,7 +270,7 @@ class TrainingGraphs:
                 return score(batch.inputs, batch.window)
             entry = self._scoring.get(key)
             if entry is None:
-                entry = capture_twice(lambda warm: self._capture_scoring(score, batch.inputs, batch.window, key, warm),
+                entry = capture_twice(lambda warm: self._capture_scoring(score, model, batch, key, warm),
                                       self._recover, self._failed)
                 if entry is None:
                     return score(batch.inputs, batch.window)
@@ -380,8 +380,8 @@ class TrainingGraphs:
             table.popitem(last=False)
         return entry
 
-    def _capture_scoring(self, score: Callable, inputs: dict, window: int, key: tuple, warm: bool) -> Bucket:
-        entry = Bucket(inputs)
+    def _capture_scoring(self, score: Callable, model: torch.nn.Module, batch, key: tuple, warm: bool) -> Bucket:
+        entry, window = Bucket(batch.inputs), batch.window
         if self._pool is None:
             self._pool = self.recorder.new_pool()
         passes = max(self.warmup_passes[1 if "score" in self._warmed else 0], int(warm))
@@ -391,7 +391,7 @@ class TrainingGraphs:
                 for _ in range(passes):
                     score(entry.inputs, window)
             entry.replay_forward, (entry.logps, entry.entropy) = self.recorder.record(
-                lambda: score(entry.inputs, window), self._pool)
+                lambda: score(entry.inputs, window), self._pool, model)
         return self._kept(self._scoring, key, entry)
 
     def _capture(self, score: Callable, inputs: dict, window: int, shape: tuple, warm: bool) -> Bucket:
@@ -436,9 +436,9 @@ class TrainingGraphs:
                 if not self.hand_over:
                     for param, buffer in zip(self.params, self.grad_buffers):
                         param.grad = buffer  # the backward graph accumulates into these addresses
-                entry.replay_forward, (entry.logps, entry.entropy) = recorder.record(forward, self._pool)
+                entry.replay_forward, (entry.logps, entry.entropy) = recorder.record(forward, self._pool, self.model)
                 entry.grad_logps = torch.zeros_like(entry.logps)
-                entry.replay_backward, _ = recorder.record(backward, self._pool)
+                entry.replay_backward, _ = recorder.record(backward, self._pool, self.model)
             finally:
                 swaps.close()
                 for param, grad in zip(self.params, held):

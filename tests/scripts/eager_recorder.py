@@ -6,6 +6,8 @@ import contextlib
 
 import torch
 
+from hf_grpo.runtime.graph_capture import deepspeed_engine_hooks_lifted
+
 
 class EagerRecorder:
     """``training_graphs.CudaGraphRecorder``'s interface on a CPU: a "replay" runs the recorded function again and
@@ -19,8 +21,11 @@ class EagerRecorder:
     def side_stream(self):
         yield
 
-    def record(self, fn, pool):
-        outputs = fn()
+    def record(self, fn, pool, model=None):
+        # What the real recorder does around a capture, and the capture's own rule: no wait for the device.
+        lifted = deepspeed_engine_hooks_lifted(model) if model is not None else contextlib.nullcontext()
+        with lifted, device_waits_refused():
+            outputs = fn()
         grad_mode = torch.is_grad_enabled()  # a graph keeps the mode it was captured in
 
         def replay():
@@ -44,6 +49,29 @@ class EagerRecorder:
     @staticmethod
     def device_reason(device):
         return None  # any device: nothing is captured
+
+
+@contextlib.contextmanager
+def device_waits_refused():
+    """Inside: DeepSpeed's accelerator refuses ``synchronize``, as a GPU does while a stream captures (on a CPU it
+    would return at once, and a capture that the GPU refuses would pass here)."""
+    import sys
+
+    if "deepspeed" not in sys.modules:
+        yield
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing: a device wait inside a capture")
+
+    accelerator.synchronize = refused  # an instance attribute over the class's method
+    try:
+        yield
+    finally:
+        del accelerator.synchronize
 
 
 def record_eagerly() -> None:

@@ -401,11 +401,11 @@ class FailingRecorder(EagerRecorder):
     def __init__(self, succeed: int):
         self.succeed, self.recovered = succeed, 0
 
-    def record(self, fn, pool):
+    def record(self, fn, pool, model=None):
         if self.succeed == 0:
             raise RuntimeError("operation not permitted when stream is capturing")
         self.succeed -= 1
-        return super().record(fn, pool)
+        return super().record(fn, pool, model)
 
     def recover(self):
         self.recovered += 1
@@ -440,17 +440,62 @@ def test_a_failed_capture_mid_step_keeps_the_steps_gradients_and_lets_go_of_the_
         strict.logps(score, first[0], first[1], 9, compute_entropy=False)
 
 
+class CaptureFlagRecorder(EagerRecorder):
+    """Says whether a function is being recorded (``capturing``), as the real recorder's capture would."""
+
+    capturing = False
+
+    def record(self, fn, pool, model=None):
+        self.capturing = True
+        try:
+            return super().record(fn, pool, model)
+        finally:
+            self.capturing = False
+
+
+def test_captures_run_without_the_deepspeed_engines_forward_hooks_and_keep_the_others():
+    # Seen on an H100 under zero2.yaml and one-process zero3.yaml: from the engine's third optimizer step on, its
+    # forward pre-hook (the throughput timer) waits for the device, which ends a capture; every later capture
+    # failed and the run went eager. The engine's hooks are lifted for a capture (training and scoring) and run in
+    # the eager passes; other hooks (PEFT's, accelerate's) still run in the capture.
+    model = checkpointed_model()
+    recorder = CaptureFlagRecorder()
+    seen = {"engine": [], "other": []}
+
+    def engine_hook(module, args, kwargs):
+        seen["engine"].append(recorder.capturing)
+
+    def other_hook(module, args):
+        seen["other"].append(recorder.capturing)
+
+    engine_hook.__module__ = "deepspeed.runtime.engine"  # where DeepSpeedEngine defines its forward hooks
+    model.register_forward_pre_hook(engine_hook, with_kwargs=True)
+    model.register_forward_pre_hook(other_hook)
+    hooks_before = list(model._forward_pre_hooks.values())
+    score = windowed_score(model)
+    graphs = training_graphs.TrainingGraphs(model, pad_token_id=0, recorder=recorder)
+    ids, mask, _ = batch(4, prompt=13, completion=9, seed=1)
+    with torch.no_grad():
+        graphs.scorer(score, model, False)(ids, mask, 9)
+    graphs.logps(score, ids, mask, 9, compute_entropy=False)[0].sum().backward()
+    assert graphs.failure is None and graphs.captures == 2
+    assert seen["engine"] and not any(seen["engine"]), "the engine's hook ran inside a capture"
+    assert True in seen["other"], "a hook that is not the engine's was lifted too"
+    assert list(model._forward_pre_hooks.values()) == hooks_before  # back, in their order
+    assert model._forward_pre_hooks_with_kwargs  # the engine's still takes its kwargs
+
+
 class OnceFailingRecorder(EagerRecorder):
     """Fails one capture, the ``fail_at``-th recorded function, as a capture that something else ended does."""
 
     def __init__(self, fail_at: int):
         self.fail_at, self.recorded, self.recovered = fail_at, 0, 0
 
-    def record(self, fn, pool):
+    def record(self, fn, pool, model=None):
         self.recorded += 1
         if self.recorded == self.fail_at:
             raise RuntimeError("operation failed due to a previous error during capture")
-        return super().record(fn, pool)
+        return super().record(fn, pool, model)
 
     def recover(self):
         self.recovered += 1
