@@ -34,12 +34,11 @@ def capture_twice(capture: Callable[[bool], T], recover: Callable[[], None],
     """``capture(warm)``, and after a failure ``recover()`` and once more with an eager pass first (``warm``); where
     that fails too, ``failed(error)`` (which gives graphs up, or raises) and None.
 
-    Why: on an H100 a 1.5B run's first capture of a longer bucket, at its fourth step, failed with "operation failed
-    due to a previous error during capture" under ZeRO-2 and ZeRO-3 alike, in two calls (not on another host).
-    Something inside the capture ended it without an error of its own: a kernel first loaded there, or another
-    thread's call that a capture forbids. Given up for good, the run's training half doubled for every later step.
-    A second attempt finds the kernel loaded, or the other call gone; it costs one eager pass, and the graphs
-    captured so far, let go by ``recover``, are captured again when next met."""
+    Why: given up for good, a run's training half doubles for every later step (a 1.5B run under ZeRO-2 on an H100),
+    while a cause that does not repeat (a kernel first loaded inside the capture, another thread's call that a
+    capture forbids) is gone at a second attempt. It costs one eager pass, and the graphs captured so far, let go by
+    ``recover``, are captured again when next met. (The failure that prompted it was repeatable, DeepSpeed's timer
+    waiting for the device in its forward hook: ``record`` now lifts that hook.)"""
     try:
         return capture(False)
     except Exception as err:  # noqa: BLE001 - whatever the cause, one more attempt
