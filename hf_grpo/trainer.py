@@ -47,7 +47,7 @@ from .training import compiled_layers as training_compile, eager_packing, graphs
 from .training import lora_forward, prompt_groups, rollout_logprobs, true_on_policy
 from .checks import checkpoint_save, inputs as checks, output_lock, prompts as prompt_checks, resume, unscored
 from .config import GRPOConfig
-from .distributed import plain_to_zero, prepare_process, zero3_leaves, zero3_one_process
+from .distributed import deepspeed_timers, plain_to_zero, prepare_process, zero3_leaves, zero3_one_process
 from .generation import GenerationBackend, backend_counts, compile_workers, decode_compile, dense_mirror, open_backend
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
@@ -128,13 +128,13 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     # ---- public ------------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
-        """transformers', then under ZeRO-3 the DeepSpeed config set before DeepSpeed wraps the policy (in ``train``)
-        and TRL the reference: leaf modules, or with one process its hooks to go (``zero3_one_process.configure``)."""
+        """transformers', then the DeepSpeed config set before DeepSpeed wraps the policy and TRL the reference: its
+        timer without device waits (``deepspeed_timers``), ZeRO-3's leaf modules or hooks (``zero3_one_process``)."""
         super().create_accelerator_and_postprocess()
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        config = getattr(getattr(self.accelerator.state, "deepspeed_plugin", None), "deepspeed_config", None)
+        deepspeed_timers.unsynchronized(config)
         self.zero3_hooks_removed, self.zero3_leaf_marking = zero3_one_process.configure(  # (no marking: not ZeRO-3)
-            getattr(plugin, "deepspeed_config", None), self.model, self.accelerator.num_processes, self.args,
-            self.accelerator.is_main_process)
+            config, self.model, self.accelerator.num_processes, self.args, self.accelerator.is_main_process)
 
     def batch_plan(self):
         """The batch plan with this run's real world size (and ZeRO-3's generation mirror, once decided)."""

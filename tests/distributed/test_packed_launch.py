@@ -60,6 +60,7 @@ def test_micro_batches_replayed_under_deepspeed_train_as_eager_ones(tmp_path, co
         chose = chosen(tmp_path / "graphs", rank)
         assert chose["graphs_hand_over"] is True and chose["graphs_failure"] is None
         assert chose["graph_captures"] > 0
+        assert chose["timer_synchronized"] is False  # the engine built from the config that deepspeed_timers set
     assert_same_training(tmp_path / "padded", tmp_path / "graphs")
 
 

@@ -114,6 +114,7 @@ def main(out_dir, checkpoint, variant):
         padding_free.pack_rows = real
     rank = trainer.accelerator.process_index
     graphs = trainer.decisions.train_graphs
+    timer = getattr(trainer.model_wrapped, "tput_timer", None)  # a DeepSpeed engine's
     chosen = dict(eager_rows=str(trainer.decisions.eager_rows), eager_packed=trainer.decisions.eager_rows.packed,
                   grouping=trainer.decisions.prompt_grouping, graphs_failure=graphs and graphs.failure,
                   graph_captures=graphs and graphs.captures, graphs_hand_over=graphs and graphs.hand_over,
@@ -123,7 +124,9 @@ def main(out_dir, checkpoint, variant):
                   # under ZeRO-3: how many parameters DeepSpeed keeps gathered (persistent), of how many
                   zero3_persistent=[sum(bool(getattr(p, "ds_persist", False)) for p in trainer.model.parameters()),
                                     sum(1 for _ in trainer.model.parameters())],
-                  zero3_hooks_removed=trainer.facts.zero3_hooks_removed, **counts)
+                  zero3_hooks_removed=trainer.facts.zero3_hooks_removed,
+                  # DeepSpeed's engine: does its throughput timer wait for the device (distributed.deepspeed_timers)
+                  timer_synchronized=timer.config.synchronized if timer is not None else None, **counts)
     with open(f"{out_dir}/chosen_rank{rank}.json", "w") as handle:
         json.dump(chosen, handle)
     state = trained_weights(trainer)

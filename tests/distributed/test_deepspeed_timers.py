@@ -1,0 +1,45 @@
+"""DeepSpeed's throughput timer measures without waiting for the device (``distributed.deepspeed_timers``), unless the
+user's DeepSpeed config sets it. That the engine accelerate builds then takes it is checked in a CPU launch
+(``tests/distributed/test_packed_launch.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_grpo.distributed import deepspeed_timers
+
+
+def test_an_unset_throughput_timer_measures_without_device_waits():
+    config = {"zero_optimization": {"stage": 2}, "steps_per_print": float("inf")}
+    assert deepspeed_timers.unsynchronized(config)
+    assert config["timers"] == {"throughput": {"enabled": True, "synchronized": False}}
+    assert config["zero_optimization"] == {"stage": 2}  # nothing else touched
+
+
+def test_other_timers_the_user_set_are_kept_beside_it():
+    config = {"timers": {"other": {"enabled": False}}}
+    assert deepspeed_timers.unsynchronized(config)
+    assert config["timers"] == {"other": {"enabled": False}, "throughput": {"enabled": True, "synchronized": False}}
+
+
+@pytest.mark.parametrize("mine", [{"enabled": True, "synchronized": True}, {"enabled": False}, {}])
+def test_the_users_own_throughput_timer_is_left_as_it_is(mine):
+    config = {"timers": {"throughput": dict(mine)}}
+    assert not deepspeed_timers.unsynchronized(config)
+    assert config == {"timers": {"throughput": mine}}
+
+
+def test_without_deepspeed_nothing_is_set():
+    assert not deepspeed_timers.unsynchronized(None)
+
+
+def test_deepspeed_reads_the_setting_as_written_here():
+    """DeepSpeed's own config model accepts the block and reads it as meant (the engine's timer takes this config)."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.utils.config import get_timers_config
+
+    config = {}
+    deepspeed_timers.unsynchronized(config)
+    throughput = get_timers_config(config)  # the throughput timer's own
+    assert throughput.enabled is True and throughput.synchronized is False
+    assert get_timers_config({}).synchronized is True  # DeepSpeed's default, which this changes
