@@ -106,8 +106,9 @@ class CudaGraphRecorder:
         # (docs/performance.md, "The capture's own cost").
         graph = torch.cuda.CUDAGraph()
         lifted = deepspeed_engine_hooks_lifted(model) if model is not None else nullcontext()
-        with lifted, collection_paused(), torch.cuda.graph(graph, pool=pool, stream=self.stream()):  # (graph_capture)
-            outputs = fn()
+        with lifted, collection_paused():  # (graph_capture's why)
+            with torch.cuda.graph(graph, pool=pool, stream=self.stream()):
+                outputs = fn()
         return graph.replay, outputs
 
     def random_state(self):
