@@ -15,7 +15,9 @@ caches (``filled_attention.splits``), and the 768-position shapes here run unspl
 ``--rollout-sweep`` times the kernel's launch settings at the 7B full-length rollout's decode step (32 rows of
 Qwen2.5-7B's heads, a 3072-position cache filled to a 544-token prompt plus half and all of a 2048-token completion),
 the splits per (row, KV head) included (``programs_per_sm``); then the same with the run's own layout, four prompts
-of 64 to 1024 tokens left-padded to the longest, whose rows' spans differ by up to 960 positions.
+of 64 to 1024 tokens left-padded to the longest, whose rows' spans differ by up to 960 positions, and last the
+default settings with each row reading its prompt from its group's first row (``prompt_source``; ``gb_per_s``
+then counts a shared prompt once, ``admitted_gb_per_s`` every row's).
 
 ``--lengths`` times long caches instead (reasoning-length rollouts): at each length L the cache is filled to
 L (the last decode step of a rollout) and to L / 2 (its average step), with 32 rows of 0.5B's heads and 8 rows
@@ -163,9 +165,33 @@ def _rollout_sweep(caches: int, ragged: bool) -> list[dict]:
                             "max_abs_diff": round(float((got - expected).abs().max()), 5),
                             "ms": round(ms, 4), "gb_per_s": round(admitted_bytes / ms / 1e6, 1)})
         filled_attention.CONFIG = KernelConfig()
+        if ragged:  # each prompt read from its first row, as a decoder of GRPO's groups runs the kernel
+            records.append(_shared_prompt_record(records[-len(rollout_configs())], q, keys, values, valid, caches))
         del q, k, v, valid, keys, values
         torch.cuda.empty_cache()
     return records
+
+
+def _shared_prompt_record(unshared: dict, q, keys, values, valid, caches: int) -> dict:
+    """The default settings with each row's prompt (the first ``max(RAGGED_PROMPTS)`` positions) read from its
+    group's first row, beside ``unshared`` (the same call reading every row's own copy)."""
+    batch, kv_heads, _, dim = q.shape
+    group = batch // len(RAGGED_PROMPTS)
+    source = (torch.arange(batch, device="cuda") // group * group).int()
+    prompt_end = torch.tensor([max(RAGGED_PROMPTS)], dtype=torch.int32, device="cuda")
+    for cache in (*keys, *values):  # the prompt's keys and values in each of its rows, as the shared prefill writes
+        cache[:, :, :max(RAGGED_PROMPTS)] = cache[source.long(), :, :max(RAGGED_PROMPTS)]
+    expected = reference_decode_attention(q, keys[0], values[0], valid, dim**-0.5).float()
+    got = filled_attention.filled_decode_attention(q, keys[0], values[0], valid, dim**-0.5, source, prompt_end).float()
+    ms = _time_graph(lambda i: filled_attention.filled_decode_attention(
+        q, keys[i % caches], values[i % caches], valid, dim**-0.5, source, prompt_end))
+    in_prompt = valid[:, :max(RAGGED_PROMPTS)]
+    read_once = int(valid.sum()) - int(in_prompt.sum()) + int(in_prompt[::group].sum())
+    bytes_per_position = kv_heads * dim * 2 * 2
+    return {**unshared, "prompt_source": f"the first of its {group} rows", "max_abs_diff": round(float(
+        (got - expected).abs().max()), 5), "ms": round(ms, 4), "unshared_ms": unshared["ms"],
+        "gb_per_s": round(read_once * bytes_per_position / ms / 1e6, 1),
+        "admitted_gb_per_s": round(int(valid.sum()) * bytes_per_position / ms / 1e6, 1)}
 
 
 def main(argv=None) -> int:

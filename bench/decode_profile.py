@@ -11,12 +11,12 @@ rollout (compile + capture, timed as ``first_call_s``), then:
 * ``kernels``: the kernels of one decode step as the profiler sees them when the compiled step runs
   outside the graph (a replay runs the same kernels without the launch gaps): how many, their summed
   GPU time, and the top ones by time with their share. ``kernels_per_layer`` divides by the layers.
-* ``floor``: the time to read the weights and the rows' filled caches (prompt + completion) once at the
-  copy bandwidth measured in the same run, and ``replay_ms`` over it.
+* ``floor``: the time to read the weights and the rows' filled caches (prompt + completion; a prompt that
+  ``--group`` rows share counted once) once at the copy bandwidth measured in the same run, and ``replay_ms``
+  over it.
 * ``rollout_floor`` (with ``--rollout-timeline``): what the run's decode efficiency counts (``ModelWork``), a step
   reading the layers' matmul weights and the head (not the input embeddings) and each row's cache at the rollout's
-  mean fill, and
-  ``of_copy_bandwidth``: that floor over the timeline's mean replay.
+  mean fill (a shared prompt once), and ``of_copy_bandwidth``: that floor over the timeline's mean replay.
 * ``rollout_profile`` (with ``--rollout-profile``): one whole warm rollout under the profiler (the
   replays' kernels included): per generated token, its wall time, the GPU time its kernels took, the
   difference (the GPU idle or waiting on the host), and the top kernels by time per token. This is
@@ -145,6 +145,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shape", default="0.5b", choices=["0.5b", "1.5b", "7b"])
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=384)
+    parser.add_argument("--group", type=int, default=1,
+                        help="rows a prompt: GRPO's num_generations (8 writes each of batch/8 prompts 8 times); "
+                             "the floors count a shared prompt once, as the decode attention reads it")
     parser.add_argument("--completion-len", type=int, default=256)
     parser.add_argument("--compile", choices=["on", "off"], default="on")
     parser.add_argument("--compile_scope", choices=["layers", "model"], default="layers")
@@ -183,7 +186,11 @@ def main(argv=None) -> int:
                                overlap_launches=args.pdl == "on", **extra)
     gc = trl_like_generation_config(args.completion_len)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(2, VOCAB, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
+    if args.group < 1 or args.batch % args.group:
+        parser.error(f"--group must divide --batch ({args.batch}); got {args.group}")
+    distinct = args.batch // args.group
+    prompts = [torch.randint(2, VOCAB, (args.prompt_len,), generator=g).tolist() for _ in range(distinct)]
+    prompts = [prompt for prompt in prompts for _ in range(args.group)]
     call = dict(generation_config=gc, chunk_size=args.batch, pad_token_id=PAD, eos_token_ids=[EOS])
 
     gib = 2**30
@@ -257,7 +264,8 @@ def main(argv=None) -> int:
         "torch": torch.__version__,
         # inductor's settings from the environment (max-autotune, PDL...): they change the compiled step
         "inductor_env": {key: value for key, value in sorted(os.environ.items()) if key.startswith("TORCHINDUCTOR_")},
-        "shape": args.shape, "batch": args.batch, "prompt_len": args.prompt_len, "cache_len": decoder.cache_len,
+        "shape": args.shape, "batch": args.batch, "group": args.group, "prompt_len": args.prompt_len,
+        "cache_len": decoder.cache_len,
         "compile": args.compile, "compile_scope": args.compile_scope, "fuse": args.fuse, "packed_groups": packed_groups,
         "pdl": args.pdl, "pdl_codegen": decoder.pdl_codegen, "blas": args.blas,
         "fused_parts": decoder.fused.parts() if decoder.fused is not None else {},
@@ -278,7 +286,8 @@ def main(argv=None) -> int:
     from long_context import cache_bytes_per_position, copy_bandwidth_bytes_per_s
 
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    cache_bytes = args.batch * (args.prompt_len + args.completion_len) * cache_bytes_per_position(model.config)
+    positions = distinct * args.prompt_len + args.batch * args.completion_len  # a shared prompt read once
+    cache_bytes = positions * cache_bytes_per_position(model.config)
     bandwidth = copy_bandwidth_bytes_per_s()
     floor_ms = (weight_bytes + cache_bytes) / bandwidth * 1e3
     record["floor"] = {"copy_bandwidth_tb_s": round(bandwidth / 1e12, 3), "weights_gb": round(weight_bytes / 1e9, 2),
@@ -288,7 +297,7 @@ def main(argv=None) -> int:
         # What the run's decode efficiency counts (hf_grpo.memory.flops.ModelWork, as the trainer's perf/ fields):
         # the layers' matmul weights and the head once a step, and each row's keys and values at the mean fill.
         work = ModelWork.from_model(model)
-        mean_cache = args.batch * (args.prompt_len + args.completion_len / 2) * work.kv_bytes_per_token
+        mean_cache = (distinct * args.prompt_len + args.batch * args.completion_len / 2) * work.kv_bytes_per_token
         mean_floor_ms = (work.decode_weight_bytes + mean_cache) / bandwidth * 1e3
         record["rollout_floor"] = {"weights_read_gb": round(work.decode_weight_bytes / 1e9, 2),
                                    "mean_cache_gb": round(mean_cache / 1e9, 2), "floor_ms": round(mean_floor_ms, 3),

@@ -1,5 +1,7 @@
 """The Triton kernels of ``filled_attention``'s decode attention: the split attention over the admitted span of
-each row, and the reduction of its splits. Imported on first use only (``filled_attention._kernels``), so that
+each row, and the reduction of its splits. With ``SHARED``, a row reads the positions before ``PROMPT_END`` (its
+prompt) from the cache row ``SOURCE`` names: the rows of one prompt then read one copy, which the L2 serves to all
+but the first. Imported on first use only (``filled_attention._kernels``), so that
 importing ``hf_grpo.generation`` never needs Triton.
 """
 
@@ -11,11 +13,11 @@ import triton.language as tl
 
 @triton.jit
 def attend(
-    Q, K, V, VALID, OUT, PARTIAL, STATS, scale, length,
+    Q, K, V, VALID, SOURCE, PROMPT_END, OUT, PARTIAL, STATS, scale, length,
     sq_b, sq_h, sq_g, sq_d, sk_b, sk_h, sk_l, sk_d, sv_b, sv_h, sv_l, sv_d, sm_b, sm_l,
     so_b, so_h, so_g, so_d,
     GROUPS: tl.constexpr, GROUPS_P: tl.constexpr, DIM: tl.constexpr, DIM_P: tl.constexpr,
-    BLOCK: tl.constexpr, SCAN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK: tl.constexpr, SCAN: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr, SHARED: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -44,12 +46,22 @@ def attend(
     m_i = tl.full((GROUPS_P,), float("-inf"), tl.float32)
     l_i = tl.zeros((GROUPS_P,), tl.float32)
     acc = tl.zeros((GROUPS_P, DIM_P), tl.float32)
+    if SHARED:  # the row holding this row's prompt, and where the prompts end (read at replay time)
+        source = tl.load(SOURCE + b)
+        prompt_end = tl.load(PROMPT_END)
     for start in range(lo, hi, BLOCK):
         pos = start + tl.arange(0, BLOCK)
         ok = tl.load(VALID + b * sm_b + pos * sm_l, mask=pos < hi, other=0) != 0
-        k = tl.load(K + b * sk_b + h * sk_h + pos[None, :] * sk_l + d[:, None] * sk_d,
+        if SHARED:
+            row = tl.where(pos < prompt_end, source, b)
+            k_row = row[None, :] * sk_b
+            v_row = row[:, None] * sv_b
+        else:
+            k_row = b * sk_b
+            v_row = b * sv_b
+        k = tl.load(K + k_row + h * sk_h + pos[None, :] * sk_l + d[:, None] * sk_d,
                     mask=ok[None, :] & d_ok[:, None], other=0.0)  # [D, BLOCK]
-        v = tl.load(V + b * sv_b + h * sv_h + pos[:, None] * sv_l + d[None, :] * sv_d,
+        v = tl.load(V + v_row + h * sv_h + pos[:, None] * sv_l + d[None, :] * sv_d,
                     mask=ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK, D]
         scores = tl.dot(q, k, input_precision=PRECISION) * scale  # [G, BLOCK] float32
         scores = tl.where(ok[None, :], scores, float("-inf"))

@@ -43,9 +43,17 @@ def _gqa_decode_attention(variant: str):
     return attention
 
 
+# The keyword arguments a decode step's forward passes down to its attention (transformers hands a model's extra
+# keyword arguments to every layer's attention function): each row's prompt source and where the prompts end
+# (``filled_attention``). Only the "filled" kernel reads them; the rows' own copies serve every other path.
+PROMPT_SOURCE = "hf_grpo_prompt_source"
+PROMPT_END = "hf_grpo_prompt_end"
+
+
 def _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_causal, variant, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    source, prompt_end = kwargs.pop(PROMPT_SOURCE, None), kwargs.pop(PROMPT_END, None)
     groups = getattr(module, "num_key_value_groups", 1)
     batch, heads, q_len, head_dim = query.shape
     filled = (
@@ -64,7 +72,7 @@ def _gqa_decode(module, query, key, value, attention_mask, dropout, scaling, is_
     scale = head_dim**-0.5 if scaling is None else scaling
     if filled:
         valid = attention_mask[:, 0, -1, :].expand(batch, key.shape[2])  # [B, L]: this token's row of the mask
-        out = torch.ops.hf_grpo.filled_decode_attention(packed, key, value, valid, float(scale))
+        out = torch.ops.hf_grpo.filled_decode_attention(packed, key, value, valid, float(scale), source, prompt_end)
     elif variant != "sdpa":
         out = filled_attention.matmul_decode_attention(packed, key, value, attention_mask, scale)
     else:

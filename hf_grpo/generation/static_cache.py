@@ -44,14 +44,16 @@ def kv_heads(config) -> int:
 
 
 def last_logits(model, input_ids, attention_mask, position_ids, cache, cache_kw: str, logits_to_keep: bool,
-                float32: bool = True):
-    """One forward against the static cache; the last position's logits [B, V], as float32 unless told not to."""
+                float32: bool = True, attention_kwargs: dict | None = None):
+    """One forward against the static cache; the last position's logits [B, V], as float32 unless told not to.
+    ``attention_kwargs`` go to the model's forward, which hands them to its attention function."""
     kwargs = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "position_ids": position_ids,
         cache_kw: cache,
         "use_cache": True,
+        **(attention_kwargs or {}),
     }
     if logits_to_keep:
         kwargs["logits_to_keep"] = 1

@@ -47,7 +47,7 @@ from ..runtime.graph_capture import capture_graph
 from ..runtime.model_wrappers import base_model
 from ..runtime.regional_compile import CompiledLayers
 from . import filled_attention, fused_norms, launch_overlap, shared_prefill
-from .attention_routing import decode_attention, is_sdpa, prefill_keys
+from .attention_routing import PROMPT_END, PROMPT_SOURCE, decode_attention, is_sdpa, prefill_keys
 from .base import model_device
 from .fused_projections import FusedProjections
 from .sampling import SamplingSettings, row_uniforms, select_tokens, select_tokens_from_copies
@@ -169,6 +169,10 @@ class StaticDecoder:
         self.step = torch.zeros((1,), dtype=torch.long, device=device)  # index of the token being generated
         self.min_steps = torch.zeros((1,), dtype=torch.long, device=device)  # EOS blocked while step < min_steps
         self.unfinished = torch.ones((batch,), dtype=torch.bool, device=device)
+        # The row whose cache holds each row's prompt, and where the prompts end: the "filled" attention reads a
+        # prompt that several rows share from one of them (``filled_attention``; set at each prefill).
+        self.prompt_source = torch.arange(batch, dtype=torch.int32, device=device)
+        self.prompt_end = torch.zeros((1,), dtype=torch.int32, device=device)
         self.seen: torch.Tensor | None = None  # [B, V + 1] bool, for the repetition penalty
         self.eos_vocab_mask: torch.Tensor | None = None  # [V] bool
         self.vocab_size: int | None = None
@@ -176,6 +180,8 @@ class StaticDecoder:
         params = inspect.signature(base.forward).parameters
         self._cache_kw = "past_key_values" if "past_key_values" in params and "cache" not in params else "cache"
         self._logits_to_keep = "logits_to_keep" in params
+        # a forward without **kwargs could not take (nor hand down) the prompt source
+        self._takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
         self.decode_timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # each run's decode loop (CUDA)
 
     # ------------------------------------------------------------------ memory
@@ -268,8 +274,10 @@ class StaticDecoder:
         """
         fn = self.compiled_forward if decode and self.compiled_forward is not None else last_logits
         float32 = not (decode and self.compiled_select is not None)
+        shared = decode and self.compiles and self.decode_attention == "filled" and self._takes_kwargs
+        extra = {PROMPT_SOURCE: self.prompt_source, PROMPT_END: self.prompt_end} if shared else None
         return fn(model, input_ids, self.mask2d, position_ids, self.cache, self._cache_kw, self._logits_to_keep,
-                  float32)
+                  float32, extra)
 
     def _prefill(self, model, input_ids, attention_mask) -> None:
         """Reset the cache and buffers for a new chunk, run the prompt and pick the first token."""
@@ -296,9 +304,12 @@ class StaticDecoder:
         # rows repeating a prompt (GRPO's num_generations): each prompt runs once (shared_prefill)
         shared = shared_prefill.shared_rows(input_ids, attention_mask) if shared_prefill.cache_shareable(
             self.cache) else None
+        self.prompt_end.fill_(prompt_len)
         if shared is not None:
+            self.prompt_source.copy_(shared.leaders.index_select(0, shared.place))
             logits = self._shared_prefill(model, input_ids, attention_mask, position_ids, shared)
         else:
+            self.prompt_source.copy_(torch.arange(self.batch, device=self.prompt_source.device))
             for start, end in self.prefill_pieces(model, prompt_len, sliced):
                 with prefill_keys(model, end) if sliced else contextlib.nullcontext():
                     logits = self._forward(model, input_ids[:, start:end], position_ids[:, start:end])

@@ -96,17 +96,27 @@ class ModelWork:
         head_passes = 1 + 1 + 1 + int(self.head_trainable)  # forward, recomputed logits, hidden grad, weight grad
         return layers + head_passes * 2 * self.hidden * self.vocab * scored
 
-    def decode_bytes(self, prompt_lengths: list[int], completion_lengths: list[int], chunk: int) -> int:
+    def decode_bytes(self, prompt_lengths: list[int], completion_lengths: list[int], chunk: int,
+                     prompt_groups: list[int] | None = None) -> int:
         """Bytes a rollout's decode steps must read: ``chunk`` rows decode together (the generation batch), a
         chunk for as many steps as its longest completion, every step reading the weights once and each running
-        row its keys and values so far. The prefill is matmul work, not counted here (``prefill_flops``)."""
+        row its keys and values so far. Rows of one chunk with the same ``prompt_groups`` entry (the same prompt)
+        read that prompt's keys and values once a step while any of them runs: the decode attention reads a
+        shared prompt from one row (``generation.filled_attention``). The prefill is matmul work, not counted
+        here (``prefill_flops``)."""
+        groups = list(range(len(prompt_lengths))) if prompt_groups is None else prompt_groups
         total = 0
         for start in range(0, len(completion_lengths), max(chunk, 1)):
             prompts = prompt_lengths[start:start + chunk]
             completions = completion_lengths[start:start + chunk]
             steps = max(completions, default=0)
-            # a row decoding its s-th new token (s = 1 .. c - 1; the first comes from the prefill) reads p + s
-            cache = sum((c - 1) * p + (c - 1) * c // 2 for p, c in zip(prompts, completions) if c > 1)
+            # a row decoding its s-th new token (s = 1 .. c - 1; the first comes from the prefill) reads its own
+            # s tokens, and its prompt's p unless another running row of its prompt already reads them
+            longest: dict[int, tuple[int, int]] = {}  # prompt -> (its length, its longest completion)
+            for group, p, c in zip(groups[start:start + chunk], prompts, completions):
+                longest[group] = (p, max(c, longest.get(group, (p, 0))[1]))
+            cache = sum((c - 1) * p for p, c in longest.values() if c > 1)
+            cache += sum((c - 1) * c // 2 for c in completions if c > 1)
             total += max(steps - 1, 0) * self.decode_weight_bytes + cache * self.kv_bytes_per_token
         return total
 
@@ -193,8 +203,15 @@ class WorkCounter:
             return
         prompts, completions = [len(ids) for ids in prompt_ids], [len(ids) for ids in completion_ids]
         chunk = chunk or len(prompts)
-        perf.add("decode_bytes", self.work.decode_bytes(prompts, completions, chunk))
+        groups = _prompt_groups(prompt_ids)
+        perf.add("decode_bytes", self.work.decode_bytes(prompts, completions, chunk, groups))
         # a chunk's rows of one prompt share its prefill (generation.shared_prefill): each counted once
         distinct = [len(ids) for start in range(0, len(prompt_ids), chunk)
                     for ids in {tuple(ids): ids for ids in prompt_ids[start:start + chunk]}.values()]
         perf.add("prefill_flops", self.work.prefill_flops(distinct))
+
+
+def _prompt_groups(prompt_ids) -> list[int]:
+    """Each row's prompt as a number, equal for rows with equal token ids."""
+    seen: dict[tuple, int] = {}
+    return [seen.setdefault(tuple(ids), len(seen)) for ids in prompt_ids]

@@ -543,6 +543,28 @@ def test_greedy_identical_to_generate(tokenizer, family, compile, attention, sco
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("scope", ["layers", "model"])
+def test_rows_of_one_prompt_read_it_from_one_row_and_decode_as_generate(tokenizer, scope, monkeypatch):
+    """GRPO's chunks, each prompt four times: the compiled step hands the kernel each row's prompt source (its
+    prompt's first row), and greedy decoding gives model.generate's tokens."""
+    model = build_tiny_model(tokenizer).cuda().eval()
+    prompts = [p for p in _prompts(tokenizer, 3, seed=4) for _ in range(4)]
+    _bias_eos(model, prompts, 40, "cuda")
+    sources = []
+    triton_attention = filled_attention._triton_decode_attention
+    monkeypatch.setattr(filled_attention, "CONFIG", filled_attention.KernelConfig(min_programs=1))
+    monkeypatch.setattr(filled_attention, "_triton_decode_attention",
+                        lambda *args: sources.append(args[5]) or triton_attention(*args))
+    backend = CudaGraphBackend(compile=True, decode_attention="filled", compile_scope=scope)
+    expected, got = _greedy_case(model, prompts, chunk_size=8, backend=backend)  # 2 prompts x 4, then 1 x 4
+    assert got == expected
+    assert backend.compile_error is None
+    assert sources and all(source is not None for source in sources)
+    assert sources[-1][:4].tolist() == [0, 0, 0, 0]  # the last chunk's prompt, read from its row 0
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_compiles_and_captures_stay_bounded_over_varied_prompt_lengths(tokenizer):
     model = build_tiny_model(tokenizer).cuda().eval()
     backend = CudaGraphBackend(compile=True, min_cache_len=32)

@@ -47,6 +47,37 @@ def test_reference_equals_sdpa_on_the_unpacked_query():
     torch.testing.assert_close(got, _sdpa(query, key, value, valid, 0.25), rtol=1e-5, atol=1e-6)
 
 
+def _shared_case(device, dtype, length=300, prompt=120, seed=0):
+    """Rows 0-2 hold prompt A, 3-4 prompt B, 5 prompt C (each with its own left padding); every row a cache
+    whose prompt positions are a copy of its prompt's first row (``source``), as the shared prefill writes them.
+    Returns that cache and one whose followers' prompt copies are poisoned (NaN, 1e4)."""
+    source = torch.tensor([0, 0, 0, 3, 3, 5], dtype=torch.int32)
+    query, key, value, _, filled = _case(6, 2, 7, 64, length, dtype, "cpu", seed)
+    filled = max(filled, prompt + 1)
+    pads = {0: 5, 3: 70, 5: 0}
+    pos = torch.arange(length)
+    valid = torch.stack([(pos >= pads[int(s)]) & (pos < filled) for s in source])
+    key[:, :, :prompt], value[:, :, :prompt] = key[source.long(), :, :prompt], value[source.long(), :, :prompt]
+    poisoned_key, poisoned_value = key.clone(), value.clone()
+    followers = source != torch.arange(6)
+    poisoned_key[followers, :, :prompt] = 1e4
+    poisoned_value[followers, :, :prompt] = float("nan")
+    to = dict(device=device)
+    return ([t.to(**to) for t in (query, key, value, valid)], [t.to(**to) for t in (poisoned_key, poisoned_value)],
+            source.to(**to), torch.tensor([prompt], dtype=torch.int32, device=device))
+
+
+def test_rows_read_their_prompt_from_the_source_row():
+    """GRPO's rows of one prompt: read from ``source``, the followers' own copies are never used."""
+    (query, key, value, valid), (poisoned_key, poisoned_value), source, prompt_end = _shared_case("cpu",
+                                                                                                  torch.float32)
+    expected = filled_decode_attention(query, key, value, valid, 0.125)
+    got = filled_decode_attention(query, poisoned_key, poisoned_value, valid, 0.125, source, prompt_end)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="source and prompt_end are given together"):
+        filled_decode_attention(query, key, value, valid, 0.125, source)
+
+
 def test_the_kernel_serves_decoders_with_a_program_for_every_sm():
     assert worth_the_kernel(256, 132)  # 128 rows x 2 KV heads on an H100
     assert not worth_the_kernel(64, 132)  # 32 rows x 2 KV heads: the matmul attention is as fast
@@ -142,6 +173,37 @@ def test_positions_the_mask_excludes_are_never_read(batch, length):
     got = filled_decode_attention(query, poisoned_key, poisoned_value, valid, 0.125)
     assert torch.isfinite(got).all()
     assert torch.equal(got, expected)
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("length", [300, 6000], ids=["one-program", "split"])
+def test_the_kernel_reads_each_rows_prompt_from_its_source_row(length, dtype):
+    """The followers' prompt copies poisoned (NaN values, huge keys): the kernel reads the source row's, over one
+    program and over several splits a row (one of them straddling the prompt's end), and equals the reference."""
+    (query, key, value, valid), (poisoned_key, poisoned_value), source, prompt_end = _shared_case(
+        "cuda", dtype, length=length, prompt=1000 if length > 1000 else 120)
+    scale = 0.125
+    got = filled_decode_attention(query, poisoned_key, poisoned_value, valid, scale, source, prompt_end)
+    expected = reference_decode_attention(query.float(), key.float(), value.float(), valid, scale)
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), expected, **tol)
+    # a captured call reads the source and the prompts' end at replay: with each row its own source, or no
+    # prompt, the followers read their poisoned copies
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = filled_decode_attention(query, poisoned_key, poisoned_value, valid, scale, source, prompt_end)
+    shared, end = source.clone(), prompt_end.clone()
+    for rows, until, clean in ((shared, end, True), (torch.arange(6, device="cuda"), end, False),
+                               (shared, end * 0, False), (shared, end, True)):
+        source.copy_(rows)
+        prompt_end.copy_(until)
+        graph.replay()
+        assert bool(torch.isfinite(out).all()) == clean
+        if clean:
+            torch.testing.assert_close(out.float(), expected, **tol)
 
 
 @pytest.mark.gpu

@@ -91,6 +91,19 @@ def test_decode_bytes_read_the_weights_once_a_step_and_each_running_row_s_cache(
     assert work.prefill_flops([3]) == work.forward_flops(3, 6, 1)
 
 
+def test_decode_bytes_count_a_prompt_that_rows_of_a_chunk_share_once_a_step():
+    work = ModelWork.from_model(build_tiny_model(TOKENIZER, seed=0))
+    w, kv = work.decode_weight_bytes, work.kv_bytes_per_token
+    # rows 0-2 hold prompt A (4 tokens), completions 3, 5, 1; row 3 prompt B (2 tokens), completion 2. Decode
+    # steps: 4. Prompt A is read while row 1 runs (4 steps), B for 1; the rows' own tokens 1+2, 1+2+3+4, -, 1.
+    shared = work.decode_bytes([4, 4, 4, 2], [3, 5, 1, 2], chunk=4, prompt_groups=[0, 0, 0, 1])
+    assert shared == 4 * w + (4 * 4 + 1 * 2 + 3 + 10 + 1) * kv
+    # each row its own prompt: A read for 2, 4 and 0 steps
+    assert work.decode_bytes([4, 4, 4, 2], [3, 5, 1, 2], chunk=4) == 4 * w + ((2 + 4) * 4 + 2 + 3 + 10 + 1) * kv
+    # the same prompt in two chunks is read in each
+    assert work.decode_bytes([4, 4], [3, 3], chunk=1, prompt_groups=[0, 0]) == 4 * w + 2 * (2 * 4 + 3) * kv
+
+
 def test_device_rates_are_none_on_a_cpu_and_read_back_from_the_cache(tmp_path, monkeypatch):
     assert rates_module.device_rates(torch.device("cpu")) is None
     monkeypatch.setenv(rates_module.CACHE_ENV, str(tmp_path))
@@ -153,8 +166,8 @@ def test_the_trainer_reports_efficiency_only_where_rates_are_measured(tmp_path, 
     expected = (work.forward_flops(batch.tokens, batch.pairs, batch.scored)
                 + work.training_flops(batch.tokens, batch.pairs, batch.scored, recompute=False))
     assert stats["training_half_floor_s"] == pytest.approx(expected / 1e12)
-    # the prefill: each of the two prompts once (its four rows share it in the chunk)
+    # the prefill, and each decode step's prompt reads: each of the two prompts once (its four rows share it)
     assert all(prompt_ids[i] == prompt_ids[i // 4 * 4] for i in range(8)) and prompt_ids[0] != prompt_ids[4]
     assert stats["generation_floor_s"] == pytest.approx(
-        work.decode_bytes([len(p) for p in prompt_ids], completions, 8) / 1e9 + work.prefill_flops(
-            [len(prompt_ids[0]), len(prompt_ids[4])]) / 1e12)
+        work.decode_bytes([len(p) for p in prompt_ids], completions, 8, [i // 4 for i in range(8)]) / 1e9
+        + work.prefill_flops([len(prompt_ids[0]), len(prompt_ids[4])]) / 1e12)
