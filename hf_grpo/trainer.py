@@ -402,7 +402,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _compiled_training_layers(self, planned_steps: int) -> training_compile.CompiledTrainingLayers | None:
         """The compiled decoder layers of the scoring and training forwards (``compile_training``), or None."""
         return training_compile.choose_logged(self.args.compile_training, self._scored_models(),
-                                              self.accelerator.device, self.facts.sharding, planned_steps,
+                                              self.accelerator.device, self.facts, planned_steps,
                                               self.accelerator.is_main_process)
 
     def _probe_score(self):  # the autosize probes' training forward: ``score(input_ids, mask, logits_to_keep)``

@@ -43,6 +43,7 @@ from contextlib import contextmanager
 
 import torch
 
+from ..run_state.facts import RunFacts
 from ..runtime.regional_compile import CompiledLayers, decoder_layers
 from ..runtime import upstream
 
@@ -254,11 +255,12 @@ def zero3_reason(models: list[torch.nn.Module]) -> str | None:
 
 
 def choose(setting: str, models: list[torch.nn.Module], device: torch.device, sharded: str | None,
-           planned_steps: int):
+           planned_steps: int, zero3_one_process: bool = False):
     """``(CompiledTrainingLayers or None, why not)`` for the ``compile_training`` setting. ``sharded`` names a
     launch that shards parameters (ZeRO-3, FSDP): FSDP's gathering the compiled layers would bypass, ZeRO-3's
     runs around them where the decoder layers are its leaf modules; ``planned_steps`` is the run's number of
-    optimizer steps."""
+    optimizer steps; ``zero3_one_process``: ZeRO-3 with one process, its hooks removed (nothing sharded, but
+    DeepSpeed's parameters, ``distributed.zero3_one_process``)."""
     if setting == "off":
         return None, "compile_training='off'"
     if sharded == "ZeRO-3":  # first: no other setting or run length would make it compile
@@ -267,9 +269,8 @@ def choose(setting: str, models: list[torch.nn.Module], device: torch.device, sh
             return None, reason
     elif sharded is not None:
         return None, sharding_reason(sharded)
-    elif device.type == "cuda" and ZERO3_CUDA_REASON is not None and any(  # (None: lifted, bench/zero3_compile_probe)
-            upstream.zero3_partition(p) is not None for m in models for p in m.parameters()):
-        return None, ZERO3_CUDA_REASON  # one process, DeepSpeed's hooks removed (distributed.zero3_one_process)
+    elif zero3_one_process and device.type == "cuda" and ZERO3_CUDA_REASON is not None:  # (None: lifted)
+        return None, ZERO3_CUDA_REASON
     if setting == "auto" and device.type != "cuda":
         return None, f"compile_training='auto' compiles on CUDA only (device {device.type})"
     if setting == "auto" and planned_steps < AUTO_MIN_STEPS:
@@ -282,10 +283,12 @@ def choose(setting: str, models: list[torch.nn.Module], device: torch.device, sh
     return CompiledTrainingLayers(eager_on_failure=setting == "auto", cpp_wrapper=setting == "cpp_wrapper"), None
 
 
-def choose_logged(setting: str, models: list[torch.nn.Module], device: torch.device, sharded: str | None,
+def choose_logged(setting: str, models: list[torch.nn.Module], device: torch.device, facts: RunFacts,
                   planned_steps: int, main: bool) -> CompiledTrainingLayers | None:
-    """``choose``, the outcome logged on ``main``: a warning where compile_training was asked for and not applied."""
-    compiled, reason = choose(setting, models, device, sharded, planned_steps)
+    """``choose`` for the run ``facts`` describe, the outcome logged on ``main``: a warning where compile_training
+    was asked for and not applied."""
+    compiled, reason = choose(setting, models, device, facts.sharding, planned_steps,
+                              zero3_one_process=facts.zero3 and facts.zero3_hooks_removed)
     log = logging.getLogger("hf_grpo")
     if main and compiled is None and setting not in ("auto", "off"):
         log.warning("compile_training=%r is not applied: %s", setting, reason)

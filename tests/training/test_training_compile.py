@@ -9,6 +9,7 @@ import torch
 
 from hf_grpo.training import compiled_layers as training_compile
 from hf_grpo.logprob_head import install_chunked_lm_head
+from hf_grpo.run_state.facts import RunFacts
 from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
 
 
@@ -263,12 +264,15 @@ def test_zero3_with_one_process_compiles_on_the_cpu_and_not_yet_on_a_gpu():
     # One process removes DeepSpeed's hooks (no sharding left to name): its compiled layers train as eager ones on
     # the CPU (tests/distributed/test_packed_launch.py); on a GPU they stay eager until checked there.
     model = build_tiny_model(build_char_tokenizer())
-    for param in model.parameters():
-        param.ds_tensor = param.detach()  # ZeRO-3's partition of the parameter: the whole of it, with one process
-    chosen, why = training_compile.choose("on", [model], torch.device("cpu"), None, 1000)
+    chosen, why = training_compile.choose("on", [model], torch.device("cpu"), None, 1000, zero3_one_process=True)
     assert isinstance(chosen, training_compile.CompiledTrainingLayers) and why is None
-    assert training_compile.choose("on", [model], torch.device("cuda"), None, 1000) == (
+    assert training_compile.choose("on", [model], torch.device("cuda"), None, 1000, zero3_one_process=True) == (
         None, training_compile.ZERO3_CUDA_REASON)
+    # what the trainer hands over: the run's facts, one process under ZeRO-3 with its hooks removed
+    facts = RunFacts(device_type="cuda", deepspeed=True, zero3=True, zero3_hooks_removed=True)
+    assert training_compile.choose_logged("on", [model], torch.device("cuda"), facts, 1000, main=False) is None
+    facts = RunFacts(device_type="cuda", deepspeed=True)  # ZeRO-2: compiles
+    assert training_compile.choose_logged("on", [model], torch.device("cuda"), facts, 1000, main=False) is not None
 
 
 @pytest.mark.parametrize(("setting", "steps"), [("auto", training_compile.AUTO_MIN_STEPS), ("on", 5)])
