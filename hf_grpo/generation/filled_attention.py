@@ -18,8 +18,9 @@ compiled step calls it as one opaque kernel:
 * source ``[B]`` int32 and prompt_end ``[1]`` int32, optional: each row reads its positions before
   ``prompt_end`` from row ``source[b]`` of the cache. GRPO decodes every prompt ``num_generations`` times, and the
   shared prefill writes the same prompt keys and values into each of those rows; read from one of them, the
-  prompt comes from memory once and from the L2 for the others (at 7B x 32 rows of 4 prompts of 64-1024 tokens
-  and 2048-token completions, a third of the attention's reads at the rollout's mean);
+  prompt comes from memory once and from the L2 for the others (7B, 32 rows of 4 prompts, 2048-token
+  completions: 30% of the cache's reads at the rollout's mean fill, the attention 15% faster on an H100,
+  ``bench/results/decode_shared_prompts_h100_7b.jsonl``);
 * result ``[B, KV heads, G, D]`` in the query's dtype.
 
 On CUDA with Triton it runs the block-skipping kernel (an online softmax in float32, as flash attention

@@ -18,7 +18,8 @@ A ``StaticDecoder`` decodes chunks of ``batch`` left-padded prompts against a
   fuses each layer's dozens of small kernels; ~2x faster steps at 0.5B), with a packed
   grouped-query attention for the one-token query (``attention_routing``), because transformers'
   sdpa path repeats the KV heads while being traced; with a program per SM (rows x KV heads), a
-  Triton kernel that reads only the cache blocks the mask admits (``filled_attention``). Where the
+  Triton kernel that reads only the cache blocks the mask admits (``filled_attention``), a prompt that several
+  rows share from one of them (``prompt_source``, set at each prefill). Where the
   forward is compiled, the token selection and the buffer updates are compiled with it (``compiled_select``,
   ``take_next_tokens``). In the
   captured step the q/k/v (and, if asked, gate/up) projections run as one GEMM each on fused copies
