@@ -25,8 +25,8 @@ of a 7B's (Qwen2.5-7B: 4 KV heads of 7 query heads, dim 128); ``filled`` is the 
 (split over ``filled_attention.splits`` programs per row and KV head), ``filled_one_program`` the kernel
 without splits. ``gb_per_s`` counts the admitted keys and values read once.
 
-    python bench/decode_attention.py [--sweep | --rollout-sweep] [--caches N] [--lengths 1024,4096,16384,32768]
-        [--out FILE]
+    python bench/decode_attention.py [--sweep | --rollout-sweep [--default-only]] [--caches N]
+        [--lengths 1024,4096,16384,32768] [--out FILE]
 """
 
 from __future__ import annotations
@@ -124,9 +124,11 @@ ROLLOUT_CACHE, ROLLOUT_FILLS = 3072, (544 + 1024, 544 + 2048)
 RAGGED_PROMPTS, RAGGED_FILLS = (64, 384, 704, 1024), (1024 + 1024, 1024 + 2048)
 
 
-def rollout_configs() -> list[KernelConfig]:
-    """The launch settings ``--rollout-sweep`` times: the default first."""
+def rollout_configs(default_only: bool = False) -> list[KernelConfig]:
+    """The launch settings ``--rollout-sweep`` times: the default first (alone with ``default_only``)."""
     configs = [KernelConfig()]
+    if default_only:
+        return configs
     settings = [(128, warps, stages, per_sm)
                 for warps, stages, per_sm in itertools.product((4, 8), (2, 3), (1, 2, 3, 4))]
     settings += [(64, 4, 3, 2), (64, 4, 3, 4)]
@@ -137,7 +139,7 @@ def rollout_configs() -> list[KernelConfig]:
     return configs
 
 
-def _rollout_sweep(caches: int, ragged: bool) -> list[dict]:
+def _rollout_sweep(caches: int, ragged: bool, default_only: bool = False) -> list[dict]:
     """Every ``rollout_configs`` setting at the 7B rollout's mean and last decode step: rows of one 544-token
     prompt, or (``ragged``) the run's prompts of 64 to 1024 tokens, whose rows' spans differ by up to 960."""
     batch, kv_heads, groups, dim = ROLLOUT_7B
@@ -151,7 +153,8 @@ def _rollout_sweep(caches: int, ragged: bool) -> list[dict]:
         values = [v] + [v.clone() for _ in range(caches - 1)]
         admitted_bytes = int(valid.sum()) * kv_heads * dim * 2 * 2
         expected = reference_decode_attention(q, k, v, valid, dim**-0.5).float()
-        for config in rollout_configs():
+        configs = rollout_configs(default_only)
+        for config in configs:
             filled_attention.CONFIG = config
             got = filled_attention.filled_decode_attention(q, k, v, valid, dim**-0.5).float()
             ms = _time_graph(lambda i: filled_attention.filled_decode_attention(  # noqa: B023
@@ -166,7 +169,7 @@ def _rollout_sweep(caches: int, ragged: bool) -> list[dict]:
                             "ms": round(ms, 4), "gb_per_s": round(admitted_bytes / ms / 1e6, 1)})
         filled_attention.CONFIG = KernelConfig()
         if ragged:  # each prompt read from its first row, as a decoder of GRPO's groups runs the kernel
-            records.append(_shared_prompt_record(records[-len(rollout_configs())], q, keys, values, valid, caches))
+            records.append(_shared_prompt_record(records[-len(configs)], q, keys, values, valid, caches))
         del q, k, v, valid, keys, values
         torch.cuda.empty_cache()
     return records
@@ -201,6 +204,8 @@ def main(argv=None) -> int:
                         help="copies of the cache the timed calls cycle over (1: the same, L2-warm, cache each call)")
     parser.add_argument("--rollout-sweep", action="store_true",
                         help="time the kernel's launch settings at the 7B full-length rollout's decode step")
+    parser.add_argument("--default-only", action="store_true",
+                        help="with --rollout-sweep: the default launch settings alone (and the shared prompt's row)")
     parser.add_argument("--lengths", default=None,
                         help="comma-separated long cache lengths to time instead of the 768-position shapes")
     parser.add_argument("--out", default=None)
@@ -217,7 +222,8 @@ def main(argv=None) -> int:
     compiled_matmul = torch.compile(reference_decode_attention, dynamic=False)
     records = []
     if args.rollout_sweep:
-        records = _rollout_sweep(args.caches, ragged=False) + _rollout_sweep(args.caches, ragged=True)
+        records = [record for ragged in (False, True)
+                   for record in _rollout_sweep(args.caches, ragged, args.default_only)]
     elif args.lengths:
         records = _long_caches([int(n) for n in args.lengths.split(",")], args.caches, compiled_matmul)
     for name, (batch, kv_heads, groups, dim) in ({} if args.lengths or args.rollout_sweep else SHAPES).items():
