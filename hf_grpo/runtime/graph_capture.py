@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -42,10 +42,10 @@ def deepspeed_hooks_lifted(model: torch.nn.Module, origin: str = "deepspeed"):
             hooks.update(original)
 
 
-def deepspeed_engine_hooks_lifted(model: torch.nn.Module):
+def deepspeed_engine_hooks_lifted(model: torch.nn.Module | None):
     """``deepspeed_hooks_lifted`` for the engine's own forward hooks alone (its timers, ``deepspeed.runtime.engine``),
-    for a training capture: the parameter hooks of ZeRO-3, where a run keeps them, stay."""
-    return deepspeed_hooks_lifted(model, "deepspeed.runtime.engine")
+    for a training capture: the parameter hooks of ZeRO-3, where a run keeps them, stay. No model: nothing lifted."""
+    return nullcontext() if model is None else deepspeed_hooks_lifted(model, "deepspeed.runtime.engine")
 
 
 @contextmanager

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
@@ -105,8 +105,7 @@ class CudaGraphRecorder:
         # without both (capture_begin/capture_end) was timed on an H200: no faster over a run, 0.5 GiB more reserved
         # (docs/performance.md, "The capture's own cost").
         graph = torch.cuda.CUDAGraph()
-        lifted = deepspeed_engine_hooks_lifted(model) if model is not None else nullcontext()
-        with lifted, collection_paused():  # (graph_capture's why)
+        with deepspeed_engine_hooks_lifted(model), collection_paused():  # (graph_capture's why)
             with torch.cuda.graph(graph, pool=pool, stream=self.stream()):
                 outputs = fn()
         return graph.replay, outputs

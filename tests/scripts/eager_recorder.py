@@ -23,8 +23,7 @@ class EagerRecorder:
 
     def record(self, fn, pool, model=None):
         # What the real recorder does around a capture, and the capture's own rule: no wait for the device.
-        lifted = deepspeed_engine_hooks_lifted(model) if model is not None else contextlib.nullcontext()
-        with lifted, device_waits_refused():
+        with deepspeed_engine_hooks_lifted(model), device_waits_refused():
             outputs = fn()
         grad_mode = torch.is_grad_enabled()  # a graph keeps the mode it was captured in
 
