@@ -206,8 +206,8 @@ class WorkCounter:
         groups = _prompt_groups(prompt_ids)
         perf.add("decode_bytes", self.work.decode_bytes(prompts, completions, chunk, groups))
         # a chunk's rows of one prompt share its prefill (generation.shared_prefill): each counted once
-        distinct = [len(ids) for start in range(0, len(prompt_ids), chunk)
-                    for ids in {tuple(ids): ids for ids in prompt_ids[start:start + chunk]}.values()]
+        distinct = [length for start in range(0, len(prompts), chunk)
+                    for length in dict(zip(groups[start:start + chunk], prompts[start:start + chunk])).values()]
         perf.add("prefill_flops", self.work.prefill_flops(distinct))
 
 
