@@ -15,6 +15,10 @@ config sets the throughput timer itself.
 
 from __future__ import annotations
 
+import logging
+
+logger = logging.getLogger("hf_grpo")
+
 SETTING = {"enabled": True, "synchronized": False}
 
 
@@ -30,4 +34,6 @@ def unsynchronized(config: dict | None) -> bool:
     if not isinstance(timers, dict) or "throughput" in timers:
         return False  # the user's own choice
     timers["throughput"] = dict(SETTING)
+    logger.info("DeepSpeed's throughput timer set to measure without device waits (timers.throughput: %s); "
+                "set timers.throughput in the DeepSpeed config to choose otherwise", SETTING)
     return True

@@ -16,6 +16,16 @@ def test_an_unset_throughput_timer_measures_without_device_waits():
     assert config["zero_optimization"] == {"stage": 2}  # nothing else touched
 
 
+def test_the_change_to_the_users_config_is_logged_and_a_choice_of_theirs_is_not(caplog):
+    with caplog.at_level("INFO", logger="hf_grpo"):
+        deepspeed_timers.unsynchronized({})
+    assert "timers.throughput" in caplog.text and "without device waits" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="hf_grpo"):
+        deepspeed_timers.unsynchronized({"timers": {"throughput": {"enabled": False}}})
+    assert caplog.text == ""
+
+
 def test_other_timers_the_user_set_are_kept_beside_it():
     config = {"timers": {"other": {"enabled": False}}}
     assert deepspeed_timers.unsynchronized(config)
