@@ -94,10 +94,21 @@ def compiled_launches(arch: int, sms: int, shared_prompts: bool) -> list[dict]:
                                 "programs_per_sm": min(by_registers, by_shared, WARPS // warps)})
             return launch
 
+    kernels, sms_of, driver = filled_attention._kernels, filled_attention._sms, triton.runtime.driver._active
     triton.runtime.driver.set_active(_compile_only_driver(arch))
-    kernels = filled_attention._kernels()
-    filled_attention._kernels = lambda: tuple(Recorder(kernel) for kernel in kernels)
+    filled_attention._kernels = lambda: tuple(Recorder(kernel) for kernel in kernels())
     filled_attention._sms = lambda index: sms
+    try:
+        _launch_at_the_rollout(shared_prompts)
+    finally:  # the op, Triton's driver and the kernels' caches as they were, for anything else in the process
+        filled_attention._kernels, filled_attention._sms = kernels, sms_of
+        triton.runtime.driver._active = driver
+        for kernel in kernels():
+            kernel.device_caches.clear()
+    return records
+
+
+def _launch_at_the_rollout(shared_prompts: bool) -> None:
     query = torch.zeros(ROWS, KV_HEADS, GROUPS, DIM, dtype=torch.bfloat16)
     key = torch.zeros(ROWS, KV_HEADS, CACHE, DIM, dtype=torch.bfloat16)
     valid = torch.zeros(ROWS, CACHE, dtype=torch.bool)
@@ -106,7 +117,6 @@ def compiled_launches(arch: int, sms: int, shared_prompts: bool) -> list[dict]:
     if shared_prompts:  # GRPO's rows of one prompt, 8 each
         extra = ((torch.arange(ROWS) // 8 * 8).int(), torch.tensor([PROMPT], dtype=torch.int32))
     filled_attention._triton_decode_attention(query, key, key.clone(), valid, DIM**-0.5, *extra)
-    return records
 
 
 def main(argv=None) -> int:

@@ -641,6 +641,10 @@ REGISTRY: dict[str, dict[str, Run | NotRun]] = {
         'python bench/decode_attention.py --lengths 1024,4096,16384,32768 '
         '--out bench/results/raw/decode_attention_long.jsonl':
             GPU_BENCHMARK,
+        'python bench/kernel_resources.py --out bench/results/raw/kernel_resources.jsonl':
+            NotRun("needs Triton, not a dependency of the project", a_gpu_benchmark_as_its_script_reads_it),
+        'python bench/kernel_resources.py --shared-prompts --out bench/results/raw/kernel_resources.jsonl':
+            NotRun("needs Triton, not a dependency of the project", a_gpu_benchmark_as_its_script_reads_it),
         'python bench/long_context.py --shape 7b --lora_r 16 --num_generations 8 --lengths 20480 --steps 2 '
         '--out bench/results/raw/long_context_20k.jsonl':
             GPU_BENCHMARK,
