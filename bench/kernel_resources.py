@@ -5,8 +5,8 @@ launch path over tensors of the 7B full-length rollout's decode step (32 rows of
 cache), Triton's JIT specialises the arguments as it does on the GPU (unit strides as constants, 16-byte aligned
 pointers and strides), and a driver that only names the target (sm_90 by default) stands in for the device. For
 each compiled kernel, one JSON line: its registers a thread, the bytes it spills to the stack, its shared memory a
-program, and how many of its programs an SM can hold by each limit (an H100's: 65,536 registers, 227 KiB of shared
-memory, 64 warps an SM). Occupancy decides how many loads a memory-bound kernel keeps in flight; a profile on the
+program, and how many of its programs an SM can hold by each limit (``SM_LIMITS``; an H100's: 65,536 registers,
+227 KiB of shared memory a program may take, 64 warps). Occupancy decides how many loads a memory-bound kernel keeps in flight; a profile on the
 GPU is still what says whether it pays.
 
 Needs Triton (``pip install triton``), whose wheel carries ``ptxas``; no GPU, no CUDA driver.
@@ -30,7 +30,10 @@ import torch  # noqa: E402
 from hf_grpo.generation import filled_attention  # noqa: E402
 
 ROWS, KV_HEADS, GROUPS, DIM, CACHE, FILLED, PROMPT = 32, 4, 7, 128, 3072, 544 + 1024, 1024
-REGISTERS, SHARED_BYTES, WARPS = 65536, 227 * 1024, 64  # an sm_90 SM's
+# An SM's registers, the shared memory its programs may take, and its warps, by compute capability (CUDA's
+# programming guide): A100; A10/RTX 30; L4/L40/RTX 40; H100/H200; B200.
+SM_LIMITS = {80: (65536, 163 * 1024, 64), 86: (65536, 99 * 1024, 48), 89: (65536, 99 * 1024, 48),
+             90: (65536, 227 * 1024, 64), 100: (65536, 227 * 1024, 64)}
 
 
 def _compile_only_driver(arch: int):
@@ -85,13 +88,14 @@ def compiled_launches(arch: int, sms: int, shared_prompts: bool) -> list[dict]:
                 warps, stages = kwargs.get("num_warps", 4), kwargs.get("num_stages", 3)
                 usage = _usage(compiled)
                 shared = compiled.metadata.shared
-                by_registers = REGISTERS // (usage["registers"] * 32 * warps)
-                by_shared = SHARED_BYTES // shared if shared else WARPS // warps
+                registers, shared_bytes, sm_warps = SM_LIMITS[arch]
+                by_registers = registers // (usage["registers"] * 32 * warps)
+                by_shared = shared_bytes // shared if shared else sm_warps // warps
                 records.append({"kernel": self.kernel.fn.__name__, "grid": list(grid), "num_warps": warps,
                                 "num_stages": stages, **usage, "shared_memory_bytes": shared,
                                 "programs_per_sm_by_registers": by_registers,
                                 "programs_per_sm_by_shared_memory": by_shared,
-                                "programs_per_sm": min(by_registers, by_shared, WARPS // warps)})
+                                "programs_per_sm": min(by_registers, by_shared, sm_warps // warps)})
             return launch
 
     kernels, sms_of, driver = filled_attention._kernels, filled_attention._sms, triton.runtime.driver._active
@@ -127,8 +131,8 @@ def main(argv=None) -> int:
                         help="rows of one prompt read it from its first row (GRPO's groups of 8)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    if args.arch < 80:
-        parser.error(f"--arch must be 80 or more (the kernels use bf16 tensor cores), got {args.arch}")
+    if args.arch not in SM_LIMITS:
+        parser.error(f"--arch must be one of {sorted(SM_LIMITS)} (bf16 tensor cores, known SM limits), got {args.arch}")
     import triton
 
     for record in compiled_launches(args.arch, args.sms, args.shared_prompts):

@@ -9,11 +9,12 @@ from tests.project_files import ROOT, load_file
 kernel_resources = load_file(ROOT / "bench" / "kernel_resources.py", "kernel_resources")
 
 
-def test_an_architecture_without_bf16_tensor_cores_is_refused(capsys):
+@pytest.mark.parametrize("arch", ["75", "91"])
+def test_an_architecture_without_bf16_tensor_cores_or_known_limits_is_refused(arch, capsys):
     with pytest.raises(SystemExit):
-        kernel_resources.main(["--arch", "75"])
+        kernel_resources.main(["--arch", arch])
     err = capsys.readouterr().err
-    assert "--arch must be 80 or more" in err and "got 75" in err
+    assert "--arch must be one of [80, 86, 89, 90, 100]" in err and f"got {arch}" in err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton (not a project dependency)")
@@ -27,3 +28,4 @@ def test_each_launched_kernel_is_compiled_and_its_limits_read(shared):
     assert 0 < attend["registers"] <= 255 and attend["shared_memory_bytes"] > 0
     assert attend["programs_per_sm"] == min(attend["programs_per_sm_by_registers"],
                                             attend["programs_per_sm_by_shared_memory"], 64 // attend["num_warps"])
+    assert attend["programs_per_sm_by_registers"] == 65536 // (attend["registers"] * 32 * attend["num_warps"])
