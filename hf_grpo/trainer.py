@@ -132,7 +132,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         timer without device waits (``deepspeed_timers``), ZeRO-3's leaf modules or hooks (``zero3_one_process``)."""
         super().create_accelerator_and_postprocess()
         config = getattr(getattr(self.accelerator.state, "deepspeed_plugin", None), "deepspeed_config", None)
-        deepspeed_timers.unsynchronized(config)
+        deepspeed_timers.unsynchronized(config, self.accelerator.is_main_process)
         self.zero3_hooks_removed, self.zero3_leaf_marking = zero3_one_process.configure(  # (no marking: not ZeRO-3)
             config, self.model, self.accelerator.num_processes, self.args, self.accelerator.is_main_process)
 

@@ -22,10 +22,10 @@ logger = logging.getLogger("hf_grpo")
 SETTING = {"enabled": True, "synchronized": False}
 
 
-def unsynchronized(config: dict | None) -> bool:
+def unsynchronized(config: dict | None, is_main_process: bool = True) -> bool:
     """Set ``config``'s throughput timer (``timers.throughput``) to measure without device waits, where the config
-    leaves it unset; True where it was set here. ``config``: the DeepSpeed config dict of accelerate's plugin, None
-    without DeepSpeed."""
+    leaves it unset; True where it was set here (said in the log by the main process alone: every rank sets it).
+    ``config``: the DeepSpeed config dict of accelerate's plugin, None without DeepSpeed."""
     if config is None:
         return False
     timers = config.get("timers")
@@ -34,6 +34,7 @@ def unsynchronized(config: dict | None) -> bool:
     if not isinstance(timers, dict) or "throughput" in timers:
         return False  # the user's own choice
     timers["throughput"] = dict(SETTING)
-    logger.info("DeepSpeed's throughput timer set to measure without device waits (timers.throughput: %s); "
-                "set timers.throughput in the DeepSpeed config to choose otherwise", SETTING)
+    if is_main_process:
+        logger.info("DeepSpeed's throughput timer set to measure without device waits (timers.throughput: %s); "
+                    "set timers.throughput in the DeepSpeed config to choose otherwise", SETTING)
     return True

@@ -26,6 +26,14 @@ def test_the_change_to_the_users_config_is_logged_and_a_choice_of_theirs_is_not(
     assert caplog.text == ""
 
 
+def test_only_the_main_process_says_it_though_every_rank_sets_it(caplog):
+    config = {}
+    with caplog.at_level("INFO", logger="hf_grpo"):
+        assert deepspeed_timers.unsynchronized(config, is_main_process=False)
+    assert config["timers"]["throughput"] == {"enabled": True, "synchronized": False}
+    assert caplog.text == ""
+
+
 def test_other_timers_the_user_set_are_kept_beside_it():
     config = {"timers": {"other": {"enabled": False}}}
     assert deepspeed_timers.unsynchronized(config)
