@@ -98,6 +98,7 @@ def compiled_launches(arch: int, sms: int, shared_prompts: bool) -> list[dict]:
                                 "programs_per_sm": min(by_registers, by_shared, sm_warps // warps)})
             return launch
 
+    # ``_active``, not ``active``: reading the property would build the default driver, which loads libcuda
     kernels, sms_of, driver = filled_attention._kernels, filled_attention._sms, triton.runtime.driver._active
     triton.runtime.driver.set_active(_compile_only_driver(arch))
     filled_attention._kernels = lambda: tuple(Recorder(kernel) for kernel in kernels())
@@ -106,7 +107,7 @@ def compiled_launches(arch: int, sms: int, shared_prompts: bool) -> list[dict]:
         _launch_at_the_rollout(shared_prompts)
     finally:  # the op, Triton's driver and the kernels' caches as they were, for anything else in the process
         filled_attention._kernels, filled_attention._sms = kernels, sms_of
-        triton.runtime.driver._active = driver
+        triton.runtime.driver.set_active(driver)
         for kernel in kernels():
             kernel.device_caches.clear()
     return records
