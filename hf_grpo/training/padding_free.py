@@ -245,7 +245,7 @@ def _grouped_heads_taken(device: torch.device) -> bool:
     step's training half on an H100). Probed once per device on a tiny batch against the repeated heads; never
     while a CUDA graph is being captured (the repeat serves then)."""
     if device not in _GROUPED_HEADS_TAKEN:
-        if torch.cuda.is_current_stream_capturing():
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return False
         _GROUPED_HEADS_TAKEN[device] = _probe_grouped_heads(device)
     return _GROUPED_HEADS_TAKEN[device]
@@ -258,7 +258,9 @@ def _probe_grouped_heads(device: torch.device) -> bool:
                for heads in (4, 2, 2))
     cu = torch.tensor([0, 9, 24], dtype=torch.int32, device=device)
     results = []
-    with torch.enable_grad():
+    # First asked inside the packed attention op, where the dispatcher turns autograd off: with autograd off the
+    # probe's backward raised, it answered no, and the heads were repeated on every call (7 times at Qwen2.5-7B).
+    with _autograd_inside_op():
         for repeat in (False, True):
             inputs = [t.detach().requires_grad_(True) for t in (q, k, v)]
             key, value = ((t.repeat_interleave(2, dim=1) for t in inputs[1:]) if repeat else inputs[1:])

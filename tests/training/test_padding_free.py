@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_grpo.training import padding_free
@@ -274,6 +275,29 @@ def test_grouped_key_value_heads_attend_as_repeated_ones_on_cuda(monkeypatch):
     for name, got, want in zip(("out", "dq", "dk", "dv"), grouped, repeated):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2, msg=name)
 
+
+
+def _varlen_on_cpu(query, key, value, cu_q, cu_k, max_q, max_k, **keywords):
+    """Causal attention within each packed row, ``[T, H, D]``, grouped heads taken: varlen_attn's math, on CPU."""
+    bounds = cu_q.tolist()
+    rows = [F.scaled_dot_product_attention(*(t[start:end].transpose(0, 1) for t in (query, key, value)),
+                                           is_causal=True, enable_gqa=True).transpose(0, 1)
+            for start, end in zip(bounds, bounds[1:])]
+    return torch.cat(rows)
+
+
+@torch.library.custom_op("hf_grpo_test::grouped_heads_taken", mutates_args=())
+def _grouped_heads_taken_inside_an_op(x: torch.Tensor) -> torch.Tensor:
+    return x.new_full((), float(padding_free._grouped_heads_taken(x.device)))
+
+
+def test_grouped_heads_probe_differentiates_inside_the_attention_op(monkeypatch):
+    # The probe is first asked inside hf_grpo::packed_attention, where the dispatcher turns autograd off. It must
+    # still differentiate, or it answers no and every call repeats the key/value heads (7 times at Qwen2.5-7B).
+    monkeypatch.setattr(padding_free, "varlen_attn", _varlen_on_cpu)
+    monkeypatch.setattr(padding_free, "_GROUPED_HEADS_TAKEN", {})
+    assert _grouped_heads_taken_inside_an_op(torch.zeros(1)).item() == 1.0
+    assert padding_free._GROUPED_HEADS_TAKEN == {torch.device("cpu"): True}
 
 
 @pytest.mark.parametrize(
