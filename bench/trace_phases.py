@@ -3,8 +3,9 @@
 
 The phases come from the trace's ``hf_grpo/logprob`` spans on the device: the first is the reference pass, each
 later one a micro-batch's forward, and the time from its end to the next span's start that micro-batch's backward
-(and, after the last, the optimizer step). Each phase gets its kernel time by family (GEMMs, flash attention,
-Triton kernels, other ATen kernels, copies), its idle time, and its largest kernels. Prints one JSON line.
+(and, after the last, the optimizer step). Each phase gets its span, its kernel time (the rest of the span the
+device sat idle), that time by family (GEMMs, flash attention, Triton kernels, other ATen kernels, copies), and its
+largest kernels. Prints one JSON line.
 
     python bench/trace_phases.py profile_zero2_x1_hf_grpo_step2.json.gz [--top 12]
 """
