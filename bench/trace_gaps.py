@@ -66,20 +66,25 @@ def summary(events: list[dict], top: int) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def run(argv, doc: str, bench: str, summarise, top: int, top_help: str) -> int:
+    """The command line of a trace script: ``trace [--top N]``; prints ``summarise(events, top)``'s record."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
     parser.add_argument("trace")
-    parser.add_argument("--top", type=int, default=25, help="how many of the largest gaps to list")
+    parser.add_argument("--top", type=int, default=top, help=top_help)
     args = parser.parse_args(argv)
     if args.top < 0:
         parser.error(f"--top must be 0 or more, got {args.top}")
     trace = load(args.trace)
     devices = trace.get("deviceProperties") or [{}]
     # the GPU the trace was taken on (the commit and versions added are this checkout's, not the trace's)
-    record = {"bench": "trace_gaps", "trace": os.path.basename(args.trace), "gpu": devices[0].get("name", "unknown"),
-              **summary(trace["traceEvents"], args.top)}
+    record = {"bench": bench, "trace": os.path.basename(args.trace), "gpu": devices[0].get("name", "unknown"),
+              **summarise(trace["traceEvents"], args.top)}
     print(json.dumps(with_provenance(record)))
     return 0
+
+
+def main(argv=None) -> int:
+    return run(argv, __doc__, "trace_gaps", summary, 25, "how many of the largest gaps to list")
 
 
 if __name__ == "__main__":

@@ -12,16 +12,13 @@ largest kernels. Prints one JSON line.
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
 import os
 import re
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: provenance.py, trace_gaps.py
-from provenance import with_provenance  # noqa: E402
-from trace_gaps import DEVICE_CATEGORIES, load  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/: trace_gaps.py
+from trace_gaps import DEVICE_CATEGORIES, run  # noqa: E402
 
 SPAN = "hf_grpo/logprob"
 
@@ -71,18 +68,8 @@ def summary(events: list[dict], top: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("trace")
-    parser.add_argument("--top", type=int, default=12, help="how many of each phase's largest kernels to list")
-    args = parser.parse_args(argv)
-    if args.top < 0:
-        parser.error(f"--top must be 0 or more, got {args.top}")
-    trace = load(args.trace)
-    devices = trace.get("deviceProperties") or [{}]
-    record = {"bench": "trace_phases", "trace": os.path.basename(args.trace),
-              "gpu": devices[0].get("name", "unknown"), "phases": summary(trace["traceEvents"], args.top)}
-    print(json.dumps(with_provenance(record)))
-    return 0
+    return run(argv, __doc__, "trace_phases", lambda events, top: {"phases": summary(events, top)}, 12,
+               "how many of each phase's largest kernels to list")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ def test_phases_follow_the_logprob_spans_and_kernels_go_to_their_family(tmp_path
     path = tmp_path / "trace.json.gz"
     with gzip.open(path, "wt") as handle:
         json.dump({"traceEvents": events}, handle)
-    got = trace_phases.summary(trace_phases.load(str(path))["traceEvents"], top=2)
+    got = trace_phases.summary(json.load(gzip.open(path, "rt"))["traceEvents"], top=2)
     assert list(got) == ["before", "reference", "forward_1", "backward_1"]
     assert got["before"]["families_ms"] == {"copy": 0.1}
     assert got["reference"] == {"span_ms": 0.3, "kernel_ms": 0.2, "families_ms": {"gemm": 0.2, "triton": 0.0},
