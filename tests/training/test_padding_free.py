@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_grpo.training import padding_free
@@ -278,12 +277,9 @@ def test_grouped_key_value_heads_attend_as_repeated_ones_on_cuda(monkeypatch):
 
 
 def _varlen_on_cpu(query, key, value, cu_q, cu_k, max_q, max_k, **keywords):
-    """Causal attention within each packed row, ``[T, H, D]``, grouped heads taken: varlen_attn's math, on CPU."""
-    bounds = cu_q.tolist()
-    rows = [F.scaled_dot_product_attention(*(t[start:end].transpose(0, 1) for t in (query, key, value)),
-                                           is_causal=True, enable_gqa=True).transpose(0, 1)
-            for start, end in zip(bounds, bounds[1:])]
-    return torch.cat(rows)
+    """varlen_attn's math on CPU, ``[T, H, D]`` in and out: the packed attention's own path of one SDPA call a row."""
+    heads_first = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+    return padding_free._attend(*heads_first, cu_q, cu_q.tolist(), query.shape[-1] ** -0.5)[0]
 
 
 @torch.library.custom_op("hf_grpo_test::grouped_heads_taken", mutates_args=())
