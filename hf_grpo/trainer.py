@@ -9,6 +9,7 @@ transformers it reads go through ``hf_grpo.runtime.upstream``). Each is thin and
   dense mirror under ZeRO-3 or with a LoRA policy's adapters merged (``generation.dense_mirror``, ``lora_merge``).
 - ``compute_loss`` (public): token-budget passes (``memory.token_budget``); in one process the backward runs here,
   so an out-of-memory in it can be retried (``memory.train_backoff``).
+- ``_generate_and_score_completions``: TRL's with its switches made quick (``training.scoring_switches``); corrected.
 - ``_calculate_rewards``: timed; unscored completions counted, infinite rewards made unscored (``checks.unscored``).
   ``_get_per_token_logps_and_entropies``: timed; no-grad scoring chunks of ``token_budget.scoring_rows``; the
   models' ``forward`` runs the log-softmax ``tensor_batch_size`` rows at a time (``hf_grpo.logprob_head``); the old
@@ -44,7 +45,7 @@ import trl
 from trl.models import unwrap_model_for_generation
 
 from .training import compiled_layers as training_compile, eager_packing, graphs as training_graphs
-from .training import lora_forward, prompt_groups, rollout_logprobs, true_on_policy
+from .training import lora_forward, prompt_groups, rollout_logprobs, scoring_switches, true_on_policy
 from .checks import checkpoint_save, inputs as checks, output_lock, prompts as prompt_checks, resume, unscored
 from .config import GRPOConfig
 from .distributed import deepspeed_timers, plain_to_zero, prepare_process, zero3_leaves, zero3_one_process
@@ -335,9 +336,10 @@ class GRPOTrainer(trl.GRPOTrainer):
             return self._sampled.scored(score, model is self.model, scoring, input_ids, args, kwargs, step)
 
     def _generate_and_score_completions(self, inputs):  # TRL's, then the importance-sampling correction if asked
-        return rollout_logprobs.corrected(super()._generate_and_score_completions(inputs), self.args, self.loss_type,
-                                          functools.partial(self._get_per_token_logps_and_entropies, self.model,
-                                                            batch_size=self.sizes.per_device_train_batch_size))
+        with scoring_switches.installed(self.__dict__, self.model, self.accelerator.unwrap_model):
+            scored = super()._generate_and_score_completions(inputs)
+        return rollout_logprobs.corrected(scored, self.args, self.loss_type, functools.partial(
+            self._get_per_token_logps_and_entropies, self.model, batch_size=self.sizes.per_device_train_batch_size))
 
     # ---- helpers -----------------------------------------------------------------------------
     def _run_facts(self) -> RunFacts:
@@ -401,15 +403,14 @@ class GRPOTrainer(trl.GRPOTrainer):
 
     def _compiled_training_layers(self, planned_steps: int) -> training_compile.CompiledTrainingLayers | None:
         """The compiled decoder layers of the scoring and training forwards (``compile_training``), or None."""
-        return training_compile.choose_logged(self.args.compile_training, self._scored_models(),
-                                              self.accelerator.device, self.facts, planned_steps,
-                                              self.accelerator.is_main_process)
+        args, accelerator = self.args, self.accelerator
+        return training_compile.choose_logged(args.compile_training, self._scored_models(), accelerator.device,
+                                              self.facts, planned_steps, accelerator.is_main_process)
 
     def _probe_score(self):  # the autosize probes' training forward: ``score(input_ids, mask, logits_to_keep)``
         return functools.partial(self._get_per_token_logps_and_entropies, self.model, compute_entropy=True)
 
-    def _scored_models(self) -> list[torch.nn.Module]:
-        """The policy, and the reference model where there is one: the models whose forwards score tokens."""
+    def _scored_models(self) -> list[torch.nn.Module]:  # the policy, and the reference model where there is one
         return [self.model] + ([] if self.ref_model is None else [self.accelerator.unwrap_model(self.ref_model)])
 
     _check_inputs = staticmethod(checks.check_before_loading)  # before TRL loads anything
@@ -426,8 +427,7 @@ class GRPOTrainer(trl.GRPOTrainer):
     def _prompt_width(self) -> int:  # caches and probes: the longest prompt where known
         return self._longest_prompt() or getattr(self, "max_prompt_length", None) or 512
 
-    def _longest_row(self, inputs) -> int:
-        """The longest row the run can meet (the longest prompt, else this micro-batch's, + max_completion_length)."""
+    def _longest_row(self, inputs) -> int:  # the longest prompt (else this micro-batch's) + max_completion_length
         return (self._longest_prompt() or max(token_budget.extents(inputs).prompt)) + self.max_completion_length
 
     def _generation_mirror(self) -> dense_mirror.DenseMirror | InPlaceLoraMerge | None:

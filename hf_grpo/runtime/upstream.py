@@ -1,4 +1,4 @@
-"""Every private name of TRL, transformers, accelerate and DeepSpeed that hf-grpo reads, writes or calls.
+"""Every private name of TRL, transformers, accelerate, DeepSpeed and PEFT that hf-grpo reads, writes or calls.
 
 None of these names is part of its library's public API, and any release may rename or drop one. Each is read here,
 behind a small function that says the version it was read from, and nowhere else in ``hf_grpo``
@@ -23,6 +23,7 @@ TRL = "trl 1.16.0"
 TRANSFORMERS = "transformers 5.25.0"
 ACCELERATE = "accelerate 1.16.0"
 DEEPSPEED = "deepspeed 0.19.8"
+PEFT = "peft 0.21.2"
 
 
 class Name(NamedTuple):
@@ -77,6 +78,9 @@ NAMES: tuple[Name, ...] = (
     Name(DEEPSPEED, "deepspeed.runtime.utils", "register_output_backward_hooks"),
     Name(DEEPSPEED, "deepspeed.runtime.base_optimizer", "ZeROOptimizer"),
     Name(DEEPSPEED, "ZeRO optimizer", "clear_backward_seen_flag"),
+    # PEFT: the flags its ``disable_adapter`` sets (the model's since peft 0.18)
+    Name(PEFT, "PEFT adapter layer", "_disable_adapters"),
+    Name(PEFT, "PEFT model", "_adapters_disabled"),
 )
 
 # DeepSpeed internals named without a leading underscore: the package's scan forbids them outside this module too.
@@ -347,3 +351,30 @@ def compatible_ops() -> dict[str, bool]:
     import deepspeed.ops
 
     return deepspeed.ops.__compatible_ops__
+
+
+# ---- PEFT (peft 0.21.2) --------------------------------------------------------------------------------------
+def adapters_disabled(layer) -> bool:
+    """Whether an adapter layer (or a trained-module wrapper) runs as its base module (peft 0.21.2:
+    ``BaseTunerLayer._disable_adapters``, ``AuxiliaryTrainingWrapper._disable_adapters``)."""
+    return layer._disable_adapters
+
+
+def set_adapters_disabled(layer, value: bool) -> None:
+    """That flag set alone, where PEFT's ``enable_adapters`` also sets the adapters' ``requires_grad`` (peft 0.21.2:
+    ``BaseTunerLayer._disable_adapters``)."""
+    layer._disable_adapters = value
+
+
+def model_adapters_disabled(model) -> bool | None:
+    """The PEFT model's own record that ``disable_adapter`` is on, or None for a peft without it (peft 0.21.2:
+    ``PeftModel._adapters_disabled``; not in 0.17)."""
+    return vars(model).get("_adapters_disabled")
+
+
+def set_model_adapters_disabled(model, value: bool | None) -> None:
+    """Set that record, where the model keeps one (peft 0.21.2: ``PeftModel._adapters_disabled``)."""
+    if value is not None and "_adapters_disabled" in vars(model):
+        model._adapters_disabled = value
+
+

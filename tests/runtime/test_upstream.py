@@ -249,3 +249,19 @@ def test_every_name_of_deepspeed_exists_on_a_one_process_engine():
 
     missing = json.loads(run.stdout.strip().splitlines()[-1])
     assert missing == [], f"gone in deepspeed {deepspeed.__version__}: {missing}; adapt hf_grpo/runtime/upstream.py"
+
+
+def test_every_name_of_peft_exists_on_a_lora_model():
+    import peft
+    from peft import LoraConfig, get_peft_model
+
+    from hf_grpo.recipe_support.tiny import build_char_tokenizer, build_tiny_model
+
+    model = get_peft_model(build_tiny_model(build_char_tokenizer()), LoraConfig(r=2, target_modules=["q_proj"]))
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    missing = missing_on({"PEFT adapter layer": layer, "PEFT model": model}, upstream.PEFT)
+    assert not missing, f"gone in peft {peft.__version__}: {missing}; adapt hf_grpo/runtime/upstream.py"
+    # read and set as PEFT's own switch reads and sets them
+    with model.disable_adapter():
+        assert upstream.adapters_disabled(layer) and upstream.model_adapters_disabled(model)
+    assert not upstream.adapters_disabled(layer) and upstream.model_adapters_disabled(model) is False
