@@ -49,6 +49,7 @@ from .training import lora_forward, prompt_groups, rollout_logprobs, scoring_swi
 from .checks import checkpoint_save, inputs as checks, output_lock, prompts as prompt_checks, resume, unscored
 from .config import GRPOConfig
 from .distributed import deepspeed_timers, plain_to_zero, prepare_process, zero3_leaves, zero3_one_process
+from .distributed import zero_overflow
 from .generation import GenerationBackend, backend_counts, compile_workers, decode_compile, dense_mirror, open_backend
 from .generation.lora_merge import InPlaceLoraMerge
 from .logprob_head import install_chunked_lm_head
@@ -148,9 +149,8 @@ class GRPOTrainer(trl.GRPOTrainer):
     def get_performance_stats(self) -> dict[str, Any]:
         """Peak memory, seconds per optimizer step by phase, tokens/s, decoder compiles and captures, the memory the
         generation backend keeps between rollouts, the batch plan, and on a GPU each phase's efficiency."""
-        cache = getattr(self.decisions.backend, "cache_bytes", lambda: 0)()
-        stats = {**self.perf.summary(), "generation_cache_gib": cache / 2**30,
-                 "batch_plan": self.batch_plan().to_dict()}
+        gib = getattr(self.decisions.backend, "cache_bytes", lambda: 0)() / 2**30
+        stats = {**self.perf.summary(), "generation_cache_gib": gib, "batch_plan": self.batch_plan().to_dict()}
         if self.decisions.mirror is not None and self.decisions.mirror.mirror is not None:
             stats["mirror_refresh_s"] = self.perf.total("mirror_refresh_s")  # whole run, inside generation
         return stats
@@ -365,8 +365,7 @@ class GRPOTrainer(trl.GRPOTrainer):
             training_graphs_unavailable=getattr(self, "training_graphs_unavailable", None))
 
     def _settle_sizes(self, checkpoint: str | None) -> dict[str, Any]:
-        """The "auto" sizes and a resume's kept back-offs, into ``self.sizes`` (``memory.autosize``); where they
-        differ from ``args``, TRL and transformers get a copy carrying them (``RunSizes.published``)."""
+        """The "auto" sizes and a resume's kept back-offs, into ``self.sizes`` (``memory.autosize``), and TRL's."""
         generate = dict(generation_config=self.generation_config, pad_token_id=upstream.tokenizer(self).pad_token_id,
                         eos_token_ids=self.eos_token_ids)
         target = lambda: autosize.ProbeTarget(  # the probes run the trainer's own scoring and backend
@@ -393,6 +392,7 @@ class GRPOTrainer(trl.GRPOTrainer):
         decisions.train_graphs = training_graphs.start(self.args, self.model, self.facts, self.sizes, decisions,
                                                        self.accelerator.is_main_process, self.model_wrapped)
         self._generation_mirror()  # decided on every rank before the plan is printed
+        zero_overflow.install(self.model_wrapped, world_process_zero)  # DeepSpeed's step: one search for NaN, not two
         self.perf.rates = device_rates(self.accelerator.device) if self.work.counts else None  # GPU only
         if world_process_zero:
             logger.info("hf-grpo batch plan (world size %d):\n%s", self.accelerator.num_processes, self.batch_plan())

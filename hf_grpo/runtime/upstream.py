@@ -68,6 +68,9 @@ NAMES: tuple[Name, ...] = (
     Name(DEEPSPEED, "ZeRO-1/2 optimizer", "bit16_groups"),
     Name(DEEPSPEED, "ZeRO-1/2 optimizer", "single_partition_of_fp32_groups"),
     Name(DEEPSPEED, "ZeRO-1/2 parameter", "_hp_mapping"),
+    *(Name(DEEPSPEED, "ZeRO-1/2 optimizer", name) for name in (
+        "check_grad_overflow", "compute_grad_norm", "cpu_offload", "has_moe_layers", "model_parallel_world_size",
+        "zenflow", "check_overflow", "overflow")),
     Name(DEEPSPEED, "ZeRO-3 parameter", "ds_tensor"),
     Name(DEEPSPEED, "ZeRO-3 parameter", "ds_status"),
     Name(DEEPSPEED, "ZeRO-3 parameter", "all_gather"),
@@ -295,6 +298,24 @@ def zero_fp32_partition(zero_optimizer, group: int):
     """This rank's flat fp32 partition of parameter group ``group`` (deepspeed 0.19.8:
     ``DeepSpeedZeroOptimizer.single_partition_of_fp32_groups``)."""
     return zero_optimizer.single_partition_of_fp32_groups[group]
+
+
+def zero_overflow_facts(zero_optimizer) -> dict[str, bool] | None:
+    """What decides whether a ZeRO-1/2 optimizer's global-norm check finds every non-finite gradient, or None for
+    another optimizer (deepspeed 0.19.8: ``DeepSpeedZeroOptimizer.check_grad_overflow``, ``compute_grad_norm``,
+    ``cpu_offload``, ``has_moe_layers``, ``model_parallel_world_size``, ``zenflow``)."""
+    if type(zero_optimizer).__name__ != "DeepSpeedZeroOptimizer":
+        return None
+    o = zero_optimizer
+    return {"check_grad_overflow": o.check_grad_overflow, "compute_grad_norm": o.compute_grad_norm,
+            "cpu_offload": o.cpu_offload, "has_moe_layers": o.has_moe_layers,
+            "model_parallel": o.model_parallel_world_size > 1, "zenflow": o.zenflow}
+
+
+def set_zero_overflow_search(zero_optimizer, search) -> None:
+    """Replace, on the instance, the gradient-by-gradient search for a non-finite gradient that ``step`` runs before
+    the global norm (deepspeed 0.19.8: ``DeepSpeedZeroOptimizer.check_overflow``, which sets ``overflow``)."""
+    zero_optimizer.check_overflow = search
 
 
 def zero_fragment(param) -> tuple[Any, Any] | None:
