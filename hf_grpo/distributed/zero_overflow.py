@@ -7,8 +7,9 @@ twice before each optimizer step, and skips the step if either finds one. First 
 clipping and the log, a norm that is not finite counting as an overflow. That norm is the square root of a sum of
 each gradient's own norm, taken in float64: a NaN or an infinity anywhere makes it NaN or infinite, and finite bf16
 or fp16 values cannot overflow float64. So the second search flags every step the first does; the first flags none
-the second would not. With LoRA r16 on every linear layer of Qwen2.5-7B (392 gradients), the first took ~90 ms of
-the host's time at each optimizer step on an H100 host, the GPU idle behind it (docs/performance.md).
+the second would not. With LoRA r16 on every linear layer of Qwen2.5-7B (392 gradients, 2,744 launches) the first
+took 125 ms of the host's time at the end of each step on an H100 host under the profiler (which makes each launch
+dearer), the GPU idle behind it; 6.8 of a 12.6 ms step on a CPU (``bench/zero_overflow.py``, docs/performance.md).
 
 ``install`` has the optimizer skip the first search where the second covers it: the engine's ZeRO-1/2 optimizer
 with the check on, the norm computed, and no CPU offload (its own overflow tracking), mixture of experts (norms
