@@ -397,5 +397,3 @@ def set_model_adapters_disabled(model, value: bool | None) -> None:
     """Set that record, where the model keeps one (peft 0.21.2: ``PeftModel._adapters_disabled``)."""
     if value is not None and "_adapters_disabled" in vars(model):
         model._adapters_disabled = value
-
-

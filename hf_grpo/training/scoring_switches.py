@@ -6,7 +6,7 @@ through transformers' ``gradient_checkpointing_disable`` / ``_enable``, which wa
 the checkpoint function and PEFT's input hook again). It scores a LoRA policy's reference with the adapters off
 through PEFT's ``disable_adapter``, which first builds the model's adapter status (a walk over every parameter) and
 then walks every module twice more. None of it runs on the GPU, which waits: at Qwen2.5-7B's 28 layers with LoRA on
-every linear layer, about 47 ms of a step's host time on a 2-core CPU (``bench/scoring_switches.py``), part of the
+every linear layer, about 46 ms of a step's host time on a 2-core CPU (``bench/scoring_switches.py``), part of the
 58 ms an H100's profile shows idle before the reference pass.
 
 ``QuickSwitches.installed`` lets the model carry, for the length of ``_generate_and_score_completions``, switches that
@@ -15,7 +15,7 @@ flip the same flags on modules listed when the switches are built:
 - checkpointing off sets the ``gradient_checkpointing`` flag of every module that has one to False; on puts back the
   flags it found. The checkpoint function each layer holds stays: transformers' enable would make it again from the
   same kwargs. A checkpointing "on" that follows no "off" of these switches is transformers' own.
-- adapters off sets every adapter layer's disabled flag (and the model's), and off puts back what each was. The
+- adapters off sets every adapter layer's disabled flag (and the model's); leaving the block puts back each one. The
   adapters' ``requires_grad`` stays as it is: TRL scores under ``no_grad``, and PEFT's own switch would leave every
   active adapter trainable after, frozen on purpose or not. Models whose adapters PEFT switches another way (prompt
   learning, adaption prompts) or warns about (a trained bias) keep PEFT's switch.
