@@ -23,8 +23,13 @@ def lora_model(**lora):
 
 
 def rollout_trainer(tmp_path, kind):
-    """A new LoRA adapter (TRL scores its reference with the adapters off), or a full fine-tune with a reference."""
+    """A new LoRA adapter (TRL scores its reference with the adapters off), an adapter loaded from its saved
+    directory to train on (TRL copies it as the reference adapter "ref"), or a full fine-tune with a reference."""
     model = build_tiny_model(TOKENIZER, seed=0, num_hidden_layers=4)
+    if kind == "saved_adapter":
+        get_peft_model(build_tiny_model(TOKENIZER, seed=1, num_hidden_layers=4),
+                       LoraConfig(**LORA)).save_pretrained(tmp_path / "adapter")
+        model = peft.PeftModel.from_pretrained(model, tmp_path / "adapter", is_trainable=True)
     args = GRPOConfig(output_dir=str(tmp_path / kind), report_to=[], use_cpu=True, bf16=False, max_steps=1, beta=0.04,
                       per_device_train_batch_size=8, num_generations=4, max_completion_length=6,
                       save_strategy="no", disable_tqdm=True, activation_checkpointing=True)
@@ -53,13 +58,15 @@ class Calls:
         return wrapper
 
 
-@pytest.mark.parametrize("kind", ["lora", "full"])
+@pytest.mark.parametrize("kind", ["lora", "saved_adapter", "full"])
 def test_a_rollout_scores_the_same_with_the_quick_switches_as_with_the_libraries_own(tmp_path, monkeypatch, kind):
     trainer = rollout_trainer(tmp_path, kind)
     rows = list(prompt_dataset(8))
     calls = Calls(monkeypatch)
     quick = trainer._generate_and_score_completions(rows)
     assert calls.count == 0, "a switch walked the model"
+    if kind == "saved_adapter":  # TRL's reference there is its copy of the adapter, switched to by name
+        assert "ref" in trainer.model.peft_config
     with monkeypatch.context() as patch:
         patch.setattr(scoring_switches, "installed", lambda *args: contextlib.nullcontext())
         own = trainer._generate_and_score_completions(rows)
