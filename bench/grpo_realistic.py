@@ -173,9 +173,10 @@ class StepProfiler(TrainerCallback):
     """``torch.profiler`` over one optimizer step (``--profile_step``): a table of the ops that took the most
     device and host time, and the Chrome trace (gzipped), written to ``--profile_dir``."""
 
-    def __init__(self, step: int, directory: str, label: str, after_generation: bool = False):
+    def __init__(self, step: int, directory: str, label: str, after_generation: bool = False,
+                 with_stack: bool = False):
         self.step, self.directory, self.label = step, directory, label
-        self.after_generation = after_generation
+        self.after_generation, self.with_stack = after_generation, with_stack
         self.armed = False
         self.profiler = None
 
@@ -197,7 +198,8 @@ class StepProfiler(TrainerCallback):
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        self.profiler = torch.profiler.profile(activities=activities)
+        # with_stack: Python's functions in the trace too, so a gap between kernels names the code the host ran
+        self.profiler = torch.profiler.profile(activities=activities, with_stack=self.with_stack)
         self.profiler.__enter__()
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -439,6 +441,9 @@ def parse_args(argv=None):
                         help="profile this optimizer step (1-based) with torch.profiler: a table and a trace")
     parser.add_argument("--profile_after_generation", action="store_true",
                         help="with --profile_step: profile the step from the end of its rollout (the training half)")
+    parser.add_argument("--profile_with_stack", action="store_true",
+                        help="with --profile_step: Python's functions in the trace too (python_function events), so "
+                        "bench/trace_gaps.py names the code the host ran in each gap (a larger trace, a slower host)")
     parser.add_argument("--profile_dir", default=os.environ.get("OUT", "bench/results/raw"),
                         help="where --profile_step writes (default $OUT)")
     args = parser.parse_args(argv)
@@ -567,7 +572,8 @@ def main(argv=None) -> int:
     if args.profile_step is not None:
         label = (("trl_cb" if args.trl_continuous_batching else "trl") if args.impl == "trl"
                  else f"{args.impl}_{args.backend}")
-        profiler = StepProfiler(args.profile_step, args.profile_dir, args.label or label, args.profile_after_generation)
+        profiler = StepProfiler(args.profile_step, args.profile_dir, args.label or label, args.profile_after_generation,
+                                args.profile_with_stack)
         callbacks.append(profiler)
     peft_config = None
     if args.lora_r:
