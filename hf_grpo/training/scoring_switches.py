@@ -76,9 +76,13 @@ class QuickSwitches:
                 return original(*args, **kwargs)
             self._offs -= 1
             if self._offs == 0:
-                for module, flag in zip(self.flagged, self._flags_before_off):
-                    module.gradient_checkpointing = flag
+                self._restore_flags()
         return checkpointing_on
+
+    def _restore_flags(self) -> None:
+        for module, flag in zip(self.flagged, self._flags_before_off):
+            module.gradient_checkpointing = flag
+        self._offs = 0
 
     @contextlib.contextmanager
     def _adapters_off(self) -> Iterator[None]:
@@ -120,8 +124,7 @@ class QuickSwitches:
             for target, name in placed:
                 delattr(target, name)
             if self._offs:  # an exception between an "off" and its "on": the flags as they were
-                self._offs = 1
-                self._checkpointing_on(None)()
+                self._restore_flags()
 
 
 def installed(cache: dict, model: torch.nn.Module, unwrap: Callable) -> contextlib.AbstractContextManager:
