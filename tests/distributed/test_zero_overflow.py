@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from hf_grpo.distributed import zero_overflow
-from tests.runtime.test_upstream import ROOT
+from tests.project_files import ROOT
+from tests.side_by_side import free_port
 
 pytest.importorskip("deepspeed")
 
@@ -50,12 +50,9 @@ print(json.dumps({"steps": steps, "searches": len(searches), "installed": instal
 
 
 def run_steps(stage: int, variant: str) -> dict:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", STEPS, str(port), str(stage), variant], capture_output=True, text=True,
-                         env=env, timeout=300, cwd=ROOT)
+    run = subprocess.run([sys.executable, "-c", STEPS, str(free_port()), str(stage), variant], capture_output=True,
+                         text=True, env=env, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 

@@ -16,7 +16,6 @@ import json
 import os
 import pathlib
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -24,6 +23,7 @@ import textwrap
 import pytest
 
 from hf_grpo.runtime import upstream
+from tests.side_by_side import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "hf_grpo"
@@ -238,11 +238,8 @@ def test_every_name_of_trl_transformers_and_accelerate_exists_on_a_real_trainer(
 
 def test_every_name_of_deepspeed_exists_on_a_one_process_engine():
     pytest.importorskip("deepspeed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", DEEPSPEED_CHECK, str(port)], capture_output=True, text=True, env=env,
+    run = subprocess.run([sys.executable, "-c", DEEPSPEED_CHECK, str(free_port())], capture_output=True, text=True, env=env,
                          timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     import deepspeed
